@@ -520,7 +520,7 @@ impl OpDef for Reshape {
         }
         let known: usize = dims.iter().product();
         if let Some(i) = infer_at {
-            if known == 0 || x.elems() % known != 0 {
+            if known == 0 || !x.elems().is_multiple_of(known) {
                 return Err(format!(
                     "cannot infer shape[{i}]: x {} has {} elements",
                     shape_str(x.dims()),
