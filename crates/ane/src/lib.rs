@@ -1,4 +1,284 @@
-//! Neural Engine devices. (The `Device` trait and its implementations are
-//! built on the `mil` crate; see the project README for status.)
+//! Neural Engine devices behind one trait.
+//!
+//! A [`Device`] compiles MIL text (plus its BLOBFILE contents) into a
+//! program, allocates fp16 buffers in the ANE's `[1, C, 1, S]` layout, and
+//! evaluates a program from one buffer into another. [`SimDevice`] does all
+//! of this with the `mil` reference interpreter in fp16 mode, parsing the
+//! exact text a real device would compile, so the whole ANE pipeline runs
+//! and is tested on any machine.
 
-pub use mil;
+use std::fmt;
+
+use half::f16;
+use mil::rules::{self, RuleSet};
+use mil::{DType, Executable, Precision, Tensor};
+
+/// Device errors: one line saying what failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceError(pub String);
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+pub type Result<T> = std::result::Result<T, DeviceError>;
+
+/// What every Neural Engine back end provides.
+pub trait Device {
+    /// A compiled program.
+    type Program;
+    /// An fp16 buffer (an IOSurface on macOS, host memory in the simulator).
+    type Buffer;
+
+    /// Short name for messages (`ane-sim`, `ane`).
+    fn name(&self) -> &'static str;
+    /// Compiles MIL text; `blobs` are `(path as written in the text, file bytes)`.
+    fn compile(&mut self, mil: &str, blobs: &[(String, Vec<u8>)]) -> Result<Self::Program>;
+    /// Number of fp16 elements of the program's input and output.
+    fn io_elems(&self, p: &Self::Program) -> (usize, usize);
+    /// A zeroed buffer of `elems` fp16 values.
+    fn buffer(&mut self, elems: usize) -> Result<Self::Buffer>;
+    /// Stores f32 values (rounded to fp16) at `offset` elements into `buf`.
+    fn write(&mut self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
+    /// Loads fp16 values starting at `offset` elements into `out` as f32.
+    fn read(&self, buf: &Self::Buffer, offset: usize, out: &mut [f32]) -> Result<()>;
+    /// Evaluates `p` from `input` into `output`.
+    fn eval(
+        &mut self,
+        p: &Self::Program,
+        input: &Self::Buffer,
+        output: &mut Self::Buffer,
+    ) -> Result<()>;
+    /// Programs compiled so far in this process.
+    fn compiles(&self) -> usize;
+}
+
+/// The real compiler reportedly stops working after about 119 in-process
+/// compiles; the simulator enforces the same budget by default so code that
+/// would exhaust it fails here first.
+pub const DEFAULT_COMPILE_BUDGET: usize = 119;
+
+/// The Neural Engine simulated by the `mil` interpreter in fp16 mode.
+pub struct SimDevice {
+    rules: RuleSet,
+    budget: usize,
+    compiles: usize,
+}
+
+/// A program compiled by [`SimDevice`].
+pub struct SimProgram {
+    exe: Executable,
+    input_shape: Vec<usize>,
+    input_elems: usize,
+    output_elems: usize,
+}
+
+/// Host memory holding fp16 values.
+pub struct SimBuffer(Vec<f16>);
+
+impl Default for SimDevice {
+    fn default() -> Self {
+        SimDevice::new()
+    }
+}
+
+impl SimDevice {
+    /// A simulator with the default ANE rules and compile budget.
+    pub fn new() -> SimDevice {
+        SimDevice {
+            rules: RuleSet::default(),
+            budget: DEFAULT_COMPILE_BUDGET,
+            compiles: 0,
+        }
+    }
+
+    /// Sets which ANE constraint rules `compile` enforces.
+    pub fn with_rules(mut self, rules: RuleSet) -> SimDevice {
+        self.rules = rules;
+        self
+    }
+
+    /// Sets the number of compiles allowed per process.
+    pub fn with_compile_budget(mut self, budget: usize) -> SimDevice {
+        self.budget = budget;
+        self
+    }
+}
+
+impl Device for SimDevice {
+    type Program = SimProgram;
+    type Buffer = SimBuffer;
+
+    fn name(&self) -> &'static str {
+        "ane-sim"
+    }
+
+    fn compile(&mut self, text: &str, blobs: &[(String, Vec<u8>)]) -> Result<SimProgram> {
+        if self.compiles >= self.budget {
+            return Err(DeviceError(format!(
+                "compile budget exhausted: {} programs compiled (the ANE compiler fails after about {} per process); \
+                 reuse compiled kernels instead of recompiling",
+                self.compiles, self.budget
+            )));
+        }
+        let p =
+            mil::parse_and_validate(text).map_err(|e| DeviceError(format!("MIL rejected: {e}")))?;
+        let broken = rules::check(&p, &self.rules);
+        if let Some(b) = broken.first() {
+            return Err(DeviceError(format!(
+                "MIL breaks ANE rule {b} ({} finding(s) in all)",
+                broken.len()
+            )));
+        }
+        let f = p
+            .main()
+            .ok_or_else(|| DeviceError("the program has no main function".into()))?;
+        let exe = Executable::with_blobs(f, blobs).map_err(|e| DeviceError(e.to_string()))?;
+        let ins = exe.input_types();
+        let outs = exe.output_types();
+        // single-input/fp16-io may be switched off; the device itself still
+        // needs one fp16 input and one fp16 output buffer.
+        if ins.len() != 1
+            || outs.len() != 1
+            || ins[0].1.dtype != DType::Fp16
+            || outs[0].1.dtype != DType::Fp16
+        {
+            return Err(DeviceError(
+                "a device program needs exactly one fp16 input and one fp16 output".into(),
+            ));
+        }
+        self.compiles += 1;
+        Ok(SimProgram {
+            input_shape: ins[0].1.dims().to_vec(),
+            input_elems: ins[0].1.elems(),
+            output_elems: outs[0].1.elems(),
+            exe,
+        })
+    }
+
+    fn io_elems(&self, p: &SimProgram) -> (usize, usize) {
+        (p.input_elems, p.output_elems)
+    }
+
+    fn buffer(&mut self, elems: usize) -> Result<SimBuffer> {
+        Ok(SimBuffer(vec![f16::ZERO; elems]))
+    }
+
+    fn write(&mut self, buf: &mut SimBuffer, offset: usize, data: &[f32]) -> Result<()> {
+        let len = buf.0.len();
+        let dst = offset
+            .checked_add(data.len())
+            .and_then(|end| buf.0.get_mut(offset..end))
+            .ok_or_else(|| {
+                DeviceError(format!(
+                    "write of {} values at {offset} overruns a buffer of {len}",
+                    data.len()
+                ))
+            })?;
+        for (d, s) in dst.iter_mut().zip(data) {
+            *d = f16::from_f32(*s);
+        }
+        Ok(())
+    }
+
+    fn read(&self, buf: &SimBuffer, offset: usize, out: &mut [f32]) -> Result<()> {
+        let src = offset
+            .checked_add(out.len())
+            .and_then(|end| buf.0.get(offset..end))
+            .ok_or_else(|| {
+                DeviceError(format!(
+                    "read of {} values at {offset} overruns a buffer of {}",
+                    out.len(),
+                    buf.0.len()
+                ))
+            })?;
+        for (o, s) in out.iter_mut().zip(src) {
+            *o = s.to_f32();
+        }
+        Ok(())
+    }
+
+    fn eval(&mut self, p: &SimProgram, input: &SimBuffer, output: &mut SimBuffer) -> Result<()> {
+        if input.0.len() != p.input_elems || output.0.len() != p.output_elems {
+            return Err(DeviceError(format!(
+                "buffers of {} and {} elements given to a program taking {} and producing {}",
+                input.0.len(),
+                output.0.len(),
+                p.input_elems,
+                p.output_elems
+            )));
+        }
+        let x = Tensor::float(
+            DType::Fp16,
+            p.input_shape.clone(),
+            input.0.iter().map(|v| v.to_f32()).collect(),
+        );
+        let out = p
+            .exe
+            .run(vec![x], Precision::Fp16)
+            .map_err(|e| DeviceError(format!("evaluation failed: {e}")))?;
+        let y = out[0].f32s().map_err(DeviceError)?;
+        for (o, v) in output.0.iter_mut().zip(y) {
+            *o = f16::from_f32(*v);
+        }
+        Ok(())
+    }
+
+    fn compiles(&self) -> usize {
+        self.compiles
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DOUBLE: &str = "program(1.3)\n{\n func main<ios18>(tensor<fp16, [1, 2, 1, 4]> x) {\n tensor<fp16, [1,2,1,4]> y = add(x=x,y=x)[name=string(\"y\")];\n } -> (y);\n}\n";
+
+    fn compile_err(d: &mut SimDevice, text: &str) -> DeviceError {
+        match d.compile(text, &[]) {
+            Ok(_) => panic!("compile should fail"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn compiles_evaluates_and_counts() {
+        let mut d = SimDevice::new().with_compile_budget(2);
+        let p = d.compile(DOUBLE, &[]).unwrap();
+        assert_eq!(d.io_elems(&p), (8, 8));
+        let mut x = d.buffer(8).unwrap();
+        let mut y = d.buffer(8).unwrap();
+        d.write(&mut x, 0, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 0.1])
+            .unwrap();
+        d.eval(&p, &x, &mut y).unwrap();
+        let mut out = [0f32; 8];
+        d.read(&y, 0, &mut out).unwrap();
+        assert_eq!(out[..7], [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]);
+        assert!((out[7] - 0.2).abs() < 1e-3);
+        d.compile(DOUBLE, &[]).unwrap();
+        let e = compile_err(&mut d, DOUBLE);
+        assert!(e.0.contains("compile budget"), "{e}");
+        assert!(d.write(&mut x, 7, &[1.0, 2.0]).is_err());
+        let mut small = d.buffer(4).unwrap();
+        assert!(d.eval(&p, &x, &mut small).is_err());
+    }
+
+    #[test]
+    fn enforces_enabled_rules() {
+        let two_inputs = DOUBLE.replace(
+            "(tensor<fp16, [1, 2, 1, 4]> x)",
+            "(tensor<fp16, [1, 2, 1, 4]> x, tensor<fp16, [1, 2, 1, 4]> z)",
+        );
+        let e = compile_err(&mut SimDevice::new(), &two_inputs);
+        assert!(e.0.contains("single-input"), "{e}");
+        let mut strict = RuleSet::default();
+        strict.set("min-surface", true).unwrap();
+        let e = compile_err(&mut SimDevice::new().with_rules(strict), DOUBLE);
+        assert!(e.0.contains("min-surface"), "{e}");
+    }
+}
