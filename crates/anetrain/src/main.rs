@@ -5,8 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod cmd_kernels;
 mod cmd_mil;
-mod fsutil;
+
+use anetrain::fsutil;
 
 /// Train Llama and Qwen3 language models on the Apple Neural Engine — or on
 /// any CPU, with a simulated ANE that runs the exact MIL programs in fp16.
@@ -24,8 +26,56 @@ enum Command {
         #[command(subcommand)]
         command: MilCommand,
     },
+    /// Generate the kernel set for a model, or verify it against the CPU twins.
+    Kernels {
+        #[command(subcommand)]
+        command: KernelsCommand,
+    },
     /// Print the platform, Neural Engine availability and versions.
     Info,
+}
+
+#[derive(Subcommand)]
+enum KernelsCommand {
+    /// Write every kernel's .mil, its blobs under weights/, and layout.json.
+    Dump {
+        /// A preset (qwen3-0.6b, stories15m, stories42m, stories110m, tiny)
+        /// or a model directory with config.json.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Sequence length the kernels are built for.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Use the seed's conventions (interleaved RoPE, θ=10000, no QK-norm,
+        /// DeepNet residual scale) and its file names.
+        #[arg(long)]
+        seed_compat: bool,
+        /// Only these kernels (repeatable), e.g. --kernel sdpa_forward.
+        #[arg(long = "kernel", value_name = "NAME")]
+        kernels: Vec<String>,
+    },
+    /// Run every kernel through the interpreter (fp32 and fp16) against its
+    /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
+    Check {
+        /// A preset or a model directory.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequence length.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Use the seed's conventions.
+        #[arg(long)]
+        seed_compat: bool,
+        /// Only these kernels (repeatable).
+        #[arg(long = "kernel", value_name = "NAME")]
+        kernels: Vec<String>,
+        /// Random seed for the inputs.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
 }
 
 #[derive(Subcommand)]
@@ -94,6 +144,22 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Kernels { command } => match command {
+            KernelsCommand::Dump {
+                model,
+                out,
+                seq,
+                seed_compat,
+                kernels,
+            } => cmd_kernels::dump(&model, &out, seq, seed_compat, &kernels)?,
+            KernelsCommand::Check {
+                model,
+                seq,
+                seed_compat,
+                kernels,
+                seed,
+            } => cmd_kernels::run_check(&model, seq, seed_compat, &kernels, seed)?,
+        },
         Command::Mil { command } => match command {
             MilCommand::Run {
                 program,

@@ -1,0 +1,136 @@
+//! `anetrain kernels dump` and `anetrain kernels check`.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anetrain::config::ModelConfig;
+use anetrain::kernels::{self, check, KernelKind, KernelOptions, Shape};
+use anyhow::{bail, Context, Result};
+
+use crate::fsutil::write_atomic;
+
+/// Shape and options for `--model`, `--seq`, `--seed-compat`.
+pub fn setup(
+    model: &str,
+    seq: usize,
+    seed_compat: bool,
+) -> Result<(ModelConfig, Shape, KernelOptions)> {
+    let cfg = ModelConfig::resolve(model)?;
+    if seq == 0 || seq > cfg.max_position_embeddings {
+        bail!(
+            "--seq {seq} must be between 1 and the model's max_position_embeddings ({})",
+            cfg.max_position_embeddings
+        );
+    }
+    let opts = if seed_compat {
+        KernelOptions::seed(&cfg)
+    } else {
+        KernelOptions::hf(&cfg)
+    };
+    if opts.qk_norm && cfg.head_dim > cfg.hidden_size {
+        bail!(
+            "head_dim ({}) larger than hidden_size ({}) is not supported by the kernel layouts",
+            cfg.head_dim,
+            cfg.hidden_size
+        );
+    }
+    Ok((cfg.clone(), Shape::new(&cfg, seq), opts))
+}
+
+fn selected(only: &[String]) -> Result<Vec<KernelKind>> {
+    if only.is_empty() {
+        return Ok(KernelKind::ALL.to_vec());
+    }
+    only.iter()
+        .map(|n| {
+            KernelKind::from_name(n).with_context(|| {
+                let names: Vec<&str> = KernelKind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown kernel '{n}' (kernels: {})", names.join(", "))
+            })
+        })
+        .collect()
+}
+
+pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[String]) -> Result<()> {
+    let (_, shape, opts) = setup(model, seq, seed_compat)?;
+    let weights = out.join("weights");
+    std::fs::create_dir_all(&weights)
+        .with_context(|| format!("cannot create '{}'", weights.display()))?;
+    let mut layouts = serde_json::Map::new();
+    for kind in selected(only)? {
+        let k = kernels::build(kind, &shape, &opts)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
+        let name = if seed_compat {
+            kind.seed_name()
+        } else {
+            kind.name()
+        };
+        write_atomic(&out.join(format!("{name}.mil")), k.text().as_bytes())?;
+        for (file, bytes) in &k.blobs {
+            write_atomic(&weights.join(file), bytes)?;
+        }
+        layouts.insert(name.to_string(), serde_json::to_value(&k.layout)?);
+    }
+    let doc = serde_json::json!({ "shape": shape, "options": opts, "kernels": layouts });
+    write_atomic(
+        &out.join("layout.json"),
+        serde_json::to_string_pretty(&doc)?.as_bytes(),
+    )?;
+    println!(
+        "wrote {} kernel(s), weights/ and layout.json to {}",
+        layouts.len(),
+        out.display()
+    );
+    Ok(())
+}
+
+pub fn run_check(
+    model: &str,
+    seq: usize,
+    seed_compat: bool,
+    only: &[String],
+    seed: u64,
+) -> Result<()> {
+    let (_, shape, opts) = setup(model, seq, seed_compat)?;
+    println!(
+        "kernel check: dim {} hidden {} heads {}/{} head_dim {} seq {} (rope {:?}, qk_norm {}, residual scale {})",
+        shape.dim, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.seq, opts.rope, opts.qk_norm, opts.residual_scale
+    );
+    println!(
+        "{:<18} {:>12} {:>12} {:>12} {:>12} {:>8}  status",
+        "kernel", "fp32 maxabs", "fp32 rel", "fp16 maxabs", "fp16 rel", "time"
+    );
+    let mut failed = vec![];
+    for kind in selected(only)? {
+        let t = Instant::now();
+        let r = check::check_kernel(kind, &shape, &opts, seed)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
+        let ok = r.passed();
+        println!(
+            "{:<18} {:>12.3e} {:>12.3e} {:>12.3e} {:>12.3e} {:>7.2}s  {}",
+            kind.name(),
+            r.fp32_max_abs,
+            r.fp32_rel,
+            r.fp16_max_abs,
+            r.fp16_rel,
+            t.elapsed().as_secs_f64(),
+            if ok { "ok" } else { "FAIL" }
+        );
+        if !ok {
+            failed.push(kind.name());
+        }
+    }
+    println!(
+        "tolerances: fp32 rel <= {:.0e}, fp16 rel <= {:.0e}",
+        check::FP32_TOL,
+        check::FP16_TOL
+    );
+    if !failed.is_empty() {
+        bail!(
+            "{} kernel(s) out of tolerance: {}",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
+    Ok(())
+}

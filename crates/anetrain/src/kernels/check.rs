@@ -1,0 +1,134 @@
+//! Kernel verification: every kernel's MIL program, run by the interpreter
+//! on packed random inputs, against its CPU twin (what `anetrain kernels
+//! check` and the tests run).
+
+use mil::{DType, Executable, Precision, Tensor};
+
+use super::cpu::{self, Tensors};
+use super::layout::Encoding;
+use super::{build, Kernel, KernelKind, KernelOptions, Shape};
+use crate::rng::Rng;
+
+/// Worst relative error (max |mil − cpu| / max |cpu|, per output block).
+/// fp32 mode is compared with the twin computing with the program's own
+/// fp16 constants (the same maths exactly); fp16 mode with the exact twin
+/// (the whole device error).
+#[derive(Clone, Debug)]
+pub struct CheckResult {
+    pub kind: KernelKind,
+    pub fp32_max_abs: f32,
+    pub fp32_rel: f32,
+    pub fp16_max_abs: f32,
+    pub fp16_rel: f32,
+}
+
+/// Tolerances: fp32 differs from the twin only in summation order; fp16
+/// rounds every op result (about 5e-4 relative each) through chains of up
+/// to ~20 ops and fp16 softmax.
+pub const FP32_TOL: f32 = 1e-5;
+pub const FP16_TOL: f32 = 2e-2;
+
+impl CheckResult {
+    pub fn passed(&self) -> bool {
+        self.fp32_rel <= FP32_TOL && self.fp16_rel <= FP16_TOL
+    }
+}
+
+/// Random inputs shaped by the kernel's layout: activations N(0, 1),
+/// weights N(0, 1/in), norm weights around 1, score inputs valid softmax
+/// rows (probs) and N(0, 1) gradients (dp).
+pub fn random_inputs(k: &Kernel, rng: &mut Rng) -> Tensors {
+    let mut t = Tensors::new();
+    for r in &k.layout.inputs {
+        let [rows, cols] = r.tensor_shape();
+        let n = rows * cols;
+        let v = match (r.encoding, r.name.as_str()) {
+            (_, "q_norm" | "k_norm") => rng.normals(n, 0.3).iter().map(|x| 1.0 + x).collect(),
+            (_, "probs") => {
+                // each row a distribution over a random support
+                let mut v: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
+                for row in v.chunks_mut(cols) {
+                    let s: f32 = row.iter().sum();
+                    row.iter_mut().for_each(|x| *x /= s);
+                }
+                v
+            }
+            (Encoding::Activation, _) => rng.normals(n, 1.0),
+            (Encoding::Transposed, _) => rng.normals(n, 1.0 / (cols as f64).sqrt()),
+            (Encoding::AsIs, _) => rng.normals(n, 1.0 / (rows as f64).sqrt()),
+        };
+        t.insert(r.name.clone(), v);
+    }
+    t
+}
+
+/// Packs named tensors into the kernel's input buffer.
+pub fn pack_all(k: &Kernel, t: &Tensors) -> Vec<f32> {
+    let mut buf = vec![0f32; k.layout.input_elems()];
+    for r in &k.layout.inputs {
+        k.layout.pack(&r.name, &t[&r.name], &mut buf);
+    }
+    buf
+}
+
+/// Runs the kernel's MIL text (printed, re-parsed) through the interpreter.
+pub fn run_mil(k: &Kernel, input: Vec<f32>, precision: Precision) -> mil::Result<Vec<f32>> {
+    let p = mil::parse_and_validate(&k.text())?;
+    let exe = Executable::with_blobs(&p.functions[0], &k.blob_paths())?;
+    let shape = vec![1, k.layout.in_channels, 1, k.layout.in_spatial];
+    let out = exe.run(vec![Tensor::float(DType::Fp16, shape, input)], precision)?;
+    Ok(out[0].f32s().map_err(mil::MilError::new)?.to_vec())
+}
+
+fn compare(k: &Kernel, got: &[f32], want: &Tensors) -> (f32, f32) {
+    let mut worst = (0f32, 0f32);
+    for b in &k.layout.outputs {
+        let g = k.layout.unpack(&b.name, got);
+        let w = &want[&b.name];
+        let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let abs = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        worst.0 = worst.0.max(abs);
+        worst.1 = worst.1.max(abs / scale);
+    }
+    worst
+}
+
+/// Checks one kernel on random inputs from `seed`.
+pub fn check_kernel(
+    kind: KernelKind,
+    s: &Shape,
+    o: &KernelOptions,
+    seed: u64,
+) -> mil::Result<CheckResult> {
+    let k = build(kind, s, o)?;
+    let mut rng = Rng::new(seed);
+    let mut t = random_inputs(&k, &mut rng);
+    // Both sides see the same (fp16-representable) values.
+    for v in t.values_mut() {
+        mil::tensor::round_to_f16_in_place(v);
+    }
+    let exact = KernelOptions {
+        fp16_constants: false,
+        ..o.clone()
+    };
+    let stored = KernelOptions {
+        fp16_constants: true,
+        ..o.clone()
+    };
+    let input = pack_all(&k, &t);
+    let y32 = run_mil(&k, input.clone(), Precision::Fp32)?;
+    let y16 = run_mil(&k, input, Precision::Fp16)?;
+    let (a32, r32) = compare(&k, &y32, &cpu::run(kind, s, &stored, &t));
+    let (a16, r16) = compare(&k, &y16, &cpu::run(kind, s, &exact, &t));
+    Ok(CheckResult {
+        kind,
+        fp32_max_abs: a32,
+        fp32_rel: r32,
+        fp16_max_abs: a16,
+        fp16_rel: r16,
+    })
+}

@@ -1,0 +1,304 @@
+//! Native f32 twins of the kernels: same named inputs (activations `[C, S]`,
+//! weights Hugging Face `[out, in]`, norm weights `[HD]`), same named
+//! outputs (`[C, S]`), computed with gemm and plain loops. The CPU engine
+//! runs these; tests hold them equal to the MIL programs.
+
+use std::collections::BTreeMap;
+
+use mil::linalg::{sgemm, MatRef};
+
+use super::{KernelKind, KernelOptions, Rope, Shape};
+
+/// Named tensors, row-major in their logical shapes.
+pub type Tensors = BTreeMap<String, Vec<f32>>;
+
+fn get<'a>(t: &'a Tensors, name: &str) -> &'a [f32] {
+    t.get(name)
+        .unwrap_or_else(|| panic!("kernel input '{name}' missing"))
+}
+
+/// `W [m, k] · X [k, n]` → `[m, n]`.
+pub fn w_x(w: &[f32], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    sgemm(
+        MatRef::row_major(w, 0, m, k),
+        MatRef::row_major(x, 0, k, n),
+        &mut out,
+        0,
+        n,
+        false,
+    );
+    out
+}
+
+/// `Wᵀ · X` for `W [k, m]`, `X [k, n]` → `[m, n]`.
+pub fn wt_x(w: &[f32], x: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    sgemm(
+        MatRef::row_major(w, 0, k, m).t(),
+        MatRef::row_major(x, 0, k, n),
+        &mut out,
+        0,
+        n,
+        false,
+    );
+    out
+}
+
+/// Per-head RMSNorm over `HD` at every position of `x [heads·HD, S]`:
+/// y = x · rsqrt(mean(x²) + eps) · w.
+pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    for h in 0..x.len() / (hd * seq) {
+        for s in 0..seq {
+            let at = |d: usize| (h * hd + d) * seq + s;
+            let ms = (0..hd).map(|d| (x[at(d)] as f64).powi(2)).sum::<f64>() / hd as f64;
+            let r = (1.0 / (ms + eps as f64).sqrt()) as f32;
+            for d in 0..hd {
+                y[at(d)] = x[at(d)] * r * w[d];
+            }
+        }
+    }
+    y
+}
+
+/// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
+/// which is RoPE's backward).
+pub fn apply_rope(
+    x: &[f32],
+    hd: usize,
+    seq: usize,
+    cos: &[f32],
+    sin: &[f32],
+    rope: Rope,
+    sign: f32,
+) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    let half = hd / 2;
+    for h in 0..x.len() / (hd * seq) {
+        for s in 0..seq {
+            let at = |d: usize| (h * hd + d) * seq + s;
+            for d in 0..hd {
+                // partner index and the sign of its term in rotate(x)
+                let (p, rs) = match rope {
+                    Rope::HalfSplit if d < half => (d + half, -1.0),
+                    Rope::HalfSplit => (d - half, 1.0),
+                    Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
+                    Rope::Interleaved => (d - 1, 1.0),
+                };
+                y[at(d)] = x[at(d)] * cos[s * hd + d] + sign * rs * x[at(p)] * sin[s * hd + d];
+            }
+        }
+    }
+    y
+}
+
+/// Causal softmax(qᵀk/√HD) for one query head: `q, k` are `[HD, S]` row
+/// blocks at the given offsets; returns `P [S, S]`.
+fn head_probs(
+    q: &[f32],
+    qo: usize,
+    k: &[f32],
+    ko: usize,
+    hd: usize,
+    seq: usize,
+    scale: f32,
+) -> Vec<f32> {
+    let mut p = vec![0f32; seq * seq];
+    sgemm(
+        MatRef::row_major(q, qo, hd, seq).t(),
+        MatRef::row_major(k, ko, hd, seq),
+        &mut p,
+        0,
+        seq,
+        false,
+    );
+    for i in 0..seq {
+        let row = &mut p[i * seq..(i + 1) * seq];
+        let mut max = f32::NEG_INFINITY;
+        for v in row[..=i].iter_mut() {
+            *v *= scale;
+            max = max.max(*v);
+        }
+        let mut sum = 0f32;
+        for v in row[..=i].iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        row[..=i].iter_mut().for_each(|v| *v /= sum);
+        row[i + 1..].fill(0.0);
+    }
+    p
+}
+
+/// Runs kernel `kind` natively.
+pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> Tensors {
+    let (d, hid, q, kv, seq, hd) = (s.dim, s.hidden, s.q_dim(), s.kv_dim(), s.seq, s.head_dim);
+    let r = s.ratio();
+    let scale = o.constant(1.0 / (hd as f64).sqrt());
+    let eps = o.constant(o.eps);
+    let mut out = Tensors::new();
+    let mut put = |name: &str, v: Vec<f32>| {
+        out.insert(name.to_string(), v);
+    };
+    match kind {
+        KernelKind::SdpaForward => {
+            let x = get(t, "xnorm");
+            let q_raw = w_x(get(t, "wq"), x, q, d, seq);
+            let k_raw = w_x(get(t, "wk"), x, kv, d, seq);
+            let v = w_x(get(t, "wv"), x, kv, d, seq);
+            let (qn, kn) = if o.qk_norm {
+                (
+                    head_rms_norm(&q_raw, get(t, "q_norm"), hd, seq, eps),
+                    head_rms_norm(&k_raw, get(t, "k_norm"), hd, seq, eps),
+                )
+            } else {
+                (q_raw.clone(), k_raw.clone())
+            };
+            let (cos, sin) = o.rope_tables(seq, hd);
+            let q_rope = apply_rope(&qn, hd, seq, &cos, &sin, o.rope, 1.0);
+            let k_rope = apply_rope(&kn, hd, seq, &cos, &sin, o.rope, 1.0);
+            let mut attn = vec![0f32; q * seq];
+            for h in 0..s.heads {
+                let g = h / r;
+                let p = head_probs(&q_rope, h * hd * seq, &k_rope, g * hd * seq, hd, seq, scale);
+                // attn_h [HD, S] = V_g [HD, S] · Pᵀ
+                sgemm(
+                    MatRef::row_major(&v, g * hd * seq, hd, seq),
+                    MatRef::row_major(&p, 0, seq, seq).t(),
+                    &mut attn,
+                    h * hd * seq,
+                    seq,
+                    false,
+                );
+            }
+            put("attn", attn);
+            put("q_rope", q_rope);
+            put("k_rope", k_rope);
+            put("v", v);
+            if o.seed_compat {
+                put("xnorm", x.to_vec());
+            }
+            if o.qk_norm {
+                put("q_raw", q_raw);
+                put("k_raw", k_raw);
+            }
+        }
+        KernelKind::WoForward => put("o", w_x(get(t, "wo"), get(t, "attn"), d, q, seq)),
+        KernelKind::FfnForward => {
+            let x = get(t, "x2norm");
+            let h1 = w_x(get(t, "w1"), x, hid, d, seq);
+            let h3 = w_x(get(t, "w3"), x, hid, d, seq);
+            let gate: Vec<f32> = h1
+                .iter()
+                .zip(&h3)
+                .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
+                .collect();
+            let ffn = w_x(get(t, "w2"), &gate, d, hid, seq);
+            let alpha = o.constant(o.residual_scale);
+            let x_next = get(t, "x2")
+                .iter()
+                .zip(&ffn)
+                .map(|(&x2, &f)| x2 + alpha * f)
+                .collect();
+            put("x_next", x_next);
+            put("h1", h1);
+            put("h3", h3);
+            put("gate", gate);
+        }
+        KernelKind::FfnBackwardW2 => put("dgate", wt_x(get(t, "w2"), get(t, "dffn"), d, hid, seq)),
+        KernelKind::FfnBackwardW13 => {
+            let mut dx = wt_x(get(t, "w1"), get(t, "dh1"), hid, d, seq);
+            let dx3 = wt_x(get(t, "w3"), get(t, "dh3"), hid, d, seq);
+            dx.iter_mut().zip(&dx3).for_each(|(a, b)| *a += b);
+            put("dx", dx);
+        }
+        KernelKind::WoBackward => put("da", wt_x(get(t, "wo"), get(t, "dy"), d, q, seq)),
+        KernelKind::QBackward => put("dx", wt_x(get(t, "wq"), get(t, "dq"), q, d, seq)),
+        KernelKind::KvBackward => {
+            let mut dx = wt_x(get(t, "wk"), get(t, "dk"), kv, d, seq);
+            let dxv = wt_x(get(t, "wv"), get(t, "dv"), kv, d, seq);
+            dx.iter_mut().zip(&dxv).for_each(|(a, b)| *a += b);
+            put("dx", dx);
+        }
+        KernelKind::SdpaBackward1 => {
+            let (qr, kr, v, da) = (
+                get(t, "q_rope"),
+                get(t, "k_rope"),
+                get(t, "v"),
+                get(t, "da"),
+            );
+            let mut dv = vec![0f32; kv * seq];
+            let mut probs = vec![0f32; s.heads * seq * seq];
+            let mut dp = vec![0f32; s.heads * seq * seq];
+            for h in 0..s.heads {
+                let g = h / r;
+                let p = head_probs(qr, h * hd * seq, kr, g * hd * seq, hd, seq, scale);
+                // dV_g [HD, S] += dA_h [HD, S] · P
+                sgemm(
+                    MatRef::row_major(da, h * hd * seq, hd, seq),
+                    MatRef::row_major(&p, 0, seq, seq),
+                    &mut dv,
+                    g * hd * seq,
+                    seq,
+                    true,
+                );
+                // dP_h [S, S] = dA_hᵀ · V_g
+                sgemm(
+                    MatRef::row_major(da, h * hd * seq, hd, seq).t(),
+                    MatRef::row_major(v, g * hd * seq, hd, seq),
+                    &mut dp,
+                    h * seq * seq,
+                    seq,
+                    false,
+                );
+                probs[h * seq * seq..(h + 1) * seq * seq].copy_from_slice(&p);
+            }
+            put("dv", dv);
+            put("probs", probs);
+            put("dp", dp);
+        }
+        KernelKind::SdpaBackward2 => {
+            let (p, dp, qr, kr) = (
+                get(t, "probs"),
+                get(t, "dp"),
+                get(t, "q_rope"),
+                get(t, "k_rope"),
+            );
+            let mut dq = vec![0f32; q * seq];
+            let mut dk = vec![0f32; kv * seq];
+            let mut ds = vec![0f32; seq * seq];
+            for h in 0..s.heads {
+                let g = h / r;
+                let base = h * seq * seq;
+                for i in 0..seq {
+                    let row = base + i * seq;
+                    let dot: f32 = (0..seq).map(|j| p[row + j] * dp[row + j]).sum();
+                    for j in 0..seq {
+                        ds[i * seq + j] = p[row + j] * (dp[row + j] - dot) * scale;
+                    }
+                }
+                // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
+                sgemm(
+                    MatRef::row_major(kr, g * hd * seq, hd, seq),
+                    MatRef::row_major(&ds, 0, seq, seq).t(),
+                    &mut dq,
+                    h * hd * seq,
+                    seq,
+                    false,
+                );
+                sgemm(
+                    MatRef::row_major(qr, h * hd * seq, hd, seq),
+                    MatRef::row_major(&ds, 0, seq, seq),
+                    &mut dk,
+                    g * hd * seq,
+                    seq,
+                    true,
+                );
+            }
+            put("dq", dq);
+            put("dk", dk);
+        }
+    }
+    out
+}

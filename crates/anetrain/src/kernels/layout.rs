@@ -1,0 +1,234 @@
+//! Kernel layouts: where every activation and weight lives in a kernel's
+//! packed `[1, C, 1, SP]` input, and every result in its `[1, C_out, 1, S]`
+//! output. Packing, unpacking, the MIL generators (slice offsets), the docs
+//! (`layout.json`) and the tests all read these; offsets are computed here
+//! and nowhere else.
+
+use std::ops::Range;
+
+use serde::Serialize;
+
+/// How a logical tensor is laid into a region of the packed input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Encoding {
+    /// An activation `[C, S]` (or a vector `[C]` in one column): region[c][s] = a[c][s].
+    Activation,
+    /// A weight `W [out, in]` with `in` along channels: region[c][j] = W[j][c].
+    Transposed,
+    /// A weight `W [rows, cols]` with rows along channels: region[c][j] = W[c][j].
+    AsIs,
+}
+
+/// A named rectangle of the packed input.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Region {
+    pub name: String,
+    pub channels: Range<usize>,
+    pub spatial: Range<usize>,
+    pub encoding: Encoding,
+}
+
+impl Region {
+    /// Shape of the logical tensor this region holds (`[rows, cols]`).
+    pub fn tensor_shape(&self) -> [usize; 2] {
+        let (c, s) = (self.channels.len(), self.spatial.len());
+        match self.encoding {
+            Encoding::Transposed => [s, c],
+            Encoding::Activation | Encoding::AsIs => [c, s],
+        }
+    }
+
+    /// `[0, c0, 0, s0]` and `[1, C, 1, S]` for `slice_by_size`.
+    pub fn begin_size(&self) -> ([i64; 4], [i64; 4]) {
+        (
+            [0, self.channels.start as i64, 0, self.spatial.start as i64],
+            [1, self.channels.len() as i64, 1, self.spatial.len() as i64],
+        )
+    }
+}
+
+/// A named channel block of the output.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Block {
+    pub name: String,
+    pub channels: Range<usize>,
+}
+
+/// The packed input and output of one kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct KernelLayout {
+    pub kernel: String,
+    pub in_channels: usize,
+    pub in_spatial: usize,
+    pub out_channels: usize,
+    pub out_spatial: usize,
+    pub inputs: Vec<Region>,
+    pub outputs: Vec<Block>,
+}
+
+impl KernelLayout {
+    pub fn input_elems(&self) -> usize {
+        self.in_channels * self.in_spatial
+    }
+
+    pub fn output_elems(&self) -> usize {
+        self.out_channels * self.out_spatial
+    }
+
+    pub fn region(&self, name: &str) -> &Region {
+        self.inputs
+            .iter()
+            .find(|r| r.name == name)
+            .unwrap_or_else(|| panic!("kernel {} has no input region '{name}'", self.kernel))
+    }
+
+    pub fn block(&self, name: &str) -> &Block {
+        self.outputs
+            .iter()
+            .find(|b| b.name == name)
+            .unwrap_or_else(|| panic!("kernel {} has no output block '{name}'", self.kernel))
+    }
+
+    /// Writes tensor `data` (row-major, the region's `tensor_shape`) into the
+    /// packed input `buf` (`[in_channels, in_spatial]`).
+    pub fn pack(&self, name: &str, data: &[f32], buf: &mut [f32]) {
+        let r = self.region(name);
+        let [rows, cols] = r.tensor_shape();
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "{}: '{name}' has the wrong length",
+            self.kernel
+        );
+        assert_eq!(buf.len(), self.input_elems());
+        let sp = self.in_spatial;
+        let width = r.spatial.len();
+        for (ci, c) in r.channels.clone().enumerate() {
+            let dst = &mut buf[c * sp + r.spatial.start..][..width];
+            match r.encoding {
+                Encoding::Activation | Encoding::AsIs => {
+                    dst.copy_from_slice(&data[ci * width..][..width])
+                }
+                Encoding::Transposed => {
+                    for (j, d) in dst.iter_mut().enumerate() {
+                        *d = data[j * cols + ci];
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads output block `name` (`[channels, out_spatial]`) from `buf`.
+    pub fn unpack<'a>(&self, name: &str, buf: &'a [f32]) -> &'a [f32] {
+        let b = self.block(name);
+        &buf[b.channels.start * self.out_spatial..b.channels.end * self.out_spatial]
+    }
+}
+
+/// Lays out a kernel's input either along the spatial axis (fixed channel
+/// count, regions appended left to right) or along channels (fixed spatial
+/// width, regions stacked top to bottom), and its output along channels.
+pub struct LayoutBuilder {
+    kernel: String,
+    channels: usize,
+    spatial: usize,
+    seq: usize,
+    inputs: Vec<Region>,
+    outputs: Vec<Block>,
+    out_channels: usize,
+}
+
+impl LayoutBuilder {
+    pub fn new(kernel: &str, seq: usize) -> LayoutBuilder {
+        LayoutBuilder {
+            kernel: kernel.into(),
+            channels: 0,
+            spatial: 0,
+            seq,
+            inputs: vec![],
+            outputs: vec![],
+            out_channels: 0,
+        }
+    }
+
+    /// Spatial stacking: a region `width` columns wide over `channels`
+    /// channels (starting at channel 0) to the right of the previous ones.
+    pub fn columns(
+        &mut self,
+        name: &str,
+        channels: usize,
+        width: usize,
+        encoding: Encoding,
+    ) -> &mut Self {
+        self.channels = self.channels.max(channels);
+        self.inputs.push(Region {
+            name: name.into(),
+            channels: 0..channels,
+            spatial: self.spatial..self.spatial + width,
+            encoding,
+        });
+        self.spatial += width;
+        self
+    }
+
+    /// Channel stacking: an activation `[channels, seq]` below the previous ones.
+    pub fn rows(&mut self, name: &str, channels: usize) -> &mut Self {
+        self.spatial = self.seq;
+        self.inputs.push(Region {
+            name: name.into(),
+            channels: self.channels..self.channels + channels,
+            spatial: 0..self.seq,
+            encoding: Encoding::Activation,
+        });
+        self.channels += channels;
+        self
+    }
+
+    /// An output block of `channels` channels below the previous ones.
+    pub fn output(&mut self, name: &str, channels: usize) -> &mut Self {
+        self.outputs.push(Block {
+            name: name.into(),
+            channels: self.out_channels..self.out_channels + channels,
+        });
+        self.out_channels += channels;
+        self
+    }
+
+    pub fn build(&self) -> KernelLayout {
+        KernelLayout {
+            kernel: self.kernel.clone(),
+            in_channels: self.channels,
+            in_spatial: self.spatial,
+            out_channels: self.out_channels,
+            out_spatial: self.seq,
+            inputs: self.inputs.clone(),
+            outputs: self.outputs.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_places_each_encoding() {
+        let mut b = LayoutBuilder::new("t", 2);
+        b.columns("x", 3, 2, Encoding::Activation)
+            .columns("wt", 3, 2, Encoding::Transposed)
+            .columns("w", 3, 1, Encoding::AsIs)
+            .output("y", 2);
+        let l = b.build();
+        assert_eq!((l.in_channels, l.in_spatial), (3, 5));
+        let mut buf = vec![0.0; 15];
+        l.pack("x", &[1., 2., 3., 4., 5., 6.], &mut buf); // [3, 2]
+        l.pack("wt", &[10., 11., 12., 20., 21., 22.], &mut buf); // W [2 out, 3 in]
+        l.pack("w", &[7., 8., 9.], &mut buf); // [3, 1]
+        assert_eq!(
+            buf,
+            vec![1., 2., 10., 20., 7., 3., 4., 11., 21., 8., 5., 6., 12., 22., 9.]
+        );
+        let out = [1., 2., 3., 4.];
+        assert_eq!(l.unpack("y", &out), &out);
+    }
+}

@@ -1,0 +1,411 @@
+//! The dynamic-weight kernel set. For any model shape each kernel is
+//! defined three times — a MIL program (built with the typed builder), a
+//! [`KernelLayout`] saying where its inputs and outputs live, and a native
+//! f32 CPU twin — and tests hold them equal.
+//!
+//! Conventions (see `docs/kernels.md`):
+//! * activations are channel-first `[C, S]`; weights are Hugging Face
+//!   `[out, in]`;
+//! * RoPE is Hugging Face's half-split `rotate_half` with θ from the config
+//!   (the seed's interleaved pairs survive only in seed-compatible mode);
+//! * grouped-query attention folds the `ratio` query heads that share a KV
+//!   head along the sequence axis (`[1, KV, ratio·S, HD]`), so query head h
+//!   reads KV head `h / ratio` exactly as `repeat_kv` does, K and V are never
+//!   duplicated, and the backward kernels produce dK and dV already summed
+//!   over the group.
+
+pub mod check;
+pub mod cpu;
+pub mod layout;
+mod mil_gen;
+
+use serde::Serialize;
+
+use crate::config::ModelConfig;
+pub use layout::{Encoding, KernelLayout};
+
+/// The ten kernels, in the order a training step uses them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum KernelKind {
+    /// xnorm, Wq, Wk, Wv (+ QK-norm weights) → attention output, roped q/k, v.
+    SdpaForward,
+    /// attn, Wo → o.
+    WoForward,
+    /// x2norm, x2, W1, W3, W2 → x_next = x2 + α·W2(silu(W1 x)·W3 x), h1, h3, gate.
+    FfnForward,
+    /// dffn, W2 → dgate = W2ᵀ dffn.
+    FfnBackwardW2,
+    /// dh1, dh3, W1, W3 → dx = W1ᵀ dh1 + W3ᵀ dh3.
+    FfnBackwardW13,
+    /// dy, Wo → da = Woᵀ dy.
+    WoBackward,
+    /// q, k, v, da → dv, probs, dp (attention recomputed).
+    SdpaBackward1,
+    /// probs, dp, q, k → dq, dk (softmax backward on the device).
+    SdpaBackward2,
+    /// dq, Wq → dx = Wqᵀ dq.
+    QBackward,
+    /// dk, dv, Wk, Wv → dx = Wkᵀ dk + Wvᵀ dv.
+    KvBackward,
+}
+
+impl KernelKind {
+    pub const ALL: [KernelKind; 10] = [
+        KernelKind::SdpaForward,
+        KernelKind::WoForward,
+        KernelKind::FfnForward,
+        KernelKind::FfnBackwardW2,
+        KernelKind::FfnBackwardW13,
+        KernelKind::WoBackward,
+        KernelKind::SdpaBackward1,
+        KernelKind::SdpaBackward2,
+        KernelKind::QBackward,
+        KernelKind::KvBackward,
+    ];
+
+    /// File-friendly name (`sdpa_forward`).
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelKind::SdpaForward => "sdpa_forward",
+            KernelKind::WoForward => "wo_forward",
+            KernelKind::FfnForward => "ffn_forward",
+            KernelKind::FfnBackwardW2 => "ffn_backward_w2",
+            KernelKind::FfnBackwardW13 => "ffn_backward_w13",
+            KernelKind::WoBackward => "wo_backward",
+            KernelKind::SdpaBackward1 => "sdpa_backward1",
+            KernelKind::SdpaBackward2 => "sdpa_backward2",
+            KernelKind::QBackward => "q_backward",
+            KernelKind::KvBackward => "kv_backward",
+        }
+    }
+
+    /// The seed's name for the same kernel (`sdpaFwd`).
+    pub fn seed_name(self) -> &'static str {
+        match self {
+            KernelKind::SdpaForward => "sdpaFwd",
+            KernelKind::WoForward => "woFwd",
+            KernelKind::FfnForward => "ffnFused",
+            KernelKind::FfnBackwardW2 => "ffnBwdW2t",
+            KernelKind::FfnBackwardW13 => "ffnBwdW13t",
+            KernelKind::WoBackward => "wotBwd",
+            KernelKind::SdpaBackward1 => "sdpaBwd1",
+            KernelKind::SdpaBackward2 => "sdpaBwd2",
+            KernelKind::QBackward => "qBwd",
+            KernelKind::KvBackward => "kvBwd",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<KernelKind> {
+        KernelKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s || k.seed_name() == s)
+    }
+}
+
+/// RoPE pairing convention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Rope {
+    /// Hugging Face `rotate_half`: dimension i pairs with i + HD/2.
+    HalfSplit,
+    /// The seed's (and llama2.c's) adjacent pairs (2i, 2i+1).
+    Interleaved,
+}
+
+/// Everything besides the shapes that changes what a kernel computes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KernelOptions {
+    pub rope: Rope,
+    pub rope_theta: f64,
+    pub qk_norm: bool,
+    /// RMSNorm epsilon (QK-norm inside sdpa_forward).
+    pub eps: f64,
+    /// Scale α of the FFN residual branch: 1 for Hugging Face models,
+    /// 1/sqrt(2·layers) in the seed (DeepNet).
+    pub residual_scale: f64,
+    /// Reproduce the seed's layouts (sdpa_forward also passes xnorm through).
+    pub seed_compat: bool,
+    /// CPU twin only: compute with the constants exactly as the MIL program
+    /// stores them (fp16 RoPE tables, score scale, eps, residual scale), so
+    /// the interpreter's fp32 mode can be compared bit for bit with the
+    /// maths. The CPU engine leaves this off and uses exact constants.
+    pub fp16_constants: bool,
+}
+
+impl KernelOptions {
+    /// Hugging Face semantics for `cfg`.
+    pub fn hf(cfg: &ModelConfig) -> KernelOptions {
+        KernelOptions {
+            rope: Rope::HalfSplit,
+            rope_theta: cfg.rope_theta,
+            qk_norm: cfg.qk_norm,
+            eps: cfg.rms_norm_eps,
+            residual_scale: 1.0,
+            seed_compat: false,
+            fp16_constants: false,
+        }
+    }
+
+    /// The seed's conventions: interleaved RoPE with θ = 10000, no QK-norm,
+    /// DeepNet residual scaling, seed layouts.
+    pub fn seed(cfg: &ModelConfig) -> KernelOptions {
+        KernelOptions {
+            rope: Rope::Interleaved,
+            rope_theta: 10000.0,
+            qk_norm: false,
+            eps: cfg.rms_norm_eps,
+            residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
+            seed_compat: true,
+            fp16_constants: false,
+        }
+    }
+}
+
+/// The sizes a kernel is generated for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Shape {
+    pub dim: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub seq: usize,
+}
+
+impl Shape {
+    pub fn new(cfg: &ModelConfig, seq: usize) -> Shape {
+        Shape {
+            dim: cfg.hidden_size,
+            hidden: cfg.intermediate_size,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            seq,
+        }
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    pub fn ratio(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Channels of a flattened score matrix (`heads·S`).
+    pub fn score_channels(&self) -> usize {
+        self.heads * self.seq
+    }
+}
+
+impl KernelOptions {
+    /// A constant as the twin should use it (rounded to fp16 when
+    /// `fp16_constants` is set).
+    pub fn constant(&self, v: f64) -> f32 {
+        if self.fp16_constants {
+            mil::tensor::round_f16(v as f32)
+        } else {
+            v as f32
+        }
+    }
+
+    /// RoPE tables as the twin should use them.
+    pub fn rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+        let (mut c, mut s) = rope_tables(seq, hd, self.rope_theta, self.rope);
+        if self.fp16_constants {
+            mil::tensor::round_to_f16_in_place(&mut c);
+            mil::tensor::round_to_f16_in_place(&mut s);
+        }
+        (c, s)
+    }
+}
+
+/// Where each kernel's inputs and outputs live (the single source of offsets).
+pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
+    use Encoding::*;
+    let (d, h, q, kv, seq) = (s.dim, s.hidden, s.q_dim(), s.kv_dim(), s.seq);
+    let mut b = layout::LayoutBuilder::new(kind.name(), seq);
+    match kind {
+        KernelKind::SdpaForward => {
+            b.columns("xnorm", d, seq, Activation)
+                .columns("wq", d, q, Transposed)
+                .columns("wk", d, kv, Transposed)
+                .columns("wv", d, kv, Transposed);
+            if o.qk_norm {
+                b.columns("q_norm", s.head_dim, 1, Activation)
+                    .columns("k_norm", s.head_dim, 1, Activation);
+            }
+            b.output("attn", q)
+                .output("q_rope", q)
+                .output("k_rope", kv)
+                .output("v", kv);
+            if o.seed_compat {
+                b.output("xnorm", d);
+            }
+            if o.qk_norm {
+                b.output("q_raw", q).output("k_raw", kv);
+            }
+        }
+        KernelKind::WoForward => {
+            b.columns("attn", q, seq, Activation)
+                .columns("wo", q, d, Transposed)
+                .output("o", d);
+        }
+        KernelKind::FfnForward => {
+            b.columns("x2norm", d, seq, Activation)
+                .columns("x2", d, seq, Activation)
+                .columns("w1", d, h, Transposed)
+                .columns("w3", d, h, Transposed)
+                .columns("w2", d, h, AsIs)
+                .output("x_next", d)
+                .output("h1", h)
+                .output("h3", h)
+                .output("gate", h);
+        }
+        KernelKind::FfnBackwardW2 => {
+            b.columns("dffn", d, seq, Activation)
+                .columns("w2", d, h, AsIs)
+                .output("dgate", h);
+        }
+        KernelKind::FfnBackwardW13 => {
+            b.columns("dh1", h, seq, Activation)
+                .columns("dh3", h, seq, Activation)
+                .columns("w1", h, d, AsIs)
+                .columns("w3", h, d, AsIs)
+                .output("dx", d);
+        }
+        KernelKind::WoBackward => {
+            b.columns("dy", d, seq, Activation)
+                .columns("wo", d, q, AsIs)
+                .output("da", q);
+        }
+        KernelKind::SdpaBackward1 => {
+            b.rows("q_rope", q)
+                .rows("k_rope", kv)
+                .rows("v", kv)
+                .rows("da", q)
+                .output("dv", kv)
+                .output("probs", s.score_channels())
+                .output("dp", s.score_channels());
+        }
+        KernelKind::SdpaBackward2 => {
+            b.rows("probs", s.score_channels())
+                .rows("dp", s.score_channels())
+                .rows("q_rope", q)
+                .rows("k_rope", kv)
+                .output("dq", q)
+                .output("dk", kv);
+        }
+        KernelKind::QBackward => {
+            b.columns("dq", q, seq, Activation)
+                .columns("wq", q, d, AsIs)
+                .output("dx", d);
+        }
+        KernelKind::KvBackward => {
+            b.columns("dk", kv, seq, Activation)
+                .columns("dv", kv, seq, Activation)
+                .columns("wk", kv, d, AsIs)
+                .columns("wv", kv, d, AsIs)
+                .output("dx", d);
+        }
+    }
+    b.build()
+}
+
+/// A generated kernel: program, the blob files it reads, its layout.
+pub struct Kernel {
+    pub kind: KernelKind,
+    pub layout: KernelLayout,
+    pub program: mil::Program,
+    /// `(file name under weights/, blob file bytes)`
+    pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+impl Kernel {
+    /// The program as MIL text.
+    pub fn text(&self) -> String {
+        mil::print(&self.program)
+    }
+
+    /// Blobs keyed by the path the text uses (`@model_path/weights/NAME`).
+    pub fn blob_paths(&self) -> Vec<(String, Vec<u8>)> {
+        self.blobs
+            .iter()
+            .map(|(n, b)| (format!("{}{n}", mil::blob::PATH_PREFIX), b.clone()))
+            .collect()
+    }
+}
+
+/// Generates `kind` for shape `s` with options `o`.
+pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<Kernel> {
+    let layout = layout(kind, s, o);
+    let (function, blob_names) = mil_gen::generate(kind, s, o, &layout)?;
+    let blobs = blob_names
+        .into_iter()
+        .map(|name| {
+            let data = match name {
+                BLOB_MASK => causal_mask(s.seq, s.ratio()),
+                BLOB_COS => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).0,
+                _ => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).1,
+            };
+            (name.to_string(), mil::blob::encode(&data))
+        })
+        .collect();
+    Ok(Kernel {
+        kind,
+        layout,
+        program: mil::Program::new(vec![function]),
+        blobs,
+    })
+}
+
+pub(crate) const BLOB_MASK: &str = "mask.bin";
+pub(crate) const BLOB_COS: &str = "rope_cos.bin";
+pub(crate) const BLOB_SIN: &str = "rope_sin.bin";
+
+/// Additive causal mask for `ratio` query heads folded along the sequence:
+/// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` with −65504 (fp16's
+/// lowest finite value; −inf would turn fully masked rows into NaN).
+pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
+    let mut m = vec![0f32; ratio * seq * seq];
+    for row in 0..ratio * seq {
+        let i = row % seq;
+        for j in i + 1..seq {
+            m[row * seq + j] = -65504.0;
+        }
+    }
+    m
+}
+
+/// RoPE tables `cos, sin [S, HD]` for positions 0..S.
+///
+/// Half-split (Hugging Face): column c uses frequency index `c mod HD/2`;
+/// inverse frequencies and angles are computed in f32 exactly as
+/// `transformers` does. Interleaved (seed): columns 2i and 2i+1 share index i.
+pub fn rope_tables(seq: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+    let half = hd / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| 1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32))
+        .collect();
+    let mut cos = vec![0f32; seq * hd];
+    let mut sin = vec![0f32; seq * hd];
+    for p in 0..seq {
+        for c in 0..hd {
+            let i = match rope {
+                Rope::HalfSplit => c % half,
+                Rope::Interleaved => c / 2,
+            };
+            let angle = match rope {
+                Rope::HalfSplit => p as f32 * inv[i],
+                // The seed: theta = p / powf(10000, 2i/HD) in f32.
+                Rope::Interleaved => p as f32 / (theta as f32).powf((2 * i) as f32 / hd as f32),
+            };
+            cos[p * hd + c] = (angle as f64).cos() as f32;
+            sin[p * hd + c] = (angle as f64).sin() as f32;
+        }
+    }
+    (cos, sin)
+}
