@@ -62,6 +62,49 @@ pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> V
     y
 }
 
+/// Backward of [`head_rms_norm`]: with r = rsqrt(mean(x²) + eps) per head
+/// and position,
+///   dx_d = r·w_d·dy_d − x_d · r³/HD · Σ_e w_e·dy_e·x_e,   dw_d = Σ dy_d·x_d·r.
+/// `dw` is accumulated.
+pub fn head_rms_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    hd: usize,
+    seq: usize,
+    eps: f32,
+    dw: &mut [f32],
+) -> Vec<f32> {
+    let mut dx = vec![0f32; x.len()];
+    for h in 0..x.len() / (hd * seq) {
+        for s in 0..seq {
+            let at = |d: usize| (h * hd + d) * seq + s;
+            let ms = (0..hd).map(|d| (x[at(d)] as f64).powi(2)).sum::<f64>() / hd as f64;
+            let r = 1.0 / (ms + eps as f64).sqrt();
+            let dot: f64 = (0..hd).map(|d| (w[d] * dy[at(d)] * x[at(d)]) as f64).sum();
+            let c = r * r * r / hd as f64 * dot;
+            for d in 0..hd {
+                dx[at(d)] = (r * (w[d] * dy[at(d)]) as f64 - x[at(d)] as f64 * c) as f32;
+                dw[d] += (dy[at(d)] as f64 * x[at(d)] as f64 * r) as f32;
+            }
+        }
+    }
+    dx
+}
+
+/// Backward of gate = silu(h1)·h3:
+///   dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))),   dh3 = dgate·silu(h1).
+pub fn swiglu_backward(h1: &[f32], h3: &[f32], dgate: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut dh1 = vec![0f32; h1.len()];
+    let mut dh3 = vec![0f32; h1.len()];
+    for i in 0..h1.len() {
+        let sg = 1.0 / (1.0 + (-h1[i]).exp());
+        dh1[i] = dgate[i] * h3[i] * sg * (1.0 + h1[i] * (1.0 - sg));
+        dh3[i] = dgate[i] * h1[i] * sg;
+    }
+    (dh1, dh3)
+}
+
 /// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
 /// which is RoPE's backward).
 pub fn apply_rope(

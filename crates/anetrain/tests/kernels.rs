@@ -1,0 +1,465 @@
+//! The kernel set: MIL programs against their CPU twins for MHA and GQA
+//! shapes, the seed-compatible mode against the seed's own programs, the
+//! backward pieces against finite differences of an independent f64
+//! forward, and the ANE rules on every generated program.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use anetrain::config::{Arch, ModelConfig};
+use anetrain::kernels::check::{check_kernel, pack_all, run_mil};
+use anetrain::kernels::cpu::{self, Tensors};
+use anetrain::kernels::{build, KernelKind, KernelOptions, Rope, Shape};
+use anetrain::rng::Rng;
+use mil::Precision;
+
+fn config(
+    dim: usize,
+    hidden: usize,
+    heads: usize,
+    kv: usize,
+    hd: usize,
+    qk_norm: bool,
+) -> ModelConfig {
+    ModelConfig {
+        arch: if qk_norm { Arch::Qwen3 } else { Arch::Llama },
+        hidden_size: dim,
+        intermediate_size: hidden,
+        num_hidden_layers: 2,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim: hd,
+        vocab_size: 64,
+        rope_theta: 1e6,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: true,
+        max_position_embeddings: 64,
+        qk_norm,
+    }
+}
+
+#[test]
+fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
+    // ratio 1, 2, 4; head_dim differs from hidden/heads in each.
+    let cfgs = [
+        config(48, 96, 4, 4, 16, false),
+        config(64, 160, 4, 2, 24, true),
+        config(96, 128, 8, 2, 16, true),
+    ];
+    for cfg in &cfgs {
+        for seed_compat in [false, true] {
+            let o = if seed_compat {
+                KernelOptions::seed(cfg)
+            } else {
+                KernelOptions::hf(cfg)
+            };
+            let s = Shape::new(cfg, 16);
+            for kind in KernelKind::ALL {
+                let r = check_kernel(kind, &s, &o, 7).unwrap();
+                eprintln!(
+                    "{:?} ratio {} seed {seed_compat}: fp32 {:.1e} fp16 {:.1e}",
+                    kind,
+                    s.ratio(),
+                    r.fp32_rel,
+                    r.fp16_rel
+                );
+                assert!(
+                    r.passed(),
+                    "{kind:?} ratio {} seed_compat {seed_compat}: {r:?}",
+                    s.ratio()
+                );
+            }
+        }
+    }
+}
+
+fn reference_dir() -> Option<PathBuf> {
+    let root = std::env::var_os("ANETRAIN_REFERENCE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
+        });
+    let d = root.join("seed-mil/mha_b");
+    if d.is_dir() {
+        return Some(d);
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!(
+            "reference corpus missing at {} (CI requires it)",
+            d.display()
+        );
+    }
+    eprintln!("SKIPPED: reference corpus not found at {}", d.display());
+    None
+}
+
+fn npy_floats(p: &std::path::Path) -> Vec<f32> {
+    match mil::npy::read(p).unwrap().data {
+        mil::npy::NpyData::Float(v) => v,
+        _ => panic!("{} is not float", p.display()),
+    }
+}
+
+#[test]
+fn seed_compatible_mode_reproduces_the_seed_programs() {
+    let Some(dir) = reference_dir() else { return };
+    let j: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let n = |k: &str| j[k].as_u64().unwrap() as usize;
+    let mut cfg = config(
+        n("DIM"),
+        n("HIDDEN"),
+        n("HEADS"),
+        n("KV_HEADS"),
+        n("HD"),
+        false,
+    );
+    cfg.num_hidden_layers = n("NLAYERS");
+    cfg.max_position_embeddings = n("SEQ");
+    let s = Shape::new(&cfg, n("SEQ"));
+    let o = KernelOptions::seed(&cfg);
+    for kind in KernelKind::ALL {
+        let k = build(kind, &s, &o).unwrap();
+        let vec = dir.join("vectors");
+        let input = npy_floats(&vec.join(format!("{}_in.npy", kind.seed_name())));
+        assert_eq!(
+            input.len(),
+            k.layout.input_elems(),
+            "{kind:?}: packed input size"
+        );
+        let want = npy_floats(&vec.join(format!("{}_out.npy", kind.seed_name())));
+        let got = run_mil(&k, input, Precision::Fp32).unwrap();
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+            / scale;
+        eprintln!("{kind:?}: rel err vs seed {err:.2e}");
+        assert!(err <= 1e-5, "{kind:?}: {err:e}");
+        // The blobs equal the seed's files byte for byte.
+        for (name, bytes) in &k.blobs {
+            let seed = std::fs::read(dir.join("weights").join(name)).unwrap();
+            assert_eq!(&seed, bytes, "{kind:?}: blob {name}");
+        }
+    }
+}
+
+#[test]
+fn generated_programs_pass_the_default_ane_rules() {
+    for cfg in [
+        ModelConfig::preset("qwen3-0.6b").unwrap(),
+        ModelConfig::preset("tiny").unwrap(),
+    ] {
+        let s = Shape::new(&cfg, 256);
+        for kind in KernelKind::ALL {
+            let k = build(kind, &s, &KernelOptions::hf(&cfg)).unwrap();
+            let broken = mil::rules::check(&k.program, &mil::rules::RuleSet::default());
+            assert!(broken.is_empty(), "{kind:?}: {broken:?}");
+            // and the simulated device accepts the text
+            ane::Device::compile(&mut ane::SimDevice::new(), &k.text(), &k.blob_paths())
+                .map(|_| ())
+                .unwrap_or_else(|e| panic!("{kind:?}: {e}"));
+        }
+    }
+}
+
+// ------------------------------------------------ finite differences (f64)
+
+type M = Vec<f64>;
+
+fn to64(v: &[f32]) -> M {
+    v.iter().map(|&x| x as f64).collect()
+}
+
+/// W [m,k] · X [k,n]
+fn mm(w: &[f64], x: &[f64], m: usize, k: usize, n: usize) -> M {
+    let mut o = vec![0.0; m * n];
+    for i in 0..m {
+        for p in 0..k {
+            for j in 0..n {
+                o[i * n + j] += w[i * k + p] * x[p * n + j];
+            }
+        }
+    }
+    o
+}
+
+/// Independent f64 attention forward (HF maths): QK-norm, half-split RoPE,
+/// causal GQA softmax attention with query head h reading KV head h/ratio.
+fn attention_f64(t: &BTreeMap<&str, M>, s: &Shape, theta: f64, eps: f64, qk_norm: bool) -> M {
+    let (d, seq, hd) = (s.dim, s.seq, s.head_dim);
+    let x = &t["xnorm"];
+    let mut q = mm(&t["wq"], x, s.q_dim(), d, seq);
+    let mut k = mm(&t["wk"], x, s.kv_dim(), d, seq);
+    let v = mm(&t["wv"], x, s.kv_dim(), d, seq);
+    let norm = |m: &mut M, w: &M| {
+        for h in 0..m.len() / (hd * seq) {
+            for p in 0..seq {
+                let ms: f64 = (0..hd)
+                    .map(|e| m[(h * hd + e) * seq + p].powi(2))
+                    .sum::<f64>()
+                    / hd as f64;
+                let r = 1.0 / (ms + eps).sqrt();
+                for e in 0..hd {
+                    m[(h * hd + e) * seq + p] *= r * w[e];
+                }
+            }
+        }
+    };
+    if qk_norm {
+        norm(&mut q, &t["q_norm"]);
+        norm(&mut k, &t["k_norm"]);
+    }
+    let rope = |m: &M| -> M {
+        let mut o = m.clone();
+        let half = hd / 2;
+        for h in 0..m.len() / (hd * seq) {
+            for p in 0..seq {
+                for i in 0..half {
+                    let a = p as f64 * theta.powf(-((2 * i) as f64) / hd as f64);
+                    let (x1, x2) = (m[(h * hd + i) * seq + p], m[(h * hd + i + half) * seq + p]);
+                    o[(h * hd + i) * seq + p] = x1 * a.cos() - x2 * a.sin();
+                    o[(h * hd + i + half) * seq + p] = x2 * a.cos() + x1 * a.sin();
+                }
+            }
+        }
+        o
+    };
+    let (q, k) = (rope(&q), rope(&k));
+    let mut out = vec![0.0; s.q_dim() * seq];
+    for h in 0..s.heads {
+        let g = h / s.ratio();
+        for i in 0..seq {
+            let sc: Vec<f64> = (0..=i)
+                .map(|j| {
+                    (0..hd)
+                        .map(|e| q[(h * hd + e) * seq + i] * k[(g * hd + e) * seq + j])
+                        .sum::<f64>()
+                        / (hd as f64).sqrt()
+                })
+                .collect();
+            let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+            let ex: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
+            let z: f64 = ex.iter().sum();
+            for e in 0..hd {
+                out[(h * hd + e) * seq + i] =
+                    (0..=i).map(|j| ex[j] / z * v[(g * hd + e) * seq + j]).sum();
+            }
+        }
+    }
+    out
+}
+
+fn fd_check(name: &str, analytic: &[f32], f: &mut dyn FnMut(usize, f64) -> f64, rng: &mut Rng) {
+    let scale = analytic.iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+    assert!(scale > 0.0, "{name}: zero gradient");
+    for _ in 0..12 {
+        let i = rng.below(analytic.len());
+        let h = 1e-5;
+        let num = (f(i, h) - f(i, -h)) / (2.0 * h);
+        let err = (num - analytic[i] as f64).abs() / scale;
+        assert!(
+            err < 2e-4,
+            "{name}[{i}]: analytic {} vs numeric {num} (rel {err:e})",
+            analytic[i]
+        );
+    }
+}
+
+#[test]
+fn attention_backward_pieces_match_finite_differences() {
+    for (heads, kv, qk_norm) in [(4, 2, true), (2, 2, false), (4, 1, true)] {
+        let cfg = config(24, 20, heads, kv, 8, qk_norm);
+        let s = Shape::new(&cfg, 6);
+        let o = KernelOptions::hf(&cfg);
+        let mut rng = Rng::new(11);
+        let (d, seq, q, kvd, hd) = (s.dim, s.seq, s.q_dim(), s.kv_dim(), s.head_dim);
+        let mut t: BTreeMap<&str, M> = BTreeMap::new();
+        t.insert("xnorm", to64(&rng.normals(d * seq, 1.0)));
+        t.insert("wq", to64(&rng.normals(q * d, 0.3)));
+        t.insert("wk", to64(&rng.normals(kvd * d, 0.3)));
+        t.insert("wv", to64(&rng.normals(kvd * d, 0.3)));
+        t.insert(
+            "q_norm",
+            rng.normals(hd, 0.3)
+                .iter()
+                .map(|v| 1.0 + *v as f64)
+                .collect(),
+        );
+        t.insert(
+            "k_norm",
+            rng.normals(hd, 0.3)
+                .iter()
+                .map(|v| 1.0 + *v as f64)
+                .collect(),
+        );
+        let g = to64(&rng.normals(q * seq, 1.0)); // dL/d attn
+        let f32s = |m: &M| m.iter().map(|&v| v as f32).collect::<Vec<f32>>();
+        let tt: Tensors = t.iter().map(|(k, v)| (k.to_string(), f32s(v))).collect();
+
+        // Forward and the backward chain through the twins.
+        let fwd = cpu::run(KernelKind::SdpaForward, &s, &o, &tt);
+        let mut b1 = Tensors::new();
+        for n in ["q_rope", "k_rope", "v"] {
+            b1.insert(n.into(), fwd[n].clone());
+        }
+        b1.insert("da".into(), f32s(&g));
+        let r1 = cpu::run(KernelKind::SdpaBackward1, &s, &o, &b1);
+        let mut b2 = Tensors::new();
+        for n in ["probs", "dp"] {
+            b2.insert(n.into(), r1[n].clone());
+        }
+        b2.insert("q_rope".into(), fwd["q_rope"].clone());
+        b2.insert("k_rope".into(), fwd["k_rope"].clone());
+        let r2 = cpu::run(KernelKind::SdpaBackward2, &s, &o, &b2);
+        let (cos, sin) = o.rope_tables(seq, hd);
+        let mut dq = cpu::apply_rope(&r2["dq"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
+        let mut dk = cpu::apply_rope(&r2["dk"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
+        let (mut dwqn, mut dwkn) = (vec![0f32; hd], vec![0f32; hd]);
+        if qk_norm {
+            let eps = o.eps as f32;
+            dq = cpu::head_rms_norm_backward(
+                &fwd["q_raw"],
+                &tt["q_norm"],
+                &dq,
+                hd,
+                seq,
+                eps,
+                &mut dwqn,
+            );
+            dk = cpu::head_rms_norm_backward(
+                &fwd["k_raw"],
+                &tt["k_norm"],
+                &dk,
+                hd,
+                seq,
+                eps,
+                &mut dwkn,
+            );
+        }
+        let mut kvin = Tensors::new();
+        kvin.insert("dk".into(), dk.clone());
+        kvin.insert("dv".into(), r1["dv"].clone());
+        kvin.insert("wk".into(), tt["wk"].clone());
+        kvin.insert("wv".into(), tt["wv"].clone());
+        let mut dx = cpu::run(KernelKind::KvBackward, &s, &o, &kvin)
+            .remove("dx")
+            .unwrap();
+        let mut qin = Tensors::new();
+        qin.insert("dq".into(), dq.clone());
+        qin.insert("wq".into(), tt["wq"].clone());
+        let dxq = cpu::run(KernelKind::QBackward, &s, &o, &qin)
+            .remove("dx")
+            .unwrap();
+        dx.iter_mut().zip(&dxq).for_each(|(a, b)| *a += b);
+        // dWq = dq · xnormᵀ
+        let mut dwq = vec![0f32; q * d];
+        for i in 0..q {
+            for j in 0..d {
+                dwq[i * d + j] = (0..seq)
+                    .map(|p| dq[i * seq + p] * tt["xnorm"][j * seq + p])
+                    .sum();
+            }
+        }
+        let loss = |t: &BTreeMap<&str, M>| -> f64 {
+            attention_f64(t, &s, cfg.rope_theta, cfg.rms_norm_eps, qk_norm)
+                .iter()
+                .zip(&g)
+                .map(|(a, b)| a * b)
+                .sum()
+        };
+        let mut check = |name: &'static str, analytic: &[f32]| {
+            let base = t.clone();
+            let mut f = |i: usize, h: f64| {
+                let mut tp = base.clone();
+                tp.get_mut(name).unwrap()[i] += h;
+                loss(&tp)
+            };
+            fd_check(name, analytic, &mut f, &mut rng);
+        };
+        check("xnorm", &dx);
+        check("wq", &dwq);
+        if qk_norm {
+            check("q_norm", &dwqn);
+            check("k_norm", &dwkn);
+        }
+    }
+}
+
+#[test]
+fn ffn_backward_pieces_match_finite_differences() {
+    let cfg = config(16, 24, 2, 2, 8, false);
+    let s = Shape::new(&cfg, 5);
+    let o = KernelOptions {
+        residual_scale: 0.5,
+        ..KernelOptions::hf(&cfg)
+    };
+    let (d, hid, seq) = (s.dim, s.hidden, s.seq);
+    let mut rng = Rng::new(3);
+    let mut t = Tensors::new();
+    t.insert("x2norm".into(), rng.normals(d * seq, 1.0));
+    t.insert("x2".into(), rng.normals(d * seq, 1.0));
+    t.insert("w1".into(), rng.normals(hid * d, 0.4));
+    t.insert("w3".into(), rng.normals(hid * d, 0.4));
+    t.insert("w2".into(), rng.normals(d * hid, 0.4));
+    let g = rng.normals(d * seq, 1.0);
+    let fwd = cpu::run(KernelKind::FfnForward, &s, &o, &t);
+    let mut b = Tensors::new();
+    b.insert("dffn".into(), g.iter().map(|v| v * 0.5).collect());
+    b.insert("w2".into(), t["w2"].clone());
+    let dgate = cpu::run(KernelKind::FfnBackwardW2, &s, &o, &b)
+        .remove("dgate")
+        .unwrap();
+    let (dh1, dh3) = cpu::swiglu_backward(&fwd["h1"], &fwd["h3"], &dgate);
+    let mut b = Tensors::new();
+    b.insert("dh1".into(), dh1);
+    b.insert("dh3".into(), dh3);
+    b.insert("w1".into(), t["w1"].clone());
+    b.insert("w3".into(), t["w3"].clone());
+    let dx = cpu::run(KernelKind::FfnBackwardW13, &s, &o, &b)
+        .remove("dx")
+        .unwrap();
+    // f64 forward: x_next = x2 + 0.5·W2(silu(W1 x)·(W3 x))
+    let loss = |x: &[f64]| -> f64 {
+        let w = |n: &str| to64(&t[n]);
+        let h1 = mm(&w("w1"), x, hid, d, seq);
+        let h3 = mm(&w("w3"), x, hid, d, seq);
+        let gate: Vec<f64> = h1
+            .iter()
+            .zip(&h3)
+            .map(|(a, b)| a / (1.0 + (-a).exp()) * b)
+            .collect();
+        let f = mm(&w("w2"), &gate, d, hid, seq);
+        f.iter().zip(&g).map(|(a, b)| 0.5 * a * *b as f64).sum()
+    };
+    let x0 = to64(&t["x2norm"]);
+    let mut f = |i: usize, h: f64| {
+        let mut x = x0.clone();
+        x[i] += h;
+        loss(&x)
+    };
+    fd_check("x2norm", &dx, &mut f, &mut rng);
+}
+
+#[test]
+fn packing_follows_the_layout_exactly() {
+    // A weight packed as Wᵀ lands where the MIL slice reads it: pack a
+    // one-hot Wq and check the projection picks the right input channel.
+    let cfg = config(8, 16, 2, 2, 4, false);
+    let s = Shape::new(&cfg, 4);
+    let o = KernelOptions::hf(&cfg);
+    let k = build(KernelKind::WoForward, &s, &o).unwrap();
+    let mut t = Tensors::new();
+    let attn: Vec<f32> = (0..s.q_dim() * s.seq).map(|i| i as f32).collect();
+    let mut wo = vec![0f32; s.dim * s.q_dim()];
+    wo[3 * s.q_dim() + 5] = 1.0; // o[3] = attn[5]
+    t.insert("attn".into(), attn.clone());
+    t.insert("wo".into(), wo);
+    let y = run_mil(&k, pack_all(&k, &t), Precision::Fp32).unwrap();
+    assert_eq!(
+        &k.layout.unpack("o", &y)[3 * s.seq..4 * s.seq],
+        &attn[5 * s.seq..6 * s.seq]
+    );
+}
