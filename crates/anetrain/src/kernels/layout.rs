@@ -171,6 +171,13 @@ impl LayoutBuilder {
         self
     }
 
+    /// Pads the spatial width with unused columns up to a multiple of `m`
+    /// (the `spatial-multiple-16` ANE rule).
+    pub fn pad_spatial_to(&mut self, m: usize) -> &mut Self {
+        self.spatial = self.spatial.div_ceil(m) * m;
+        self
+    }
+
     /// Channel stacking: an activation `[channels, seq]` below the previous ones.
     pub fn rows(&mut self, name: &str, channels: usize) -> &mut Self {
         self.spatial = self.seq;

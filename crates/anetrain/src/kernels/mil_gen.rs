@@ -118,7 +118,7 @@ impl<'a> Gen<'a> {
     }
 
     /// `[1, 1, S, N]` → channel-first `[1, N, 1, S]`.
-    fn to_channels(&mut self, out: &str, y: &Value) -> Result<Value> {
+    fn rows_to_channels(&mut self, out: &str, y: &Value) -> Result<Value> {
         let (s, n) = (y.dims()[2], y.dims()[3]);
         let t = self.transpose(&format!("{out}_t"), y, &[0, 1, 3, 2])?;
         self.reshape(out, &t, &[1, n, 1, s])
@@ -139,7 +139,7 @@ impl<'a> Gen<'a> {
     }
 
     /// `[1, heads, S, HD]` → channel-first `[1, heads·HD, 1, S]`.
-    fn heads_to_channels(&mut self, out: &str, x: &Value) -> Result<Value> {
+    fn heads_rows_to_channels(&mut self, out: &str, x: &Value) -> Result<Value> {
         let (h, s, hd) = (x.dims()[1], x.dims()[2], x.dims()[3]);
         let t = self.transpose(&format!("{out}_t"), x, &[0, 1, 3, 2])?;
         self.reshape(out, &t, &[1, h * hd, 1, s])
@@ -258,17 +258,17 @@ pub fn generate(
             let probs = g.attention_probs(&qf, &k_rope, s)?;
             let a = g.matmul("attn_fold", &probs, &v, false, false)?;
             let a = g.reshape("attn_heads", &a, &[1, s.heads, seq, hd])?;
-            let attn = g.heads_to_channels("attn", &a)?;
-            let qc = g.heads_to_channels("q_rope_out", &q_rope)?;
-            let kc = g.heads_to_channels("k_rope_out", &k_rope)?;
-            let vc = g.to_channels("v_out", &vm)?;
+            let attn = g.heads_rows_to_channels("attn", &a)?;
+            let qc = g.heads_rows_to_channels("q_rope_out", &q_rope)?;
+            let kc = g.heads_rows_to_channels("k_rope_out", &k_rope)?;
+            let vc = g.rows_to_channels("v_out", &vm)?;
             let mut outs = vec![attn, qc, kc, vc];
             if o.seed_compat {
                 outs.push(g.region("xnorm")?);
             }
             if o.qk_norm {
-                outs.push(g.to_channels("q_raw", &qm)?);
-                outs.push(g.to_channels("k_raw", &km)?);
+                outs.push(g.rows_to_channels("q_raw", &qm)?);
+                outs.push(g.rows_to_channels("k_raw", &km)?);
             }
             let refs: Vec<&Value> = outs.iter().collect();
             g.concat("out", &refs, 1)?
@@ -276,14 +276,14 @@ pub fn generate(
         KernelKind::WoForward => {
             let at = g.act_rows("attn")?;
             let y = g.project("o_mm", &at, "wo")?;
-            g.to_channels("o", &y)?
+            g.rows_to_channels("o", &y)?
         }
         KernelKind::FfnForward => {
             let xt = g.act_rows("x2norm")?;
             let h1m = g.project("h1_mm", &xt, "w1")?;
             let h3m = g.project("h3_mm", &xt, "w3")?;
-            let h1 = g.to_channels("h1", &h1m)?;
-            let h3 = g.to_channels("h3", &h3m)?;
+            let h1 = g.rows_to_channels("h1", &h1m)?;
+            let h3 = g.rows_to_channels("h3", &h3m)?;
             // silu(h1)·h3 with silu = h1·sigmoid(h1)
             let sig = g.b.sigmoid("sig", &h1)?;
             let silu = g.b.mul("silu", &h1, &sig)?;
@@ -294,7 +294,7 @@ pub fn generate(
             let w2 = g.region("w2")?;
             let w22 = g.reshape("w2_2d", &w2, &[1, 1, s.dim, hid])?;
             let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
-            let ffn = g.to_channels("ffn", &fm)?;
+            let ffn = g.rows_to_channels("ffn", &fm)?;
             let x2 = g.region("x2")?;
             let branch = if o.residual_scale == 1.0 {
                 ffn
@@ -313,7 +313,7 @@ pub fn generate(
             };
             let at = g.act_rows(act)?;
             let y = g.project(&format!("{out}_mm"), &at, w)?;
-            g.to_channels(out, &y)?
+            g.rows_to_channels(out, &y)?
         }
         KernelKind::FfnBackwardW13 | KernelKind::KvBackward => {
             let (a1, a2, w1, w2) = match kind {
@@ -325,7 +325,7 @@ pub fn generate(
             let y1 = g.project(&format!("{a1}_mm"), &t1, w1)?;
             let y2 = g.project(&format!("{a2}_mm"), &t2, w2)?;
             let y = g.b.add("dx_mm", &y1, &y2)?;
-            g.to_channels("dx", &y)?
+            g.rows_to_channels("dx", &y)?
         }
         KernelKind::SdpaBackward1 => {
             let qc = g.region("q_rope")?;
@@ -342,7 +342,7 @@ pub fn generate(
             // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
             let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
             let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
-            let dvc = g.heads_to_channels("dv", &dv)?;
+            let dvc = g.heads_rows_to_channels("dv", &dv)?;
             let sc = s.score_channels();
             let pf = g.reshape("probs_out", &probs, &[1, sc, 1, seq])?;
             let dpf = g.reshape("dp_out", &dp, &[1, sc, 1, seq])?;
@@ -371,8 +371,8 @@ pub fn generate(
             let dq = g.matmul("dq_fold", &ds, &k, false, false)?;
             let dk = g.matmul("dk_h", &ds, &qf, true, false)?;
             let dqh = g.reshape("dq_h", &dq, &[1, s.heads, seq, hd])?;
-            let dqc = g.heads_to_channels("dq", &dqh)?;
-            let dkc = g.heads_to_channels("dk", &dk)?;
+            let dqc = g.heads_rows_to_channels("dq", &dqh)?;
+            let dkc = g.heads_rows_to_channels("dk", &dk)?;
             g.concat("out", &[&dqc, &dkc], 1)?
         }
     };

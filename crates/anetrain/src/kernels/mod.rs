@@ -235,8 +235,11 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
                 .columns("wk", d, kv, Transposed)
                 .columns("wv", d, kv, Transposed);
             if o.qk_norm {
+                // Two [HD] vectors in one column each, then padding so the
+                // input width stays a multiple of 16 like the other kernels'.
                 b.columns("q_norm", s.head_dim, 1, Activation)
-                    .columns("k_norm", s.head_dim, 1, Activation);
+                    .columns("k_norm", s.head_dim, 1, Activation)
+                    .pad_spatial_to(16);
             }
             b.output("attn", q)
                 .output("q_rope", q)
