@@ -45,6 +45,33 @@ pub const PRESETS: &[&str] = &[
 /// AdamW state is 16 bytes per parameter): 8 billion.
 const MAX_PARAMS: u128 = 8_000_000_000;
 
+/// θ from `rope_theta` (transformers 4) or `rope_parameters.rope_theta`
+/// (transformers 5); other RoPE types (scaled, YaRN, ...) are refused.
+fn rope_theta(obj: &serde_json::Map<String, serde_json::Value>) -> Result<f64> {
+    let mut theta = None;
+    if let Some(v) = obj.get("rope_theta").filter(|v| !v.is_null()) {
+        theta = Some(
+            v.as_f64()
+                .with_context(|| format!("\"rope_theta\" must be a number, got {v}"))?,
+        );
+    }
+    if let Some(p) = obj.get("rope_parameters").filter(|v| !v.is_null()) {
+        let kind = p
+            .get("rope_type")
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        if kind != "default" {
+            bail!("rope_type \"{kind}\" is not supported; only plain RoPE models can be trained");
+        }
+        if let Some(v) = p.get("rope_theta").filter(|v| !v.is_null()) {
+            theta = Some(v.as_f64().with_context(|| {
+                format!("\"rope_parameters.rope_theta\" must be a number, got {v}")
+            })?);
+        }
+    }
+    Ok(theta.unwrap_or(10000.0))
+}
+
 impl ModelConfig {
     /// A built-in configuration by name.
     pub fn preset(name: &str) -> Option<ModelConfig> {
@@ -178,7 +205,7 @@ impl ModelConfig {
             num_key_value_heads: opt_uint("num_key_value_heads")?.unwrap_or(heads),
             head_dim: opt_uint("head_dim")?.unwrap_or(hidden / heads),
             vocab_size: uint("vocab_size")?,
-            rope_theta: float("rope_theta", 10000.0)?,
+            rope_theta: rope_theta(obj)?,
             rms_norm_eps: float("rms_norm_eps", 1e-6)?,
             tie_word_embeddings: match obj.get("tie_word_embeddings") {
                 None | Some(serde_json::Value::Null) => false,
@@ -193,6 +220,9 @@ impl ModelConfig {
             if !s.is_null() {
                 bail!("\"rope_scaling\" is not supported (got {s}); only plain RoPE models can be trained");
             }
+        }
+        if obj.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true) {
+            bail!("\"use_sliding_window\": true is not supported (full causal attention only)");
         }
         for k in ["attention_bias", "mlp_bias"] {
             if obj.get(k).and_then(|v| v.as_bool()) == Some(true) {

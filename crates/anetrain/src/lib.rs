@@ -1,9 +1,13 @@
 //! anetrain: training Llama and Qwen3 models on the Apple Neural Engine.
 //!
 //! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
-//! → engines → trainer.
+//! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
 pub mod config;
+pub mod engine;
 pub mod fsutil;
 pub mod kernels;
+pub mod model;
+pub mod optim;
 pub mod rng;
+pub mod safetensors;

@@ -300,20 +300,20 @@ fn attention_backward_pieces_match_finite_differences() {
         let tt: Tensors = t.iter().map(|(k, v)| (k.to_string(), f32s(v))).collect();
 
         // Forward and the backward chain through the twins.
-        let fwd = cpu::run(KernelKind::SdpaForward, &s, &o, &tt);
+        let fwd = cpu::run(KernelKind::SdpaForward, &s, &o, &cpu::inputs(&tt));
         let mut b1 = Tensors::new();
         for n in ["q_rope", "k_rope", "v"] {
             b1.insert(n.into(), fwd[n].clone());
         }
         b1.insert("da".into(), f32s(&g));
-        let r1 = cpu::run(KernelKind::SdpaBackward1, &s, &o, &b1);
+        let r1 = cpu::run(KernelKind::SdpaBackward1, &s, &o, &cpu::inputs(&b1));
         let mut b2 = Tensors::new();
         for n in ["probs", "dp"] {
             b2.insert(n.into(), r1[n].clone());
         }
         b2.insert("q_rope".into(), fwd["q_rope"].clone());
         b2.insert("k_rope".into(), fwd["k_rope"].clone());
-        let r2 = cpu::run(KernelKind::SdpaBackward2, &s, &o, &b2);
+        let r2 = cpu::run(KernelKind::SdpaBackward2, &s, &o, &cpu::inputs(&b2));
         let (cos, sin) = o.rope_tables(seq, hd);
         let mut dq = cpu::apply_rope(&r2["dq"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
         let mut dk = cpu::apply_rope(&r2["dk"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
@@ -344,13 +344,13 @@ fn attention_backward_pieces_match_finite_differences() {
         kvin.insert("dv".into(), r1["dv"].clone());
         kvin.insert("wk".into(), tt["wk"].clone());
         kvin.insert("wv".into(), tt["wv"].clone());
-        let mut dx = cpu::run(KernelKind::KvBackward, &s, &o, &kvin)
+        let mut dx = cpu::run(KernelKind::KvBackward, &s, &o, &cpu::inputs(&kvin))
             .remove("dx")
             .unwrap();
         let mut qin = Tensors::new();
         qin.insert("dq".into(), dq.clone());
         qin.insert("wq".into(), tt["wq"].clone());
-        let dxq = cpu::run(KernelKind::QBackward, &s, &o, &qin)
+        let dxq = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&qin))
             .remove("dx")
             .unwrap();
         dx.iter_mut().zip(&dxq).for_each(|(a, b)| *a += b);
@@ -405,11 +405,11 @@ fn ffn_backward_pieces_match_finite_differences() {
     t.insert("w3".into(), rng.normals(hid * d, 0.4));
     t.insert("w2".into(), rng.normals(d * hid, 0.4));
     let g = rng.normals(d * seq, 1.0);
-    let fwd = cpu::run(KernelKind::FfnForward, &s, &o, &t);
+    let fwd = cpu::run(KernelKind::FfnForward, &s, &o, &cpu::inputs(&t));
     let mut b = Tensors::new();
     b.insert("dffn".into(), g.iter().map(|v| v * 0.5).collect());
     b.insert("w2".into(), t["w2"].clone());
-    let dgate = cpu::run(KernelKind::FfnBackwardW2, &s, &o, &b)
+    let dgate = cpu::run(KernelKind::FfnBackwardW2, &s, &o, &cpu::inputs(&b))
         .remove("dgate")
         .unwrap();
     let (dh1, dh3) = cpu::swiglu_backward(&fwd["h1"], &fwd["h3"], &dgate);
@@ -418,7 +418,7 @@ fn ffn_backward_pieces_match_finite_differences() {
     b.insert("dh3".into(), dh3);
     b.insert("w1".into(), t["w1"].clone());
     b.insert("w3".into(), t["w3"].clone());
-    let dx = cpu::run(KernelKind::FfnBackwardW13, &s, &o, &b)
+    let dx = cpu::run(KernelKind::FfnBackwardW13, &s, &o, &cpu::inputs(&b))
         .remove("dx")
         .unwrap();
     // f64 forward: x_next = x2 + 0.5·W2(silu(W1 x)·(W3 x))

@@ -122,8 +122,8 @@ pub fn check_kernel(
     let input = pack_all(&k, &t);
     let y32 = run_mil(&k, input.clone(), Precision::Fp32)?;
     let y16 = run_mil(&k, input, Precision::Fp16)?;
-    let (a32, r32) = compare(&k, &y32, &cpu::run(kind, s, &stored, &t));
-    let (a16, r16) = compare(&k, &y16, &cpu::run(kind, s, &exact, &t));
+    let (a32, r32) = compare(&k, &y32, &cpu::run(kind, s, &stored, &cpu::inputs(&t)));
+    let (a16, r16) = compare(&k, &y16, &cpu::run(kind, s, &exact, &cpu::inputs(&t)));
     Ok(CheckResult {
         kind,
         fp32_max_abs: a32,

@@ -12,8 +12,18 @@ use super::{KernelKind, KernelOptions, Rope, Shape};
 /// Named tensors, row-major in their logical shapes.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
 
-fn get<'a>(t: &'a Tensors, name: &str) -> &'a [f32] {
+/// Borrowed kernel inputs (activations and weights), so the engine passes
+/// weights without copying them.
+pub type Inputs<'a> = BTreeMap<&'a str, &'a [f32]>;
+
+/// Borrows every tensor of `t` as an input.
+pub fn inputs(t: &Tensors) -> Inputs<'_> {
+    t.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect()
+}
+
+fn get<'a>(t: &Inputs<'a>, name: &str) -> &'a [f32] {
     t.get(name)
+        .copied()
         .unwrap_or_else(|| panic!("kernel input '{name}' missing"))
 }
 
@@ -175,7 +185,7 @@ fn head_probs(
 }
 
 /// Runs kernel `kind` natively.
-pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> Tensors {
+pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensors {
     let (d, hid, q, kv, seq, hd) = (s.dim, s.hidden, s.q_dim(), s.kv_dim(), s.seq, s.head_dim);
     let r = s.ratio();
     let scale = o.constant(1.0 / (hd as f64).sqrt());

@@ -1,0 +1,531 @@
+//! The transformer, forward and backward, over the kernel contract: the
+//! matmul-heavy work goes through a [`KernelRunner`] (the CPU twins here; the
+//! Neural Engine later), the rest — embedding, RMSNorm, residuals, RoPE and
+//! QK-norm backward, cross-entropy, weight gradients — runs on the CPU.
+//! Activations are channel-first `[C, S]` per sequence.
+//!
+//! One layer, forward (α is the residual scale, 1 for HF models):
+//!   xn = rmsnorm(x)·w_attn;  attn, q, k, v = sdpa_forward(xn);  x2 = x + α·Wo·attn
+//!   x2n = rmsnorm(x2)·w_ffn;  x' = x2 + α·W2(silu(W1 x2n)·W3 x2n)
+//! and backward runs the same list in reverse, each piece beside its maths.
+
+use anyhow::{bail, Result};
+use mil::linalg::{sgemm, MatRef};
+
+use crate::kernels::cpu::{self, Inputs, Tensors};
+use crate::kernels::{KernelKind, KernelOptions, Shape};
+use crate::model::Model;
+
+/// Runs one kernel for one layer. Activations come in `acts`; the runner
+/// supplies the layer's weights itself.
+pub trait KernelRunner {
+    fn run(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        kind: KernelKind,
+        shape: &Shape,
+        acts: &Inputs,
+    ) -> Result<Tensors>;
+}
+
+/// The weights a kernel reads, by region name.
+pub fn kernel_weights<'a>(model: &'a Model, layer: usize, kind: KernelKind) -> Inputs<'a> {
+    let l = &model.layers[layer];
+    let p = |i: usize| model.params[i].data.as_slice();
+    let mut w = Inputs::new();
+    match kind {
+        KernelKind::SdpaForward => {
+            w.insert("wq", p(l.wq));
+            w.insert("wk", p(l.wk));
+            w.insert("wv", p(l.wv));
+            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+                w.insert("q_norm", p(qn));
+                w.insert("k_norm", p(kn));
+            }
+        }
+        KernelKind::WoForward | KernelKind::WoBackward => {
+            w.insert("wo", p(l.wo));
+        }
+        KernelKind::FfnForward => {
+            w.insert("w1", p(l.w1));
+            w.insert("w3", p(l.w3));
+            w.insert("w2", p(l.w2));
+        }
+        KernelKind::FfnBackwardW2 => {
+            w.insert("w2", p(l.w2));
+        }
+        KernelKind::FfnBackwardW13 => {
+            w.insert("w1", p(l.w1));
+            w.insert("w3", p(l.w3));
+        }
+        KernelKind::QBackward => {
+            w.insert("wq", p(l.wq));
+        }
+        KernelKind::KvBackward => {
+            w.insert("wk", p(l.wk));
+            w.insert("wv", p(l.wv));
+        }
+        KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {}
+    }
+    w
+}
+
+/// The CPU engine's kernels: the native twins.
+pub struct CpuKernels {
+    pub opts: KernelOptions,
+}
+
+impl KernelRunner for CpuKernels {
+    fn run(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        kind: KernelKind,
+        shape: &Shape,
+        acts: &Inputs,
+    ) -> Result<Tensors> {
+        let mut all = kernel_weights(model, layer, kind);
+        all.extend(acts.iter().map(|(k, v)| (*k, *v)));
+        Ok(cpu::run(kind, shape, &self.opts, &all))
+    }
+}
+
+/// What one layer's backward needs from its forward.
+struct LayerActs {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    attn: Vec<f32>,
+    q_rope: Vec<f32>,
+    k_rope: Vec<f32>,
+    v: Vec<f32>,
+    q_raw: Vec<f32>,
+    k_raw: Vec<f32>,
+    x2: Vec<f32>,
+    x2n: Vec<f32>,
+    h1: Vec<f32>,
+    h3: Vec<f32>,
+    gate: Vec<f32>,
+}
+
+/// A forward pass over one sequence.
+pub struct Forward {
+    tokens: Vec<u32>,
+    layers: Vec<LayerActs>,
+    x_last: Vec<f32>,
+    /// Final-normed hidden state `[D, S]`.
+    pub xf: Vec<f32>,
+}
+
+/// Gradients parallel to `Model::params`.
+pub type Grads = Vec<Vec<f32>>;
+
+pub fn zero_grads(model: &Model) -> Grads {
+    model
+        .params
+        .iter()
+        .map(|p| vec![0f32; p.data.len()])
+        .collect()
+}
+
+/// `dW [out, in] += dY [out, S] · X [in, S]ᵀ`
+fn accumulate_weight_grad(
+    dw: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    out: usize,
+    inp: usize,
+    seq: usize,
+) {
+    sgemm(
+        MatRef::row_major(dy, 0, out, seq),
+        MatRef::row_major(x, 0, inp, seq).t(),
+        dw,
+        0,
+        inp,
+        true,
+    );
+}
+
+fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
+    dst.iter_mut().zip(src).for_each(|(d, s)| *d += alpha * s);
+}
+
+/// The transformer over a kernel runner.
+pub struct Engine<R: KernelRunner> {
+    pub runner: R,
+    pub opts: KernelOptions,
+}
+
+impl Engine<CpuKernels> {
+    /// The CPU engine with Hugging Face semantics for `model`.
+    pub fn cpu(model: &Model) -> Engine<CpuKernels> {
+        let opts = KernelOptions::hf(&model.cfg);
+        Engine {
+            runner: CpuKernels { opts: opts.clone() },
+            opts,
+        }
+    }
+}
+
+impl<R: KernelRunner> Engine<R> {
+    fn take(t: &mut Tensors, name: &str) -> Vec<f32> {
+        t.remove(name).unwrap_or_default()
+    }
+
+    /// Forward over `tokens` (one sequence), keeping what backward needs.
+    pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
+        let cfg = &model.cfg;
+        let (d, seq) = (cfg.hidden_size, tokens.len());
+        if seq == 0 {
+            bail!("cannot run the model on an empty sequence");
+        }
+        let shape = Shape::new(cfg, seq);
+        let eps = cfg.rms_norm_eps as f32;
+        let alpha = self.opts.residual_scale as f32;
+        // x[c, s] = E[token_s, c]
+        let emb = &model.params[model.embed].data;
+        let mut x = vec![0f32; d * seq];
+        for (s, &t) in tokens.iter().enumerate() {
+            let t = t as usize;
+            if t >= cfg.vocab_size {
+                bail!(
+                    "token id {t} at position {s} is outside the vocabulary ({} ids)",
+                    cfg.vocab_size
+                );
+            }
+            for c in 0..d {
+                x[c * seq + s] = emb[t * d + c];
+            }
+        }
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for (i, l) in model.layers.iter().enumerate() {
+            let w = |id: usize| model.params[id].data.as_slice();
+            let xn = cpu::head_rms_norm(&x, w(l.attn_norm), d, seq, eps);
+            let mut a = self.runner.run(
+                model,
+                i,
+                KernelKind::SdpaForward,
+                &shape,
+                &Inputs::from([("xnorm", xn.as_slice())]),
+            )?;
+            let attn = Self::take(&mut a, "attn");
+            let mut o = self.runner.run(
+                model,
+                i,
+                KernelKind::WoForward,
+                &shape,
+                &Inputs::from([("attn", attn.as_slice())]),
+            )?;
+            let mut x2 = x.clone();
+            add_scaled(&mut x2, &Self::take(&mut o, "o"), alpha);
+            let x2n = cpu::head_rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
+            let mut f = self.runner.run(
+                model,
+                i,
+                KernelKind::FfnForward,
+                &shape,
+                &Inputs::from([("x2norm", x2n.as_slice()), ("x2", x2.as_slice())]),
+            )?;
+            let x_next = Self::take(&mut f, "x_next");
+            layers.push(LayerActs {
+                x: std::mem::replace(&mut x, x_next),
+                xn,
+                attn,
+                q_rope: Self::take(&mut a, "q_rope"),
+                k_rope: Self::take(&mut a, "k_rope"),
+                v: Self::take(&mut a, "v"),
+                q_raw: Self::take(&mut a, "q_raw"),
+                k_raw: Self::take(&mut a, "k_raw"),
+                x2,
+                x2n,
+                h1: Self::take(&mut f, "h1"),
+                h3: Self::take(&mut f, "h3"),
+                gate: Self::take(&mut f, "gate"),
+            });
+        }
+        let xf = cpu::head_rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
+        Ok(Forward {
+            tokens: tokens.to_vec(),
+            layers,
+            x_last: x,
+            xf,
+        })
+    }
+
+    /// Backward from `dxf` (gradient of the final-normed state), accumulating
+    /// into `grads`.
+    pub fn backward(
+        &mut self,
+        model: &Model,
+        fwd: &Forward,
+        dxf: &[f32],
+        grads: &mut Grads,
+    ) -> Result<()> {
+        let cfg = &model.cfg;
+        let (d, seq, hd) = (cfg.hidden_size, fwd.tokens.len(), cfg.head_dim);
+        let (q, kv, hid) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
+        let shape = Shape::new(cfg, seq);
+        let eps = cfg.rms_norm_eps as f32;
+        let alpha = self.opts.residual_scale as f32;
+        let (cos, sin) = self.opts.rope_tables(seq, hd);
+        let w = |id: usize| model.params[id].data.as_slice();
+        // xf = rmsnorm(x)·w_final
+        let mut dx = cpu::head_rms_norm_backward(
+            &fwd.x_last,
+            w(model.final_norm),
+            dxf,
+            d,
+            seq,
+            eps,
+            &mut grads[model.final_norm],
+        );
+        for (i, (l, a)) in model.layers.iter().zip(&fwd.layers).enumerate().rev() {
+            // x' = x2 + α·ffn:  dx2 = dx',  dffn = α·dx'
+            let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
+            let dgate = self
+                .runner
+                .run(
+                    model,
+                    i,
+                    KernelKind::FfnBackwardW2,
+                    &shape,
+                    &Inputs::from([("dffn", dffn.as_slice())]),
+                )?
+                .remove("dgate")
+                .unwrap_or_default();
+            accumulate_weight_grad(&mut grads[l.w2], &dffn, &a.gate, d, hid, seq);
+            let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
+            accumulate_weight_grad(&mut grads[l.w1], &dh1, &a.x2n, hid, d, seq);
+            accumulate_weight_grad(&mut grads[l.w3], &dh3, &a.x2n, hid, d, seq);
+            let dx2n = self
+                .runner
+                .run(
+                    model,
+                    i,
+                    KernelKind::FfnBackwardW13,
+                    &shape,
+                    &Inputs::from([("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())]),
+                )?
+                .remove("dx")
+                .unwrap_or_default();
+            let dnorm = cpu::head_rms_norm_backward(
+                &a.x2,
+                w(l.ffn_norm),
+                &dx2n,
+                d,
+                seq,
+                eps,
+                &mut grads[l.ffn_norm],
+            );
+            add_scaled(&mut dx, &dnorm, 1.0);
+            // x2 = x + α·Wo·attn:  dx = dx2,  do = α·dx2
+            let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
+            accumulate_weight_grad(&mut grads[l.wo], &dout, &a.attn, d, q, seq);
+            let da = self
+                .runner
+                .run(
+                    model,
+                    i,
+                    KernelKind::WoBackward,
+                    &shape,
+                    &Inputs::from([("dy", dout.as_slice())]),
+                )?
+                .remove("da")
+                .unwrap_or_default();
+            let mut b1 = self.runner.run(
+                model,
+                i,
+                KernelKind::SdpaBackward1,
+                &shape,
+                &Inputs::from([
+                    ("q_rope", a.q_rope.as_slice()),
+                    ("k_rope", a.k_rope.as_slice()),
+                    ("v", a.v.as_slice()),
+                    ("da", da.as_slice()),
+                ]),
+            )?;
+            let dv = Self::take(&mut b1, "dv");
+            let mut b2 = self.runner.run(
+                model,
+                i,
+                KernelKind::SdpaBackward2,
+                &shape,
+                &Inputs::from([
+                    ("probs", b1["probs"].as_slice()),
+                    ("dp", b1["dp"].as_slice()),
+                    ("q_rope", a.q_rope.as_slice()),
+                    ("k_rope", a.k_rope.as_slice()),
+                ]),
+            )?;
+            // RoPE is a rotation: its backward is the inverse rotation.
+            let mut dq = cpu::apply_rope(
+                &Self::take(&mut b2, "dq"),
+                hd,
+                seq,
+                &cos,
+                &sin,
+                self.opts.rope,
+                -1.0,
+            );
+            let mut dk = cpu::apply_rope(
+                &Self::take(&mut b2, "dk"),
+                hd,
+                seq,
+                &cos,
+                &sin,
+                self.opts.rope,
+                -1.0,
+            );
+            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+                dq =
+                    cpu::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, &mut grads[qn]);
+                dk =
+                    cpu::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, &mut grads[kn]);
+            }
+            accumulate_weight_grad(&mut grads[l.wq], &dq, &a.xn, q, d, seq);
+            accumulate_weight_grad(&mut grads[l.wk], &dk, &a.xn, kv, d, seq);
+            accumulate_weight_grad(&mut grads[l.wv], &dv, &a.xn, kv, d, seq);
+            let mut dxn = self
+                .runner
+                .run(
+                    model,
+                    i,
+                    KernelKind::QBackward,
+                    &shape,
+                    &Inputs::from([("dq", dq.as_slice())]),
+                )?
+                .remove("dx")
+                .unwrap_or_default();
+            let dxkv = self
+                .runner
+                .run(
+                    model,
+                    i,
+                    KernelKind::KvBackward,
+                    &shape,
+                    &Inputs::from([("dk", dk.as_slice()), ("dv", dv.as_slice())]),
+                )?
+                .remove("dx")
+                .unwrap_or_default();
+            add_scaled(&mut dxn, &dxkv, 1.0);
+            let dnorm = cpu::head_rms_norm_backward(
+                &a.x,
+                w(l.attn_norm),
+                &dxn,
+                d,
+                seq,
+                eps,
+                &mut grads[l.attn_norm],
+            );
+            add_scaled(&mut dx, &dnorm, 1.0);
+        }
+        // x[c, s] = E[token_s, c]
+        let de = &mut grads[model.embed];
+        for (s, &t) in fwd.tokens.iter().enumerate() {
+            for c in 0..d {
+                de[t as usize * d + c] += dx[c * seq + s];
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Logits `[S, V]` for a final-normed state `xf [D, S]`.
+pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
+    let (d, v) = (model.cfg.hidden_size, model.cfg.vocab_size);
+    let mut out = vec![0f32; seq * v];
+    sgemm(
+        MatRef::row_major(xf, 0, d, seq).t(),
+        MatRef::row_major(model.lm_head(), 0, v, d).t(),
+        &mut out,
+        0,
+        v,
+        false,
+    );
+    out
+}
+
+/// Cross-entropy of `logits [S, V]` against `targets`; returns the summed
+/// loss and turns `logits` into dL/dlogits scaled by `grad_scale`
+/// (softmax − onehot).
+pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, grad_scale: f32) -> f64 {
+    let mut total = 0f64;
+    for (row, &t) in logits.chunks_mut(vocab).zip(targets) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|&z| ((z - max) as f64).exp()).sum();
+        let lse = max as f64 + sum.ln();
+        total += lse - row[t as usize] as f64;
+        for z in row.iter_mut() {
+            *z = (((*z - max) as f64).exp() / sum) as f32 * grad_scale;
+        }
+        row[t as usize] -= grad_scale;
+    }
+    total
+}
+
+/// Loss over one sequence's head, plus (when `grads` is given) the gradient
+/// of `grad_scale · loss_sum` into the LM head and the returned `dxf`.
+pub fn head_loss(
+    model: &Model,
+    xf: &[f32],
+    targets: &[u32],
+    grad_scale: f32,
+    grads: Option<&mut Grads>,
+) -> Result<(f64, Vec<f32>)> {
+    let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        bail!("target token id {t} is outside the vocabulary ({v} ids)");
+    }
+    let mut lg = logits(model, xf, seq);
+    let loss = cross_entropy(&mut lg, targets, v, grad_scale);
+    let Some(grads) = grads else {
+        return Ok((loss, vec![]));
+    };
+    // dxf [D, S] = headᵀ [D, V] · dlogitsᵀ [V, S]
+    let mut dxf = vec![0f32; d * seq];
+    sgemm(
+        MatRef::row_major(model.lm_head(), 0, v, d).t(),
+        MatRef::row_major(&lg, 0, seq, v).t(),
+        &mut dxf,
+        0,
+        seq,
+        false,
+    );
+    // dhead [V, D] += dlogitsᵀ [V, S] · xfᵀ [S, D]
+    let head = model.lm_head.unwrap_or(model.embed);
+    sgemm(
+        MatRef::row_major(&lg, 0, seq, v).t(),
+        MatRef::row_major(xf, 0, d, seq).t(),
+        &mut grads[head],
+        0,
+        d,
+        true,
+    );
+    Ok((loss, dxf))
+}
+
+/// Mean cross-entropy over a batch of token rows (each row: inputs
+/// `row[..n-1]`, targets `row[1..]`) and, with `grads`, its gradient.
+pub fn loss_and_grads<R: KernelRunner>(
+    engine: &mut Engine<R>,
+    model: &Model,
+    rows: &[Vec<u32>],
+    mut grads: Option<&mut Grads>,
+) -> Result<(f64, usize)> {
+    let n_targets: usize = rows.iter().map(|r| r.len().saturating_sub(1)).sum();
+    if n_targets == 0 {
+        bail!("every sequence needs at least two tokens");
+    }
+    let scale = 1.0 / n_targets as f32;
+    let mut total = 0f64;
+    for row in rows {
+        let fwd = engine.forward(model, &row[..row.len() - 1])?;
+        let (loss, dxf) = head_loss(model, &fwd.xf, &row[1..], scale, grads.as_deref_mut())?;
+        total += loss;
+        if let Some(g) = grads.as_deref_mut() {
+            engine.backward(model, &fwd, &dxf, g)?;
+        }
+    }
+    Ok((total / n_targets as f64, n_targets))
+}

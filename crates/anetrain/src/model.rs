@@ -1,0 +1,295 @@
+//! Model parameters in Hugging Face names and shapes, loading and saving of
+//! Hugging Face model directories (`config.json` + safetensors, single file
+//! or sharded), and random initialisation.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::config::{Arch, ModelConfig};
+use crate::fsutil::write_atomic;
+use crate::rng::Rng;
+use crate::safetensors;
+
+/// One parameter tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Param {
+    /// Hugging Face tensor name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+    /// Weight decay applies (matrices and embeddings, never norm weights).
+    pub decay: bool,
+}
+
+/// Indices into [`Model::params`] of one layer's tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerIds {
+    pub attn_norm: usize,
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub wo: usize,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+    pub ffn_norm: usize,
+    pub w1: usize,
+    pub w3: usize,
+    pub w2: usize,
+}
+
+/// Parameters in a fixed order: embedding, layers, final norm, lm_head.
+#[derive(Clone, Debug)]
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub params: Vec<Param>,
+    pub embed: usize,
+    pub layers: Vec<LayerIds>,
+    pub final_norm: usize,
+    /// `None` when tied to the embedding.
+    pub lm_head: Option<usize>,
+}
+
+/// The parameter list (names and shapes) a configuration implies.
+fn layout(cfg: &ModelConfig) -> Model {
+    let (d, h, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
+    let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let mut params = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, decay: bool| {
+        params.push(Param {
+            name,
+            shape,
+            data: vec![],
+            decay,
+        });
+        params.len() - 1
+    };
+    let embed = add("model.embed_tokens.weight".into(), vec![v, d], true);
+    let mut layers = Vec::new();
+    for i in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let attn_norm = add(p("input_layernorm.weight"), vec![d], false);
+        let wq = add(p("self_attn.q_proj.weight"), vec![q, d], true);
+        let wk = add(p("self_attn.k_proj.weight"), vec![kv, d], true);
+        let wv = add(p("self_attn.v_proj.weight"), vec![kv, d], true);
+        let wo = add(p("self_attn.o_proj.weight"), vec![d, q], true);
+        let (q_norm, k_norm) = if cfg.qk_norm {
+            (
+                Some(add(p("self_attn.q_norm.weight"), vec![hd], false)),
+                Some(add(p("self_attn.k_norm.weight"), vec![hd], false)),
+            )
+        } else {
+            (None, None)
+        };
+        let ffn_norm = add(p("post_attention_layernorm.weight"), vec![d], false);
+        let w1 = add(p("mlp.gate_proj.weight"), vec![h, d], true);
+        let w3 = add(p("mlp.up_proj.weight"), vec![h, d], true);
+        let w2 = add(p("mlp.down_proj.weight"), vec![d, h], true);
+        layers.push(LayerIds {
+            attn_norm,
+            wq,
+            wk,
+            wv,
+            wo,
+            q_norm,
+            k_norm,
+            ffn_norm,
+            w1,
+            w3,
+            w2,
+        });
+    }
+    let final_norm = add("model.norm.weight".into(), vec![d], false);
+    let lm_head =
+        (!cfg.tie_word_embeddings).then(|| add("lm_head.weight".into(), vec![v, d], true));
+    Model {
+        cfg: cfg.clone(),
+        params,
+        embed,
+        layers,
+        final_norm,
+        lm_head,
+    }
+}
+
+impl Model {
+    /// Random initialisation: matrices N(0, 0.02), norm weights 1.
+    pub fn init(cfg: &ModelConfig, seed: u64) -> Result<Model> {
+        cfg.validate()?;
+        let mut m = layout(cfg);
+        let mut rng = Rng::new(seed);
+        for p in &mut m.params {
+            let n: usize = p.shape.iter().product();
+            p.data = if p.shape.len() == 1 {
+                vec![1.0; n]
+            } else {
+                rng.normals(n, 0.02)
+            };
+        }
+        Ok(m)
+    }
+
+    /// The output projection (the embedding when tied).
+    pub fn lm_head(&self) -> &[f32] {
+        &self.params[self.lm_head.unwrap_or(self.embed)].data
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.params.iter().map(|p| p.data.len()).sum()
+    }
+
+    /// Loads a Hugging Face model directory (config.json plus
+    /// model.safetensors or sharded model-*.safetensors with an index).
+    pub fn load(dir: &Path) -> Result<Model> {
+        if !dir.is_dir() {
+            bail!("model directory '{}' does not exist", dir.display());
+        }
+        let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+        let files = safetensor_files(dir)?;
+        let mut found: BTreeMap<String, (safetensors::Tensor, String)> = BTreeMap::new();
+        for f in &files {
+            for (name, t) in safetensors::read(f)? {
+                found.insert(name, (t, f.display().to_string()));
+            }
+        }
+        let mut m = layout(&cfg);
+        let expected: BTreeSet<&str> = m.params.iter().map(|p| p.name.as_str()).collect();
+        for name in found.keys() {
+            let harmless = name.ends_with("rotary_emb.inv_freq")
+                || (name == "lm_head.weight" && cfg.tie_word_embeddings);
+            if !expected.contains(name.as_str()) && !harmless {
+                bail!(
+                    "'{}': unexpected tensor '{name}' for a {:?} model with {} layers",
+                    found[name].1,
+                    cfg.arch,
+                    cfg.num_hidden_layers
+                );
+            }
+        }
+        for p in &mut m.params {
+            let (t, file) = found
+                .remove(&p.name)
+                .with_context(|| format!("'{}': tensor '{}' is missing", dir.display(), p.name))?;
+            if t.shape != p.shape {
+                bail!(
+                    "'{file}': tensor '{}' has shape {:?}, the config implies {:?}",
+                    p.name,
+                    t.shape,
+                    p.shape
+                );
+            }
+            if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+                bail!(
+                    "'{file}': tensor '{}' holds a non-finite value ({}) at index {i}",
+                    p.name,
+                    t.data[i]
+                );
+            }
+            p.data = t.data;
+        }
+        Ok(m)
+    }
+
+    /// Saves as a Hugging Face model directory (f32 safetensors) that
+    /// `transformers` loads unchanged. Refuses to write non-finite weights.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        for p in &self.params {
+            if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
+                bail!(
+                    "refusing to save: tensor '{}' holds {} at index {i}",
+                    p.name,
+                    p.data[i]
+                );
+            }
+        }
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create '{}'", dir.display()))?;
+        let tensors: Vec<(&str, &[usize], &[f32])> = self
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+            .collect();
+        write_atomic(
+            &dir.join("model.safetensors"),
+            &safetensors::encode(&tensors, &[("format", "pt")]),
+        )?;
+        write_atomic(
+            &dir.join("config.json"),
+            hf_config_json(&self.cfg).as_bytes(),
+        )?;
+        Ok(())
+    }
+}
+
+/// The safetensors files of a model directory.
+fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index)
+            .with_context(|| format!("cannot read '{}'", index.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("'{}': invalid JSON", index.display()))?;
+        let map = v["weight_map"]
+            .as_object()
+            .with_context(|| format!("'{}': no \"weight_map\" object", index.display()))?;
+        let mut files: BTreeSet<String> = BTreeSet::new();
+        for f in map.values() {
+            let f = f.as_str().with_context(|| {
+                format!(
+                    "'{}': weight_map values must be file names",
+                    index.display()
+                )
+            })?;
+            if f.contains('/') || f.contains('\\') || f.starts_with('.') {
+                bail!(
+                    "'{}': shard name '{f}' must be a plain file name",
+                    index.display()
+                );
+            }
+            files.insert(f.to_string());
+        }
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    bail!(
+        "'{}' holds neither model.safetensors nor model.safetensors.index.json",
+        dir.display()
+    )
+}
+
+/// A `config.json` `transformers` reads back to the same architecture.
+pub fn hf_config_json(c: &ModelConfig) -> String {
+    let (arch, model_type) = match c.arch {
+        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+        Arch::Llama => ("LlamaForCausalLM", "llama"),
+    };
+    let v = serde_json::json!({
+        "architectures": [arch],
+        "model_type": model_type,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": false,
+        "attention_dropout": 0.0,
+        "mlp_bias": false,
+        "torch_dtype": "float32",
+        "bos_token_id": null,
+        "eos_token_id": null,
+        "use_cache": true,
+    });
+    serde_json::to_string_pretty(&v).unwrap_or_default()
+}

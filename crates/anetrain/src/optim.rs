@@ -1,0 +1,148 @@
+//! AdamW with PyTorch semantics, global-norm gradient clipping, and the
+//! learning-rate schedule (linear warmup, cosine decay to a floor).
+
+use serde::{Deserialize, Serialize};
+
+use crate::engine::Grads;
+use crate::model::Model;
+
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// Applied to parameters with `decay` set (matrices, embeddings).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// First and second moments per parameter, and the step count.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    pub cfg: AdamWConfig,
+    pub step: u64,
+    pub m: Vec<Vec<f32>>,
+    pub v: Vec<Vec<f32>>,
+}
+
+impl AdamW {
+    pub fn new(model: &Model, cfg: AdamWConfig) -> AdamW {
+        AdamW {
+            cfg,
+            step: 0,
+            m: model
+                .params
+                .iter()
+                .map(|p| vec![0f32; p.data.len()])
+                .collect(),
+            v: model
+                .params
+                .iter()
+                .map(|p| vec![0f32; p.data.len()])
+                .collect(),
+        }
+    }
+
+    /// One update, exactly as `torch.optim.AdamW` (non-fused, f32):
+    ///   p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
+    ///   p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)
+    pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64) {
+        self.step += 1;
+        let t = self.step as i32;
+        let c = &self.cfg;
+        let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+        let step_size = (lr / bc1) as f32;
+        let (eps, bc2_sqrt) = (c.eps as f32, bc2_sqrt as f32);
+        for (i, p) in model.params.iter_mut().enumerate() {
+            let decay = if p.decay {
+                (1.0 - lr * c.weight_decay) as f32
+            } else {
+                1.0
+            };
+            let (m, v, g) = (&mut self.m[i], &mut self.v[i], &grads[i]);
+            for j in 0..p.data.len() {
+                let gj = g[j];
+                p.data[j] *= decay;
+                m[j] = m[j] * b1 + gj * (1.0 - b1);
+                v[j] = v[j] * b2 + gj * gj * (1.0 - b2);
+                let denom = v[j].sqrt() / bc2_sqrt + eps;
+                p.data[j] -= step_size * (m[j] / denom);
+            }
+        }
+    }
+}
+
+/// The global L2 norm of all gradients (accumulated in f64).
+pub fn grad_norm(grads: &Grads) -> f64 {
+    grads
+        .iter()
+        .flat_map(|g| g.iter())
+        .map(|&x| (x as f64) * (x as f64))
+        .sum::<f64>()
+        .sqrt()
+}
+
+/// Scales gradients so their global norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_`: factor max_norm / (norm + 1e-6), only when < 1).
+/// Returns the norm before clipping.
+pub fn clip_grad_norm(grads: &mut Grads, max_norm: f64) -> f64 {
+    let norm = grad_norm(grads);
+    if max_norm > 0.0 {
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for g in grads.iter_mut() {
+                g.iter_mut().for_each(|x| *x *= coef as f32);
+            }
+        }
+    }
+    norm
+}
+
+/// Linear warmup over `warmup` steps, then cosine decay from `peak` to
+/// `peak·min_frac` at `total`. Steps count from 0; with `warmup = 0` the
+/// first step uses the peak.
+pub fn lr_at(step: u64, total: u64, warmup: u64, peak: f64, min_frac: f64) -> f64 {
+    if step < warmup {
+        return peak * (step + 1) as f64 / warmup as f64;
+    }
+    let span = total.saturating_sub(warmup).max(1);
+    let progress = ((step - warmup) as f64 / span as f64).min(1.0);
+    let floor = peak * min_frac;
+    floor + (peak - floor) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_shape() {
+        assert_eq!(lr_at(0, 100, 0, 1.0, 0.1), 1.0);
+        assert!((lr_at(0, 100, 10, 1.0, 0.1) - 0.1).abs() < 1e-12);
+        assert!((lr_at(9, 100, 10, 1.0, 0.1) - 1.0).abs() < 1e-12);
+        assert!((lr_at(100, 100, 10, 1.0, 0.1) - 0.1).abs() < 1e-12);
+        assert!((lr_at(55, 100, 10, 1.0, 0.0) - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn clipping_scales_to_max_norm() {
+        let mut g = vec![vec![3.0f32, 4.0]];
+        assert_eq!(clip_grad_norm(&mut g, 1.0), 5.0);
+        assert!((grad_norm(&g) - 1.0).abs() < 1e-5);
+        let mut g = vec![vec![0.3f32, 0.4]];
+        clip_grad_norm(&mut g, 1.0);
+        assert_eq!(g[0], vec![0.3, 0.4]);
+    }
+}

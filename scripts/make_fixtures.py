@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Builds the small Hugging Face `transformers` fixtures that anetrain's
+parity tests read (committed under crates/anetrain/tests/fixtures/, so
+`cargo test` needs no Python).
+
+For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
+hidden/heads) and Llama (MHA, untied) — it writes:
+
+  model/            config.json + model.safetensors (save_pretrained, f32)
+  tokens.npy        int64 [batch, n+1]
+  logits.npy        float32 [batch, n, vocab]   (model(tokens[:, :-1]).logits)
+  grads.safetensors d(mean cross-entropy)/d(param), HF names
+  adamw.safetensors parameters after one torch.optim.AdamW step
+  greedy.npy        int64: greedy continuation of tokens[0, :prompt_len]
+  fixture.json      loss, AdamW hyper-parameters, prompt length
+
+Norm weights are moved away from 1 so norm-backward mistakes show.
+
+Usage: python scripts/make_fixtures.py [OUT_DIR]
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+PROMPT_LEN = 5
+NEW_TOKENS = 8
+
+
+def build(kind):
+    if kind == "qwen3":
+        cfg = Qwen3Config(
+            vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+            rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True,
+            max_position_embeddings=64, attn_implementation="eager",
+        )
+        return Qwen3ForCausalLM(cfg)
+    cfg = LlamaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=12,
+        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=64, attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def main():
+    out_root = sys.argv[1] if len(sys.argv) > 1 else "crates/anetrain/tests/fixtures"
+    for i, kind in enumerate(["qwen3", "llama"]):
+        torch.manual_seed(1234 + i)
+        model = build(kind).float()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 1:  # norm weights away from 1
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                else:
+                    p.copy_(0.08 * torch.randn_like(p))
+        out = os.path.join(out_root, kind)
+        os.makedirs(out, exist_ok=True)
+        model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
+        vocab = model.config.vocab_size
+        g = torch.Generator().manual_seed(99 + i)
+        tokens = torch.randint(0, vocab, (2, 13), generator=g)
+        np.save(os.path.join(out, "tokens.npy"), tokens.numpy().astype(np.int64))
+
+        model.train()
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        np.save(os.path.join(out, "logits.npy"), logits.detach().numpy().astype(np.float32))
+        grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
+        save_file(grads, os.path.join(out, "grads.safetensors"))
+
+        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": ADAMW["weight_decay"]},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
+        )
+        opt.step()
+        after = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+        save_file(after, os.path.join(out, "adamw.safetensors"))
+
+        # Greedy continuation from the original weights.
+        fresh = type(model).from_pretrained(os.path.join(out, "model"), attn_implementation="eager").float().eval()
+        with torch.no_grad():
+            prompt = tokens[:1, :PROMPT_LEN]
+            gen = fresh.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+        np.save(os.path.join(out, "greedy.npy"), gen[0].numpy().astype(np.int64))
+
+        with open(os.path.join(out, "fixture.json"), "w") as f:
+            json.dump({
+                "kind": kind, "loss": loss.item(), "lr": ADAMW["lr"],
+                "beta1": ADAMW["betas"][0], "beta2": ADAMW["betas"][1], "eps": ADAMW["eps"],
+                "weight_decay": ADAMW["weight_decay"], "prompt_len": PROMPT_LEN,
+                "new_tokens": NEW_TOKENS, "torch": torch.__version__,
+            }, f, indent=1)
+        print(f"{kind}: loss {loss.item():.6f} -> {out}")
+
+
+if __name__ == "__main__":
+    main()
