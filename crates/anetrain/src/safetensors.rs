@@ -135,7 +135,7 @@ pub fn encode(tensors: &[(&str, &[usize], &[f32])], metadata: &[(&str, &str)]) -
         offset = end;
     }
     let mut h = serde_json::to_vec(&header).unwrap_or_default();
-    while (8 + h.len()) % 8 != 0 {
+    while !(8 + h.len()).is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + h.len() + offset);
