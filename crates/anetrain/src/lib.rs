@@ -4,10 +4,13 @@
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
 pub mod config;
+pub mod data;
 pub mod engine;
 pub mod fsutil;
+pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod optim;
 pub mod rng;
 pub mod safetensors;
+pub mod tokenizer;

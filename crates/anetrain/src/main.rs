@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 
 mod cmd_kernels;
 mod cmd_mil;
+mod cmd_model;
 
 use anetrain::fsutil;
 
@@ -31,8 +32,71 @@ enum Command {
         #[command(subcommand)]
         command: KernelsCommand,
     },
+    /// Evaluate a model: mean cross-entropy over token rows or a data file.
+    ///
+    /// For a token array t[0..n] the model reads t[0..n-1] and predicts
+    /// t[1..n]. Prints one JSON line {"loss", "tokens", "ppl"}.
+    Eval {
+        /// Hugging Face model directory (config.json + safetensors).
+        #[arg(long)]
+        model: PathBuf,
+        /// Integer .npy of token ids, [n+1] or [batch, n+1].
+        #[arg(long, value_name = "FILE.npy", conflicts_with = "data")]
+        tokens: Option<PathBuf>,
+        /// Token file (raw u16/u32) or text file (.txt, tokenized), evaluated
+        /// in windows of --seq + 1 tokens.
+        #[arg(long, value_name = "PATH")]
+        data: Option<PathBuf>,
+        /// Window length for --data [default: min(256, max_position_embeddings)].
+        #[arg(long)]
+        seq: Option<usize>,
+        /// Write float32 logits [n, vocab] (or [batch, n, vocab]) here.
+        #[arg(long, value_name = "FILE.npy")]
+        logits_out: Option<PathBuf>,
+        /// Entry width of raw token files.
+        #[arg(long, value_enum, default_value = "u16")]
+        token_dtype: anetrain::data::TokenDtype,
+        /// tokenizer.json for text data [default: the model directory's].
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        /// Evaluate at most this many windows of --data.
+        #[arg(long)]
+        max_windows: Option<usize>,
+        /// Engine (only the CPU engine evaluates today).
+        #[arg(long, value_enum, default_value = "cpu")]
+        backend: EvalBackend,
+    },
+    /// Generate text from a prompt, streaming tokens to stdout.
+    Generate {
+        /// Hugging Face model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// The prompt text.
+        #[arg(long)]
+        prompt: String,
+        /// Maximum number of new tokens.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Sampling temperature; 0 is greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Nucleus sampling mass (1 disables).
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f64,
+        /// Random seed for sampling.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// tokenizer.json [default: the model directory's].
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
     /// Print the platform, Neural Engine availability and versions.
     Info,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum EvalBackend {
+    Cpu,
 }
 
 #[derive(Subcommand)]
@@ -144,6 +208,43 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Eval {
+            model,
+            tokens,
+            data,
+            seq,
+            logits_out,
+            token_dtype,
+            tokenizer,
+            max_windows,
+            backend: EvalBackend::Cpu,
+        } => cmd_model::eval(cmd_model::EvalArgs {
+            model,
+            data,
+            tokens,
+            seq,
+            logits_out,
+            token_dtype,
+            tokenizer,
+            max_windows,
+        })?,
+        Command::Generate {
+            model,
+            prompt,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            tokenizer,
+        } => cmd_model::run_generate(cmd_model::GenerateArgs {
+            model,
+            prompt,
+            max_tokens,
+            temperature,
+            top_p,
+            seed,
+            tokenizer,
+        })?,
         Command::Kernels { command } => match command {
             KernelsCommand::Dump {
                 model,

@@ -150,3 +150,46 @@ fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
     assert!(format!("{:#}", bad.save(&tmp).unwrap_err()).contains("NaN"));
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+#[test]
+fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
+    use anetrain::generate::{generate, Decoder, Sampling};
+    for kind in ["qwen3", "llama"] {
+        let dir = fixture(kind);
+        let model = Model::load(&dir.join("model")).unwrap();
+        let j = json(&dir);
+        let plen = j["prompt_len"].as_u64().unwrap() as usize;
+        let want = mil::npy::read(&dir.join("greedy.npy")).unwrap();
+        let mil::npy::NpyData::Int(want) = want.data else {
+            panic!()
+        };
+        let want: Vec<u32> = want.iter().map(|&t| t as u32).collect();
+        let greedy = Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+        };
+        let got = generate(
+            &model,
+            &want[..plen],
+            want.len() - plen,
+            greedy,
+            0,
+            &[],
+            |_| Ok(()),
+        )
+        .unwrap();
+        assert_eq!(got, want[plen..].to_vec(), "{kind}: greedy continuation");
+        // The cached decoder's logits equal the full forward's at every position.
+        let row = &tokens(&dir)[0];
+        let mut eng = Engine::cpu(&model);
+        let fwd = eng.forward(&model, row).unwrap();
+        let full = engine::logits(&model, &fwd.xf, row.len());
+        let mut dec = Decoder::new(&model);
+        let v = model.cfg.vocab_size;
+        for (p, &t) in row.iter().enumerate() {
+            let l = dec.step(t).unwrap();
+            let rel = max_diff(&l, &full[p * v..(p + 1) * v]) / max_abs(&full[p * v..(p + 1) * v]);
+            assert!(rel < 1e-5, "{kind} position {p}: {rel:e}");
+        }
+    }
+}

@@ -389,26 +389,36 @@ pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
 /// inverse frequencies and angles are computed in f32 exactly as
 /// `transformers` does. Interleaved (seed): columns 2i and 2i+1 share index i.
 pub fn rope_tables(seq: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
-    let half = hd / 2;
-    let inv: Vec<f32> = (0..half)
-        .map(|i| 1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32))
-        .collect();
-    let mut cos = vec![0f32; seq * hd];
-    let mut sin = vec![0f32; seq * hd];
+    let mut cos = Vec::with_capacity(seq * hd);
+    let mut sin = Vec::with_capacity(seq * hd);
     for p in 0..seq {
-        for c in 0..hd {
-            let i = match rope {
-                Rope::HalfSplit => c % half,
-                Rope::Interleaved => c / 2,
-            };
-            let angle = match rope {
-                Rope::HalfSplit => p as f32 * inv[i],
-                // The seed: theta = p / powf(10000, 2i/HD) in f32.
-                Rope::Interleaved => p as f32 / (theta as f32).powf((2 * i) as f32 / hd as f32),
-            };
-            cos[p * hd + c] = (angle as f64).cos() as f32;
-            sin[p * hd + c] = (angle as f64).sin() as f32;
-        }
+        let (c, s) = rope_row(p, hd, theta, rope);
+        cos.extend(c);
+        sin.extend(s);
+    }
+    (cos, sin)
+}
+
+/// One position's RoPE row (`cos, sin [HD]`), see [`rope_tables`].
+pub fn rope_row(pos: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+    let half = hd / 2;
+    let mut cos = vec![0f32; hd];
+    let mut sin = vec![0f32; hd];
+    for c in 0..hd {
+        let i = match rope {
+            Rope::HalfSplit => c % half,
+            Rope::Interleaved => c / 2,
+        };
+        let angle = match rope {
+            // transformers: inv_freq = 1 / θ^(2i/HD) in f32, angle = p·inv_freq in f32
+            Rope::HalfSplit => {
+                pos as f32 * (1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32))
+            }
+            // the seed: angle = p / powf(θ, 2i/HD) in f32
+            Rope::Interleaved => pos as f32 / (theta as f32).powf((2 * i) as f32 / hd as f32),
+        };
+        cos[c] = (angle as f64).cos() as f32;
+        sin[c] = (angle as f64).sin() as f32;
     }
     (cos, sin)
 }

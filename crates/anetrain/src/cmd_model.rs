@@ -1,0 +1,160 @@
+//! `anetrain eval` and `anetrain generate`.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anetrain::data::{self, TokenDtype};
+use anetrain::engine::{self, Engine};
+use anetrain::generate::{generate, Sampling};
+use anetrain::model::Model;
+use anetrain::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+
+use crate::fsutil::write_atomic;
+
+pub struct EvalArgs {
+    pub model: PathBuf,
+    pub data: Option<PathBuf>,
+    pub tokens: Option<PathBuf>,
+    pub seq: Option<usize>,
+    pub logits_out: Option<PathBuf>,
+    pub token_dtype: TokenDtype,
+    pub tokenizer: Option<PathBuf>,
+    pub max_windows: Option<usize>,
+}
+
+pub fn eval(a: EvalArgs) -> Result<()> {
+    let model = Model::load(&a.model)?;
+    let vocab = model.cfg.vocab_size;
+    let (rows, two_d) = match (&a.tokens, &a.data) {
+        (Some(t), None) => {
+            let rows = data::read_npy_rows(t, vocab)?;
+            let two_d = mil::npy::read(t).map_err(anyhow::Error::msg)?.shape.len() == 2;
+            (rows, two_d)
+        }
+        (None, Some(d)) => {
+            let tok = if d.extension().is_some_and(|e| e == "txt") {
+                Some(Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?)
+            } else {
+                None
+            };
+            let ids = data::load_tokens(d, a.token_dtype, tok.as_ref(), vocab)?;
+            let seq = a.seq.unwrap_or(model.cfg.max_position_embeddings.min(256));
+            let mut w = data::windows(&ids, seq);
+            if w.is_empty() {
+                bail!(
+                    "'{}' holds {} tokens, fewer than one window of --seq {seq} + 1",
+                    d.display(),
+                    ids.len()
+                );
+            }
+            if let Some(n) = a.max_windows {
+                w.truncate(n.max(1));
+            }
+            (w, true)
+        }
+        _ => bail!("give exactly one of --tokens FILE.npy or --data PATH"),
+    };
+    let max_len = rows.iter().map(|r| r.len() - 1).max().unwrap_or(0);
+    if max_len > model.cfg.max_position_embeddings {
+        bail!(
+            "sequences of {max_len} tokens exceed the model's max_position_embeddings ({})",
+            model.cfg.max_position_embeddings
+        );
+    }
+    let mut eng = Engine::cpu(&model);
+    let mut total = 0f64;
+    let mut count = 0usize;
+    let mut all_logits: Vec<f32> = Vec::new();
+    for row in &rows {
+        let n = row.len() - 1;
+        let fwd = eng.forward(&model, &row[..n])?;
+        let mut lg = engine::logits(&model, &fwd.xf, n);
+        if a.logits_out.is_some() {
+            all_logits.extend_from_slice(&lg);
+        }
+        total += engine::cross_entropy(&mut lg, &row[1..], model.cfg.vocab_size, 0.0);
+        count += n;
+    }
+    if let Some(out) = &a.logits_out {
+        let n = rows[0].len() - 1;
+        let shape = if two_d {
+            vec![rows.len(), n, vocab]
+        } else {
+            vec![n, vocab]
+        };
+        write_atomic(out, &mil::npy::encode_f32(&shape, &all_logits))?;
+    }
+    let loss = total / count as f64;
+    println!(
+        "{}",
+        serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp()})
+    );
+    Ok(())
+}
+
+pub struct GenerateArgs {
+    pub model: PathBuf,
+    pub prompt: String,
+    pub max_tokens: usize,
+    pub temperature: f64,
+    pub top_p: f64,
+    pub seed: u64,
+    pub tokenizer: Option<PathBuf>,
+}
+
+/// Tokens that end generation when the tokenizer knows them.
+fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
+    ["<|endoftext|>", "<|im_end|>", "</s>", "<eos>"]
+        .iter()
+        .filter_map(|t| tok.token_id(t))
+        .collect()
+}
+
+pub fn run_generate(a: GenerateArgs) -> Result<()> {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        bail!("--temperature must be a finite number >= 0");
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1]");
+    }
+    let model = Model::load(&a.model)?;
+    let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(Path::new(&a.model)))?;
+    let prompt = tok.encode(&a.prompt)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    data::check_ids(&prompt, model.cfg.vocab_size, "the prompt")
+        .context("the tokenizer does not match the model")?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    write!(out, "{}", a.prompt)?;
+    out.flush()?;
+    let mut ids: Vec<u32> = Vec::new();
+    let mut printed = 0usize;
+    let sampling = Sampling {
+        temperature: a.temperature,
+        top_p: a.top_p,
+    };
+    generate(
+        &model,
+        &prompt,
+        a.max_tokens,
+        sampling,
+        a.seed,
+        &stop_tokens(&tok),
+        |t| {
+            ids.push(t);
+            let text = tok.decode(&ids)?;
+            // Print whole characters only (a token may end mid-UTF-8 sequence).
+            if !text.ends_with('\u{FFFD}') && text.len() > printed {
+                write!(out, "{}", &text[printed..])?;
+                out.flush()?;
+                printed = text.len();
+            }
+            Ok(())
+        },
+    )?;
+    writeln!(out)?;
+    Ok(())
+}

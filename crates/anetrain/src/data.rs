@@ -1,0 +1,128 @@
+//! Token data: raw little-endian u16/u32 token files, `.npy` integer arrays,
+//! and text files tokenized on the fly. Every id is checked against the
+//! vocabulary with an error naming the file and the position.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::tokenizer::Tokenizer;
+
+/// Width of a raw token file's entries.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+pub enum TokenDtype {
+    U16,
+    U32,
+}
+
+/// Reads a raw little-endian token file.
+pub fn read_token_file(path: &Path, dtype: TokenDtype) -> Result<Vec<u32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    let width = match dtype {
+        TokenDtype::U16 => 2,
+        TokenDtype::U32 => 4,
+    };
+    if bytes.len() % width != 0 {
+        bail!(
+            "'{}' is {} bytes, not a whole number of {}-byte tokens (wrong --token-dtype?)",
+            path.display(),
+            bytes.len(),
+            width
+        );
+    }
+    Ok(match dtype {
+        TokenDtype::U16 => bytes
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]) as u32)
+            .collect(),
+        TokenDtype::U32 => bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    })
+}
+
+/// Checks every id is below `vocab`.
+pub fn check_ids(ids: &[u32], vocab: usize, what: &str) -> Result<()> {
+    if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+        bail!(
+            "{what}: token id {} at index {i} is outside the model's vocabulary ({vocab} ids)",
+            ids[i]
+        );
+    }
+    Ok(())
+}
+
+/// Token rows from an integer `.npy` (1-D: one row; 2-D: one row each).
+pub fn read_npy_rows(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>> {
+    let a = mil::npy::read(path).map_err(anyhow::Error::msg)?;
+    let mil::npy::NpyData::Int(v) = a.data else {
+        bail!(
+            "'{}' holds {} values; token arrays must be integers",
+            path.display(),
+            a.descr
+        );
+    };
+    let row_len = match a.shape.len() {
+        1 => a.shape[0],
+        2 => a.shape[1],
+        n => bail!(
+            "'{}' has {n} dimensions; expected [n] or [batch, n]",
+            path.display()
+        ),
+    };
+    if row_len < 2 {
+        bail!("'{}': each row needs at least 2 tokens (the model reads t[0..n-1] and predicts t[1..n])", path.display());
+    }
+    if let Some(i) = v.iter().position(|&t| t < 0 || t as u64 >= vocab as u64) {
+        bail!(
+            "'{}': token id {} at index {i} is outside the model's vocabulary ({vocab} ids)",
+            path.display(),
+            v[i]
+        );
+    }
+    Ok(v.chunks(row_len)
+        .map(|r| r.iter().map(|&t| t as u32).collect())
+        .collect())
+}
+
+/// Loads training/eval tokens: a text file (`.txt`, tokenized) or a raw
+/// token file.
+pub fn load_tokens(
+    path: &Path,
+    dtype: TokenDtype,
+    tokenizer: Option<&Tokenizer>,
+    vocab: usize,
+) -> Result<Vec<u32>> {
+    let is_text = path
+        .extension()
+        .is_some_and(|e| e == "txt" || e == "text" || e == "md");
+    let ids = if is_text {
+        let tok = tokenizer.with_context(|| {
+            format!(
+                "'{}' is text; pass --tokenizer (or use a model directory with tokenizer.json)",
+                path.display()
+            )
+        })?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read '{}' as UTF-8 text", path.display()))?;
+        tok.encode(&text)?
+    } else {
+        read_token_file(path, dtype)?
+    };
+    check_ids(&ids, vocab, &format!("'{}'", path.display()))?;
+    Ok(ids)
+}
+
+/// Non-overlapping windows of `seq + 1` tokens with stride `seq`
+/// (consecutive windows share one boundary token).
+pub fn windows(tokens: &[u32], seq: usize) -> Vec<Vec<u32>> {
+    if tokens.len() < seq + 1 {
+        return vec![];
+    }
+    (0..=(tokens.len() - seq - 1) / seq)
+        .map(|k| tokens[k * seq..k * seq + seq + 1].to_vec())
+        .collect()
+}

@@ -1,0 +1,213 @@
+//! Autoregressive generation with a KV cache: one position at a time through
+//! the same maths as the engine (the S = 1 case of the `[C, S]` functions),
+//! with greedy, temperature and nucleus (top-p) sampling.
+
+use anyhow::{bail, Result};
+
+use crate::kernels::cpu::{apply_rope, head_rms_norm, w_x};
+use crate::kernels::{rope_row, KernelOptions};
+use crate::model::Model;
+use crate::rng::Rng;
+
+/// Decoding state: cached keys and values per layer (position-major).
+pub struct Decoder<'a> {
+    model: &'a Model,
+    opts: KernelOptions,
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    pos: usize,
+}
+
+impl<'a> Decoder<'a> {
+    pub fn new(model: &'a Model) -> Decoder<'a> {
+        let n = model.cfg.num_hidden_layers;
+        Decoder {
+            model,
+            opts: KernelOptions::hf(&model.cfg),
+            keys: vec![vec![]; n],
+            values: vec![vec![]; n],
+            pos: 0,
+        }
+    }
+
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// Feeds one token; returns the next-token logits `[V]`.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let m = self.model;
+        let c = &m.cfg;
+        let (d, hd, q, kv, hid) = (
+            c.hidden_size,
+            c.head_dim,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate_size,
+        );
+        if token as usize >= c.vocab_size {
+            bail!(
+                "token id {token} is outside the vocabulary ({} ids)",
+                c.vocab_size
+            );
+        }
+        if self.pos >= c.max_position_embeddings {
+            bail!(
+                "reached the model's max_position_embeddings ({})",
+                c.max_position_embeddings
+            );
+        }
+        let eps = c.rms_norm_eps as f32;
+        let alpha = self.opts.residual_scale as f32;
+        let w = |i: usize| m.params[i].data.as_slice();
+        let (cos, sin) = rope_row(self.pos, hd, self.opts.rope_theta, self.opts.rope);
+        let t = token as usize;
+        let mut x = m.params[m.embed].data[t * d..(t + 1) * d].to_vec();
+        let ratio = c.gqa_ratio();
+        let n = self.pos + 1;
+        for (i, l) in m.layers.iter().enumerate() {
+            let xn = head_rms_norm(&x, w(l.attn_norm), d, 1, eps);
+            let mut qv = w_x(w(l.wq), &xn, q, d, 1);
+            let mut kvec = w_x(w(l.wk), &xn, kv, d, 1);
+            let vvec = w_x(w(l.wv), &xn, kv, d, 1);
+            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+                qv = head_rms_norm(&qv, w(qn), hd, 1, eps);
+                kvec = head_rms_norm(&kvec, w(kn), hd, 1, eps);
+            }
+            let qv = apply_rope(&qv, hd, 1, &cos, &sin, self.opts.rope, 1.0);
+            let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, self.opts.rope, 1.0);
+            self.keys[i].extend_from_slice(&kvec);
+            self.values[i].extend_from_slice(&vvec);
+            let (ks, vs) = (&self.keys[i], &self.values[i]);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let mut attn = vec![0f32; q];
+            let mut scores = vec![0f32; n];
+            for h in 0..c.num_attention_heads {
+                let g = h / ratio;
+                let qh = &qv[h * hd..(h + 1) * hd];
+                for (j, sc) in scores.iter_mut().enumerate() {
+                    let kj = &ks[j * kv + g * hd..j * kv + (g + 1) * hd];
+                    *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                scores.iter_mut().for_each(|s| {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                });
+                let out = &mut attn[h * hd..(h + 1) * hd];
+                for (j, &p) in scores.iter().enumerate() {
+                    let vj = &vs[j * kv + g * hd..j * kv + (g + 1) * hd];
+                    out.iter_mut().zip(vj).for_each(|(o, v)| *o += p / sum * v);
+                }
+            }
+            let o = w_x(w(l.wo), &attn, d, q, 1);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
+            let x2n = head_rms_norm(&x, w(l.ffn_norm), d, 1, eps);
+            let h1 = w_x(w(l.w1), &x2n, hid, d, 1);
+            let h3 = w_x(w(l.w3), &x2n, hid, d, 1);
+            let gate: Vec<f32> = h1
+                .iter()
+                .zip(&h3)
+                .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
+                .collect();
+            let f = w_x(w(l.w2), &gate, d, hid, 1);
+            x.iter_mut().zip(&f).for_each(|(a, b)| *a += alpha * b);
+        }
+        let xf = head_rms_norm(&x, w(m.final_norm), d, 1, eps);
+        self.pos += 1;
+        Ok(w_x(m.lm_head(), &xf, c.vocab_size, d, 1))
+    }
+}
+
+/// Sampling settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Sampling {
+    /// 0 = greedy.
+    pub temperature: f64,
+    /// Nucleus mass in (0, 1]; 1 disables.
+    pub top_p: f64,
+}
+
+/// Picks the next token from `logits`.
+pub fn sample(logits: &[f32], s: Sampling, rng: &mut Rng) -> u32 {
+    let argmax = || {
+        logits
+            .iter()
+            .enumerate()
+            .fold((0usize, f32::NEG_INFINITY), |best, (i, &v)| {
+                if v > best.1 {
+                    (i, v)
+                } else {
+                    best
+                }
+            })
+            .0 as u32
+    };
+    if s.temperature <= 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut probs: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &z)| (i, ((z as f64 - max) / s.temperature).exp()))
+        .collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    probs.iter_mut().for_each(|p| p.1 /= total);
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1));
+    if s.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = probs.len();
+        for (k, p) in probs.iter().enumerate() {
+            acc += p.1;
+            if acc >= s.top_p {
+                keep = k + 1;
+                break;
+            }
+        }
+        probs.truncate(keep);
+    }
+    let mass: f64 = probs.iter().map(|p| p.1).sum();
+    let mut r = rng.uniform() * mass;
+    for &(i, p) in &probs {
+        if r < p {
+            return i as u32;
+        }
+        r -= p;
+    }
+    probs.last().map(|p| p.0 as u32).unwrap_or_else(argmax)
+}
+
+/// Generates up to `max_new` tokens after `prompt`, calling `emit` with each
+/// new token; stops early at `stop` tokens.
+pub fn generate(
+    model: &Model,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: Sampling,
+    seed: u64,
+    stop: &[u32],
+    mut emit: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut dec = Decoder::new(model);
+    let mut rng = Rng::new(seed);
+    let mut logits = vec![];
+    for &t in prompt {
+        logits = dec.step(t)?;
+    }
+    let mut out = Vec::new();
+    for _ in 0..max_new {
+        let t = sample(&logits, sampling, &mut rng);
+        out.push(t);
+        emit(t)?;
+        if stop.contains(&t) || dec.position() >= model.cfg.max_position_embeddings {
+            break;
+        }
+        logits = dec.step(t)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,83 @@
+//! Hugging Face `tokenizer.json` loading (through the `tokenizers` crate),
+//! with errors that name the file.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Result};
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub path: PathBuf,
+}
+
+impl Tokenizer {
+    pub fn load(path: &Path) -> Result<Tokenizer> {
+        if !path.is_file() {
+            bail!("tokenizer '{}' does not exist", path.display());
+        }
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| anyhow!("'{}' is not a usable tokenizer.json: {e}", path.display()))?;
+        Ok(Tokenizer {
+            inner,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// `--tokenizer` if given, else the model directory's `tokenizer.json`.
+    pub fn find(explicit: Option<&Path>, model_dir: Option<&Path>) -> Result<Tokenizer> {
+        if let Some(p) = explicit {
+            return Tokenizer::load(p);
+        }
+        if let Some(d) = model_dir {
+            let p = d.join("tokenizer.json");
+            if p.is_file() {
+                return Tokenizer::load(&p);
+            }
+            bail!(
+                "'{}' has no tokenizer.json; pass --tokenizer FILE",
+                d.display()
+            );
+        }
+        bail!("no tokenizer: pass --tokenizer FILE")
+    }
+
+    pub fn from_inner(inner: tokenizers::Tokenizer) -> Tokenizer {
+        Tokenizer {
+            inner,
+            path: PathBuf::new(),
+        }
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?
+            .get_ids()
+            .to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| anyhow!("decoding failed: {e}"))
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// Id of a token string (e.g. an end-of-text marker), if present.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let json = self
+            .inner
+            .to_string(true)
+            .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
+        crate::fsutil::write_atomic(path, json.as_bytes())
+    }
+}
