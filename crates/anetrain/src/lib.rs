@@ -3,7 +3,9 @@
 //! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
+pub mod checkpoint;
 pub mod config;
+pub mod corpus;
 pub mod data;
 pub mod engine;
 pub mod fsutil;
@@ -14,3 +16,4 @@ pub mod optim;
 pub mod rng;
 pub mod safetensors;
 pub mod tokenizer;
+pub mod train;

@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod cmd_kernels;
 mod cmd_mil;
 mod cmd_model;
+mod cmd_train;
 
 use anetrain::fsutil;
 
@@ -32,6 +33,9 @@ enum Command {
         #[command(subcommand)]
         command: KernelsCommand,
     },
+    /// Train a model (with no arguments: the `tiny` preset on the built-in
+    /// story corpus, in a new directory under ./runs/).
+    Train(Box<cmd_train::TrainArgs>),
     /// Evaluate a model: mean cross-entropy over token rows or a data file.
     ///
     /// For a token array t[0..n] the model reads t[0..n-1] and predicts
@@ -208,6 +212,7 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Train(args) => cmd_train::run(*args)?,
         Command::Eval {
             model,
             tokens,

@@ -39,3 +39,15 @@ impl Rng {
         (0..n).map(|_| (self.normal() * std) as f32).collect()
     }
 }
+
+impl Rng {
+    /// The internal state, for checkpoints.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+
+    /// Restores a generator from [`Rng::state`].
+    pub fn from_state(state: u64) -> Rng {
+        Rng(state)
+    }
+}

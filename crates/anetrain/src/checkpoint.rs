@@ -1,0 +1,236 @@
+//! Checkpoints with exact resume.
+//!
+//! A run directory holds the latest model in Hugging Face layout at its top
+//! level (`config.json`, `model.safetensors`, `tokenizer.json`) and the
+//! trainer's own state in `trainer/`:
+//!
+//! ```text
+//! trainer/model-<step>.safetensors   weights (the top-level file is a hard link to it)
+//! trainer/optim-<step>.safetensors   AdamW moments
+//! trainer/state.json                 step, RNG and data position, settings, checksums
+//! ```
+//!
+//! Saving writes the two step files (each: temp file, fsync, rename), then
+//! commits by replacing `state.json` the same way, then links the new weights
+//! to the top level and deletes the previous step's files. A kill at any
+//! instant leaves `state.json` naming a complete pair whose checksums verify.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::config::ModelConfig;
+use crate::fsutil::write_atomic;
+use crate::model::Model;
+use crate::optim::{AdamW, AdamWConfig};
+use crate::safetensors;
+
+/// Everything besides tensors needed to continue a run bit for bit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format: u32,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Sampling RNG state after `step` steps.
+    pub rng: u64,
+    /// Next window index for sequential sampling.
+    pub cursor: u64,
+    /// Steps skipped for non-finite loss or gradients so far.
+    pub skipped: u64,
+    pub config: ModelConfig,
+    pub adamw: AdamWConfig,
+    /// The run's settings, which a resume must repeat (see `train`).
+    pub settings: serde_json::Value,
+    pub model_file: String,
+    pub model_hash: String,
+    pub optim_file: String,
+    pub optim_hash: String,
+}
+
+pub const FORMAT: u32 = 1;
+
+/// A 64-bit content hash (FNV-1a over 8-byte words, then mixed), to detect
+/// corrupt or mismatched checkpoint files.
+pub fn content_hash(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let w = u64::from_le_bytes(c.try_into().unwrap_or_default());
+        h = (h ^ w).wrapping_mul(0x0000_0100_0000_01b3).rotate_left(29);
+    }
+    for &b in chunks.remainder() {
+        h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h ^= bytes.len() as u64;
+    h = (h ^ (h >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h = (h ^ (h >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    format!("{:016x}", h ^ (h >> 33))
+}
+
+fn trainer_dir(out: &Path) -> PathBuf {
+    out.join("trainer")
+}
+
+pub fn state_path(out: &Path) -> PathBuf {
+    trainer_dir(out).join("state.json")
+}
+
+fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
+    let names: Vec<(String, String)> = model
+        .params
+        .iter()
+        .map(|p| (format!("m.{}", p.name), format!("v.{}", p.name)))
+        .collect();
+    let mut tensors: Vec<(&str, &[usize], &[f32])> = Vec::new();
+    for (i, p) in model.params.iter().enumerate() {
+        tensors.push((names[i].0.as_str(), p.shape.as_slice(), opt.m[i].as_slice()));
+        tensors.push((names[i].1.as_str(), p.shape.as_slice(), opt.v[i].as_slice()));
+    }
+    safetensors::encode(&tensors, &[])
+}
+
+fn model_bytes(model: &Model) -> Vec<u8> {
+    let tensors: Vec<(&str, &[usize], &[f32])> = model
+        .params
+        .iter()
+        .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+        .collect();
+    safetensors::encode(&tensors, &[("format", "pt")])
+}
+
+/// Saves a checkpoint of `model` and `opt` after `state.step` steps.
+/// Refuses non-finite weights (a NaN never reaches a checkpoint).
+pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> Result<()> {
+    for p in &model.params {
+        if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
+            bail!(
+                "refusing to checkpoint: '{}' holds {} at index {i}",
+                p.name,
+                p.data[i]
+            );
+        }
+    }
+    let dir = trainer_dir(out);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create '{}'", dir.display()))?;
+    let previous = read_state(out).ok();
+    let mb = model_bytes(model);
+    let ob = optim_bytes(model, opt);
+    state.format = FORMAT;
+    state.model_file = format!("model-{}.safetensors", state.step);
+    state.optim_file = format!("optim-{}.safetensors", state.step);
+    state.model_hash = content_hash(&mb);
+    state.optim_hash = content_hash(&ob);
+    write_atomic(&dir.join(&state.model_file), &mb)?;
+    write_atomic(&dir.join(&state.optim_file), &ob)?;
+    // Commit point.
+    write_atomic(
+        &state_path(out),
+        serde_json::to_string_pretty(&state)?.as_bytes(),
+    )?;
+    publish_model(out, &dir.join(&state.model_file))?;
+    write_atomic(
+        &out.join("config.json"),
+        crate::model::hf_config_json(&model.cfg).as_bytes(),
+    )?;
+    if let Some(prev) = previous {
+        for f in [prev.model_file, prev.optim_file] {
+            if f != state.model_file && f != state.optim_file {
+                let _ = std::fs::remove_file(dir.join(f));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes `src` the top-level `model.safetensors` atomically (hard link, or
+/// a copy where links are unsupported).
+fn publish_model(out: &Path, src: &Path) -> Result<()> {
+    let tmp = out.join(format!(".model.safetensors.tmp{}", std::process::id()));
+    let _ = std::fs::remove_file(&tmp);
+    if std::fs::hard_link(src, &tmp).is_err() {
+        std::fs::copy(src, &tmp).with_context(|| format!("cannot copy '{}'", src.display()))?;
+    }
+    std::fs::rename(&tmp, out.join("model.safetensors")).with_context(|| {
+        format!(
+            "cannot update '{}'",
+            out.join("model.safetensors").display()
+        )
+    })
+}
+
+pub fn read_state(out: &Path) -> Result<TrainerState> {
+    let p = state_path(out);
+    let text =
+        std::fs::read_to_string(&p).with_context(|| format!("cannot read '{}'", p.display()))?;
+    let s: TrainerState = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "'{}' is corrupt or not an anetrain trainer state",
+            p.display()
+        )
+    })?;
+    if s.format != FORMAT {
+        bail!(
+            "'{}' has format {}, this anetrain reads format {FORMAT}",
+            p.display(),
+            s.format
+        );
+    }
+    Ok(s)
+}
+
+/// Loads the committed checkpoint of a run directory, verifying checksums
+/// and shapes.
+pub fn load(out: &Path) -> Result<(Model, AdamW, TrainerState)> {
+    let state = read_state(out)?;
+    state
+        .config
+        .validate()
+        .context("the checkpoint's model config is invalid")?;
+    let dir = trainer_dir(out);
+    let read_checked = |file: &str, hash: &str| -> Result<Vec<u8>> {
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            bail!(
+                "'{}' names an invalid file '{file}'",
+                state_path(out).display()
+            );
+        }
+        let p = dir.join(file);
+        let bytes = std::fs::read(&p).with_context(|| format!("cannot read '{}'", p.display()))?;
+        if content_hash(&bytes) != hash {
+            bail!(
+                "'{}' does not match the checksum in state.json: the checkpoint is corrupt",
+                p.display()
+            );
+        }
+        Ok(bytes)
+    };
+    let mb = read_checked(&state.model_file, &state.model_hash)?;
+    let ob = read_checked(&state.optim_file, &state.optim_hash)?;
+    let mut model = Model::init(&state.config, 0)?;
+    let mut weights = safetensors::parse(&mb).context("checkpoint weights")?;
+    let mut moments = safetensors::parse(&ob).context("checkpoint optimizer state")?;
+    let mut opt = AdamW::new(&model, state.adamw);
+    opt.step = state.step - state.skipped;
+    for (i, p) in model.params.iter_mut().enumerate() {
+        let take = |map: &mut std::collections::BTreeMap<String, safetensors::Tensor>,
+                    name: &str|
+         -> Result<Vec<f32>> {
+            let t = map
+                .remove(name)
+                .with_context(|| format!("checkpoint lacks tensor '{name}'"))?;
+            if t.shape != p.shape {
+                bail!(
+                    "checkpoint tensor '{name}' has shape {:?}, expected {:?}",
+                    t.shape,
+                    p.shape
+                );
+            }
+            Ok(t.data)
+        };
+        p.data = take(&mut weights, &p.name.clone())?;
+        opt.m[i] = take(&mut moments, &format!("m.{}", p.name))?;
+        opt.v[i] = take(&mut moments, &format!("v.{}", p.name))?;
+    }
+    Ok((model, opt, state))
+}

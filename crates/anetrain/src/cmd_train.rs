@@ -1,0 +1,143 @@
+//! `anetrain train`.
+
+use std::path::PathBuf;
+
+use anetrain::config::ModelConfig;
+use anetrain::data::TokenDtype;
+use anetrain::optim::AdamWConfig;
+use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
+use anyhow::Result;
+
+#[derive(clap::Args, Debug)]
+pub struct TrainArgs {
+    /// A preset (tiny, stories15m, stories42m, stories110m, qwen3-0.6b) to
+    /// train from scratch, or a Hugging Face model directory to fine-tune.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Training data: a raw token file (see --token-dtype) or a .txt file
+    /// (tokenized) [default: the built-in story corpus].
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+    /// tokenizer.json for text data [default: the model directory's, or one
+    /// trained on the built-in corpus].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Entry width of raw token files.
+    #[arg(long, value_enum, default_value = "u16")]
+    token_dtype: TokenDtype,
+    /// Engine that runs the kernels.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: TrainBackend,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 300)]
+    steps: u64,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accum: usize,
+    /// Peak learning rate [default: 3e-3 for tiny, 5e-4 for other presets,
+    /// 2e-5 when fine-tuning a model directory].
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Linear warmup steps [default: steps/10].
+    #[arg(long)]
+    warmup: Option<u64>,
+    /// Cosine decay floor as a fraction of the peak learning rate.
+    #[arg(long, default_value_t = 0.1)]
+    min_lr_frac: f64,
+    /// AdamW β1.
+    #[arg(long, default_value_t = 0.9)]
+    beta1: f64,
+    /// AdamW β2.
+    #[arg(long, default_value_t = 0.95)]
+    beta2: f64,
+    /// AdamW ε.
+    #[arg(long, default_value_t = 1e-8)]
+    eps: f64,
+    /// Weight decay (matrices and embeddings only, never norm weights).
+    #[arg(long, default_value_t = 0.1)]
+    wd: f64,
+    /// Global gradient-norm clip (0 disables).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f64,
+    /// Seed for initialisation and data sampling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Window sampling.
+    #[arg(long, value_enum, default_value = "random")]
+    sample: Sample,
+    /// Fraction of the data (from the end) held out for validation.
+    #[arg(long, default_value_t = 0.02)]
+    val_frac: f64,
+    /// Validate every N steps (0 disables).
+    #[arg(long, default_value_t = 50)]
+    eval_every: u64,
+    /// Validation windows per evaluation.
+    #[arg(long, default_value_t = 8)]
+    eval_windows: usize,
+    /// Checkpoint every N steps (and always at the end).
+    #[arg(long, default_value_t = 100)]
+    save_every: u64,
+    /// Run directory [default: a new directory under ./runs/].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Continue the run in --out up to --steps (same flags otherwise).
+    #[arg(long, requires = "out")]
+    resume: bool,
+    /// Print a progress line every N steps when stderr is not a terminal
+    /// [default: steps/20].
+    #[arg(long)]
+    log_every: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum TrainBackend {
+    Cpu,
+}
+
+pub fn run(a: TrainArgs) -> Result<()> {
+    let lr = a.lr.unwrap_or(match a.model.as_str() {
+        "tiny" => 3e-3,
+        m if ModelConfig::preset(m).is_some() => 5e-4,
+        _ => 2e-5,
+    });
+    let settings = TrainSettings {
+        model: a.model.clone(),
+        data: a.data.clone(),
+        token_dtype: a.token_dtype,
+        seq: a.seq,
+        batch: a.batch,
+        accum: a.accum,
+        lr,
+        warmup: a.warmup.unwrap_or(a.steps / 10),
+        min_lr_frac: a.min_lr_frac,
+        clip: a.clip,
+        seed: a.seed,
+        sample: a.sample,
+        val_frac: a.val_frac,
+        eval_every: a.eval_every,
+        eval_windows: a.eval_windows,
+    };
+    let TrainBackend::Cpu = a.backend;
+    train::train(TrainRequest {
+        settings,
+        adamw: AdamWConfig {
+            beta1: a.beta1,
+            beta2: a.beta2,
+            eps: a.eps,
+            weight_decay: a.wd,
+        },
+        steps: a.steps,
+        out: a.out.unwrap_or_else(|| train::default_out(&a.model)),
+        resume: a.resume,
+        tokenizer: a.tokenizer,
+        save_every: a.save_every,
+        log_every: a.log_every.unwrap_or((a.steps / 20).max(1)),
+    })?;
+    Ok(())
+}

@@ -1,0 +1,469 @@
+//! The training loop: data windows, micro-batches with gradient
+//! accumulation, clipping, AdamW with warmup and cosine decay, validation,
+//! metrics, progress, and checkpoints with exact resume.
+
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, TrainerState};
+use crate::config::ModelConfig;
+use crate::corpus;
+use crate::data::{self, TokenDtype};
+use crate::engine::{self, zero_grads, Engine};
+use crate::fsutil::write_atomic;
+use crate::model::Model;
+use crate::optim::{self, AdamW, AdamWConfig};
+use crate::rng::Rng;
+use crate::tokenizer::Tokenizer;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+pub enum Sample {
+    /// Windows at uniformly random offsets.
+    Random,
+    /// Window k starts at k·seq (wrapping around).
+    Sequential,
+}
+
+/// Settings that define a run; a resume must repeat them (except `steps`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSettings {
+    pub model: String,
+    pub data: Option<PathBuf>,
+    pub token_dtype: TokenDtype,
+    pub seq: usize,
+    pub batch: usize,
+    pub accum: usize,
+    pub lr: f64,
+    pub warmup: u64,
+    pub min_lr_frac: f64,
+    pub clip: f64,
+    pub seed: u64,
+    pub sample: Sample,
+    pub val_frac: f64,
+    pub eval_every: u64,
+    pub eval_windows: usize,
+}
+
+/// Everything `anetrain train` was asked to do.
+#[derive(Clone, Debug)]
+pub struct TrainRequest {
+    pub settings: TrainSettings,
+    pub adamw: AdamWConfig,
+    pub steps: u64,
+    pub out: PathBuf,
+    pub resume: bool,
+    pub tokenizer: Option<PathBuf>,
+    pub save_every: u64,
+    /// Progress lines every this many steps when not on a terminal.
+    pub log_every: u64,
+}
+
+/// Stories in the built-in corpus.
+const BUILTIN_STORIES: usize = 4000;
+
+/// Where the data comes from and how it is tokenized.
+struct Corpus {
+    train: Vec<u32>,
+    val: Vec<u32>,
+    tokenizer: Option<Tokenizer>,
+}
+
+fn load_corpus(
+    s: &TrainSettings,
+    cfg: &mut ModelConfig,
+    fresh: bool,
+    tokenizer: Option<Tokenizer>,
+) -> Result<Corpus> {
+    let (tokens, tokenizer) = match &s.data {
+        None => {
+            let texts = corpus::stories(BUILTIN_STORIES, 0);
+            let tok = match tokenizer {
+                Some(t) => t,
+                None => corpus::train_tokenizer(&texts, cfg.vocab_size)?,
+            };
+            let ids = corpus::encode_all(&tok, &texts)?;
+            (ids, Some(tok))
+        }
+        Some(path) => {
+            if fresh {
+                if let Some(t) = &tokenizer {
+                    if ModelConfig::preset(&s.model).is_some() {
+                        // Training from scratch: the vocabulary follows the tokenizer.
+                        cfg.vocab_size = t.vocab_size();
+                    }
+                }
+            }
+            let ids = data::load_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
+            (ids, tokenizer)
+        }
+    };
+    data::check_ids(&tokens, cfg.vocab_size, "training data")?;
+    let n = tokens.len();
+    let n_val = if s.val_frac > 0.0 {
+        ((n as f64 * s.val_frac) as usize).max(s.seq + 1)
+    } else {
+        0
+    };
+    if n < n_val + s.seq + 1 {
+        bail!(
+            "the data holds {n} tokens: too few for one training window of --seq {} + 1{}",
+            s.seq,
+            if n_val > 0 {
+                format!(" plus a validation split of {n_val}")
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(Corpus {
+        train: tokens[..n - n_val].to_vec(),
+        val: tokens[n - n_val..].to_vec(),
+        tokenizer,
+    })
+}
+
+/// Draws the next window of `seq + 1` tokens.
+fn next_window(
+    train: &[u32],
+    seq: usize,
+    sample: Sample,
+    rng: &mut Rng,
+    cursor: &mut u64,
+) -> Vec<u32> {
+    let start = match sample {
+        Sample::Random => rng.below(train.len() - seq),
+        Sample::Sequential => {
+            let n_windows = ((train.len() - 1) / seq) as u64;
+            let k = *cursor % n_windows;
+            *cursor += 1;
+            k as usize * seq
+        }
+    };
+    train[start..start + seq + 1].to_vec()
+}
+
+/// A default run directory: `runs/<model>-<UTC date>-<time>`.
+pub fn default_out(model: &str) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // civil-from-days (Howard Hinnant)
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    let name = Path::new(model)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    PathBuf::from("runs").join(format!(
+        "{name}-{y:04}{m:02}{d:02}-{:02}{:02}{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    ))
+}
+
+fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
+    if s.seq < 1 || s.batch < 1 || s.accum < 1 || r.steps < 1 {
+        bail!("--seq, --batch, --accum and --steps must all be at least 1");
+    }
+    if !(s.lr.is_finite() && s.lr > 0.0) {
+        bail!("--lr must be a positive number");
+    }
+    if !(0.0..1.0).contains(&s.val_frac) {
+        bail!("--val-frac must be in [0, 1)");
+    }
+    if !(0.0..=1.0).contains(&s.min_lr_frac) {
+        bail!("--min-lr-frac must be in [0, 1]");
+    }
+    let a = &r.adamw;
+    if !(0.0..1.0).contains(&a.beta1)
+        || !(0.0..1.0).contains(&a.beta2)
+        || a.eps <= 0.0
+        || a.weight_decay < 0.0
+    {
+        bail!("AdamW needs 0 <= beta1, beta2 < 1, eps > 0 and wd >= 0");
+    }
+    if s.clip < 0.0 || !s.clip.is_finite() {
+        bail!("--clip must be >= 0 (0 disables clipping)");
+    }
+    Ok(())
+}
+
+/// Mean loss over the first `n` validation windows.
+fn val_loss(
+    eng: &mut Engine<engine::CpuKernels>,
+    model: &Model,
+    val: &[u32],
+    seq: usize,
+    n: usize,
+) -> Result<Option<f64>> {
+    let mut w = data::windows(val, seq);
+    w.truncate(n);
+    if w.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(engine::loss_and_grads(eng, model, &w, None)?.0))
+}
+
+/// Drops metrics lines of steps after `step` (left by a run killed after
+/// its last checkpoint), so a resumed run logs each step once.
+fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s <= step)
+        })
+        .collect();
+    let mut body = kept.join("\n");
+    if !body.is_empty() {
+        body.push('\n');
+    }
+    write_atomic(path, body.as_bytes())
+}
+
+fn fmt_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+/// Runs (or resumes) training; returns the final train loss.
+pub fn train(r: TrainRequest) -> Result<f64> {
+    let s = r.settings.clone();
+    validate(&s, &r)?;
+    let out = r.out.clone();
+    let resuming = r.resume && checkpoint::state_path(&out).is_file();
+    if !r.resume && checkpoint::state_path(&out).exists() {
+        bail!(
+            "'{}' already holds a training run; pass --resume to continue it or choose another --out",
+            out.display()
+        );
+    }
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create '{}'", out.display()))?;
+
+    let (mut model, mut opt, mut state, corpus) = if resuming {
+        let (model, opt, state) = checkpoint::load(&out)?;
+        let saved: TrainSettings = serde_json::from_value(state.settings.clone())
+            .context("the checkpoint's settings are unreadable")?;
+        if saved != s {
+            bail!(
+                "--resume with different settings than the run in '{}' (it used {}); repeat its flags, only --steps may change",
+                out.display(),
+                serde_json::to_string(&saved)?
+            );
+        }
+        if state.adamw != r.adamw {
+            bail!(
+                "--resume with different AdamW settings than the run in '{}'",
+                out.display()
+            );
+        }
+        let tok_path = out.join("tokenizer.json");
+        let tok = if tok_path.is_file() {
+            Some(Tokenizer::load(&tok_path)?)
+        } else {
+            None
+        };
+        let mut cfg = model.cfg.clone();
+        let corpus = load_corpus(&s, &mut cfg, false, tok)?;
+        (model, opt, state, corpus)
+    } else {
+        let dir = Path::new(&s.model);
+        let from_dir = ModelConfig::preset(&s.model).is_none();
+        let tok = match (&r.tokenizer, from_dir) {
+            (Some(t), _) => Some(Tokenizer::load(t)?),
+            (None, true) if dir.join("tokenizer.json").is_file() => {
+                Some(Tokenizer::load(&dir.join("tokenizer.json"))?)
+            }
+            _ => None,
+        };
+        let mut cfg = ModelConfig::resolve(&s.model)?;
+        let corpus = load_corpus(&s, &mut cfg, true, tok)?;
+        let model = if from_dir {
+            Model::load(dir)?
+        } else {
+            Model::init(&cfg, s.seed)?
+        };
+        if s.seq > model.cfg.max_position_embeddings {
+            bail!(
+                "--seq {} exceeds the model's max_position_embeddings ({})",
+                s.seq,
+                model.cfg.max_position_embeddings
+            );
+        }
+        let opt = AdamW::new(&model, r.adamw);
+        let state = TrainerState {
+            format: checkpoint::FORMAT,
+            step: 0,
+            rng: Rng::new(s.seed.wrapping_add(1)).state(),
+            cursor: 0,
+            skipped: 0,
+            config: model.cfg.clone(),
+            adamw: r.adamw,
+            settings: serde_json::to_value(&s)?,
+            model_file: String::new(),
+            model_hash: String::new(),
+            optim_file: String::new(),
+            optim_hash: String::new(),
+        };
+        if let Some(t) = &corpus.tokenizer {
+            t.save(&out.join("tokenizer.json"))?;
+        }
+        (model, opt, state, corpus)
+    };
+
+    let metrics_path = out.join("metrics.jsonl");
+    if resuming {
+        truncate_metrics(&metrics_path, state.step)?;
+    } else {
+        let _ = std::fs::remove_file(&metrics_path);
+    }
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("cannot open '{}'", metrics_path.display()))?;
+
+    let mut eng = Engine::cpu(&model);
+    let mut rng = Rng::from_state(state.rng);
+    let tty = std::io::stderr().is_terminal();
+    let tokens_per_step = (s.batch * s.accum * s.seq) as f64;
+    eprintln!(
+        "training {} ({:.2}M parameters) on {} train / {} val tokens -> {}",
+        s.model,
+        model.num_params() as f64 / 1e6,
+        corpus.train.len(),
+        corpus.val.len(),
+        out.display()
+    );
+    if resuming {
+        eprintln!("resumed at step {} of {}", state.step, r.steps);
+    }
+    let run_start = Instant::now();
+    let start_step = state.step;
+    let mut last_loss = f64::NAN;
+    let mut consecutive_skips = 0;
+    while state.step < r.steps {
+        let step = state.step;
+        let t0 = Instant::now();
+        let lr = optim::lr_at(step, r.steps, s.warmup, s.lr, s.min_lr_frac);
+        let mut grads = zero_grads(&model);
+        let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
+        let mut loss_sum = 0f64;
+        let n_targets = (s.batch * s.accum * s.seq) as f32;
+        for _ in 0..s.accum * s.batch {
+            let w = next_window(&corpus.train, s.seq, s.sample, &mut rng, &mut state.cursor);
+            let a = Instant::now();
+            let fwd = eng.forward(&model, &w[..s.seq])?;
+            let b = Instant::now();
+            let (loss, dxf) =
+                engine::head_loss(&model, &fwd.xf, &w[1..], 1.0 / n_targets, Some(&mut grads))?;
+            let c = Instant::now();
+            eng.backward(&model, &fwd, &dxf, &mut grads)?;
+            t_fwd += (b - a).as_secs_f64();
+            t_loss += (c - b).as_secs_f64();
+            t_bwd += c.elapsed().as_secs_f64();
+            loss_sum += loss;
+        }
+        let loss = loss_sum / n_targets as f64;
+        let t_opt = Instant::now();
+        let gnorm = optim::clip_grad_norm(&mut grads, s.clip);
+        let finite = loss.is_finite() && gnorm.is_finite();
+        if finite {
+            opt.update(&mut model, &grads, lr);
+            consecutive_skips = 0;
+            last_loss = loss;
+        } else {
+            state.skipped += 1;
+            consecutive_skips += 1;
+            eprintln!(
+                "step {}: non-finite loss ({loss}) or gradient norm ({gnorm}); step skipped",
+                step + 1
+            );
+            if consecutive_skips >= 3 {
+                bail!(
+                    "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
+                     the last checkpoint is intact — resume with a lower --lr or stronger --clip",
+                    step + 1
+                );
+            }
+        }
+        let t_opt = t_opt.elapsed().as_secs_f64();
+        state.step += 1;
+        let dt = t0.elapsed().as_secs_f64();
+        let tps = tokens_per_step / dt;
+        let rec = serde_json::json!({
+            "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": gnorm,
+            "tokens_per_s": tps, "skipped": !finite,
+            "time": {"forward": t_fwd, "loss": t_loss, "backward": t_bwd, "optimizer": t_opt, "total": dt},
+        });
+        writeln!(metrics, "{rec}")?;
+        let mut val = None;
+        if s.eval_every > 0 && (state.step % s.eval_every == 0 || state.step == r.steps) {
+            val = val_loss(&mut eng, &model, &corpus.val, s.seq, s.eval_windows)?;
+            if let Some(v) = val {
+                writeln!(
+                    metrics,
+                    "{}",
+                    serde_json::json!({"step": state.step, "split": "val", "loss": v})
+                )?;
+            }
+        }
+        // progress
+        let done = (state.step - start_step) as f64;
+        let eta = run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64;
+        let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
+        if tty {
+            let width = 24;
+            let filled = (width as f64 * state.step as f64 / r.steps as f64) as usize;
+            eprint!(
+                "\r[{}{}] {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}   ",
+                "#".repeat(filled),
+                "-".repeat(width - filled),
+                state.step,
+                r.steps,
+                fmt_duration(eta)
+            );
+            if val.is_some() || state.step == r.steps {
+                eprintln!();
+            }
+        } else if state.step % r.log_every.max(1) == 0 || state.step == r.steps || val.is_some() {
+            eprintln!(
+                "step {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}",
+                state.step,
+                r.steps,
+                fmt_duration(eta)
+            );
+        }
+        let _ = std::io::stderr().flush();
+        if state.step % r.save_every.max(1) == 0 || state.step == r.steps {
+            metrics.sync_all()?;
+            state.rng = rng.state();
+            checkpoint::save(&out, &model, &opt, state.clone())?;
+        }
+    }
+    eprintln!("done: {} steps, model in {}", state.step, out.display());
+    Ok(last_loss)
+}
