@@ -114,7 +114,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         batch: a.batch,
         accum: a.accum,
         lr,
-        warmup: a.warmup.unwrap_or(a.steps / 10),
+        warmup: a.warmup,
         min_lr_frac: a.min_lr_frac,
         clip: a.clip,
         seed: a.seed,

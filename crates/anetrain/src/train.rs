@@ -38,7 +38,8 @@ pub struct TrainSettings {
     pub batch: usize,
     pub accum: usize,
     pub lr: f64,
-    pub warmup: u64,
+    /// `None`: a tenth of `--steps`.
+    pub warmup: Option<u64>,
     pub min_lr_frac: f64,
     pub clip: f64,
     pub seed: u64,
@@ -249,8 +250,20 @@ fn fmt_duration(secs: f64) -> String {
     }
 }
 
+/// Set by SIGINT/SIGTERM: finish the current step, checkpoint, stop.
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Installs the SIGINT/SIGTERM handler (once per process).
+fn install_stop_handler() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = ctrlc::set_handler(|| STOP.store(true, std::sync::atomic::Ordering::SeqCst));
+    });
+}
+
 /// Runs (or resumes) training; returns the final train loss.
 pub fn train(r: TrainRequest) -> Result<f64> {
+    install_stop_handler();
     let s = r.settings.clone();
     validate(&s, &r)?;
     let out = r.out.clone();
@@ -368,7 +381,13 @@ pub fn train(r: TrainRequest) -> Result<f64> {
     while state.step < r.steps {
         let step = state.step;
         let t0 = Instant::now();
-        let lr = optim::lr_at(step, r.steps, s.warmup, s.lr, s.min_lr_frac);
+        let lr = optim::lr_at(
+            step,
+            r.steps,
+            s.warmup.unwrap_or(r.steps / 10),
+            s.lr,
+            s.min_lr_frac,
+        );
         let mut grads = zero_grads(&model);
         let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
         let mut loss_sum = 0f64;
@@ -458,10 +477,21 @@ pub fn train(r: TrainRequest) -> Result<f64> {
             );
         }
         let _ = std::io::stderr().flush();
-        if state.step % r.save_every.max(1) == 0 || state.step == r.steps {
+        let stop = STOP.load(std::sync::atomic::Ordering::SeqCst);
+        if stop || state.step % r.save_every.max(1) == 0 || state.step == r.steps {
             metrics.sync_all()?;
             state.rng = rng.state();
             checkpoint::save(&out, &model, &opt, state.clone())?;
+        }
+        if stop && state.step < r.steps {
+            if tty {
+                eprintln!();
+            }
+            bail!(
+                "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
+                state.step,
+                out.display()
+            );
         }
     }
     eprintln!("done: {} steps, model in {}", state.step, out.display());

@@ -1,0 +1,220 @@
+//! `anetrain train` end to end: the loss falls, checkpoints load in the
+//! generator, and resumed runs — after a clean stop or a SIGKILL at an
+//! arbitrary moment — end bit-identical to an uninterrupted run.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_anetrain"))
+}
+
+fn tmp(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("anetrain-train-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+const FLAGS: &[&str] = &[
+    "train",
+    "--model",
+    "tiny",
+    "--seq",
+    "32",
+    "--batch",
+    "2",
+    "--accum",
+    "2",
+    "--seed",
+    "5",
+    "--save-every",
+    "4",
+    "--eval-every",
+    "6",
+];
+
+fn train(out: &Path, steps: u64, resume: bool) -> std::process::Output {
+    let mut c = bin();
+    c.args(FLAGS)
+        .arg("--steps")
+        .arg(steps.to_string())
+        .arg("--out")
+        .arg(out);
+    if resume {
+        c.arg("--resume");
+    }
+    let o = c.output().unwrap();
+    assert!(
+        o.status.success(),
+        "train failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+fn weights(out: &Path) -> Vec<u8> {
+    std::fs::read(out.join("model.safetensors")).unwrap()
+}
+
+fn train_losses(out: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v["split"] == "train")
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+#[test]
+fn resumed_runs_are_bit_identical() {
+    let full = tmp("full");
+    train(&full, 24, false);
+    let reference = weights(&full);
+    let losses = train_losses(&full);
+    assert_eq!(losses.len(), 24);
+    assert!(losses[23].1 < losses[0].1, "loss should fall: {losses:?}");
+
+    // Clean interrupt (SIGINT: the step finishes, a checkpoint is saved,
+    // exit status 1), then resume.
+    let part = tmp("clean");
+    let mut child = bin()
+        .args(FLAGS)
+        .args(["--steps", "24", "--out"])
+        .arg(&part)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until a few steps are logged, then interrupt.
+    for _ in 0..400 {
+        let logged = std::fs::read_to_string(part.join("metrics.jsonl"))
+            .map(|t| t.lines().count())
+            .unwrap_or(0);
+        if logged >= 5 || child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let interrupted = child.try_wait().unwrap().is_none();
+    eprintln!("SIGINT sent mid-run: {interrupted}");
+    if interrupted {
+        Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap();
+    }
+    let o = child.wait_with_output().unwrap();
+    if interrupted {
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{e}");
+        assert!(e.contains("interrupted after step"), "{e}");
+        train(&part, 24, true);
+    }
+    assert!(weights(&part) == reference, "clean resume differs");
+    assert_eq!(train_losses(&part), losses, "metrics after resume differ");
+
+    // Extending a finished run continues from its checkpoint.
+    train(&part, 26, true);
+    assert_eq!(train_losses(&part).len(), 26);
+
+    // SIGKILL at several moments, resuming each time, until done.
+    let killed = tmp("kill");
+    let mut delays = [700u64, 1500, 400, 2500].into_iter().cycle();
+    let mut done = false;
+    for _ in 0..12 {
+        let resume = killed.join("trainer/state.json").exists();
+        let mut c = bin();
+        c.args(FLAGS)
+            .arg("--steps")
+            .arg("24")
+            .arg("--out")
+            .arg(&killed);
+        if resume {
+            c.arg("--resume");
+        }
+        let mut child = c
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(delays.next().unwrap()));
+        if child.try_wait().unwrap().is_some_and(|s| s.success()) {
+            done = true;
+            break;
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    if !done {
+        train(&killed, 24, killed.join("trainer/state.json").exists());
+    }
+    assert!(
+        weights(&killed) == reference,
+        "resume after SIGKILL differs"
+    );
+    assert_eq!(train_losses(&killed), losses);
+
+    // The result loads in the generator.
+    let g = bin()
+        .args([
+            "generate",
+            "--prompt",
+            "Once",
+            "--max-tokens",
+            "5",
+            "--model",
+        ])
+        .arg(&full)
+        .output()
+        .unwrap();
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    for d in [full, part, killed] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn resume_refuses_different_flags_and_corrupt_state() {
+    let out = tmp("flags");
+    train(&out, 4, false);
+    let o = bin()
+        .args(FLAGS)
+        .args(["--steps", "8", "--lr", "0.01", "--resume", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("different settings"));
+    // A fresh run into an existing run directory is refused.
+    let o = bin()
+        .args(FLAGS)
+        .args(["--steps", "8", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already holds a training run"));
+    // Corrupt weights are detected by the checksum.
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("trainer/state.json")).unwrap())
+            .unwrap();
+    let f = out
+        .join("trainer")
+        .join(state["model_file"].as_str().unwrap());
+    let mut bytes = std::fs::read(&f).unwrap();
+    let n = bytes.len();
+    bytes[n - 3] ^= 0x40;
+    std::fs::remove_file(&f).unwrap(); // break the hard link to the top-level copy
+    std::fs::write(&f, bytes).unwrap();
+    let o = bin()
+        .args(FLAGS)
+        .args(["--steps", "8", "--resume", "--out"])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(e.contains("checksum") && !e.contains("panicked"), "{e}");
+    let _ = std::fs::remove_dir_all(out);
+}
