@@ -13,6 +13,7 @@ pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod optim;
+pub mod plot;
 pub mod rng;
 pub mod safetensors;
 pub mod tokenizer;

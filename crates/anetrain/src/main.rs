@@ -94,6 +94,14 @@ enum Command {
         #[arg(long)]
         tokenizer: Option<PathBuf>,
     },
+    /// Draw a run's train/val loss and learning rate as a PNG.
+    Plot {
+        /// The run directory (holding metrics.jsonl).
+        run: PathBuf,
+        /// Output image [default: RUN/loss.png].
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Print the platform, Neural Engine availability and versions.
     Info,
 }
@@ -212,6 +220,11 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Plot { run, out } => {
+            let out = out.unwrap_or_else(|| run.join("loss.png"));
+            anetrain::plot::plot(&run, &out)?;
+            println!("wrote {}", out.display());
+        }
         Command::Train(args) => cmd_train::run(*args)?,
         Command::Eval {
             model,

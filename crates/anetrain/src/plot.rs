@@ -1,0 +1,364 @@
+//! `anetrain plot`: train/val loss and learning rate from `metrics.jsonl`,
+//! drawn into a PNG with no dependencies (a small raster, a 3×5 font, and a
+//! deflate encoder using fixed Huffman codes with run-length matches).
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+const W: usize = 900;
+const H: usize = 520;
+const LEFT: usize = 70;
+const RIGHT: usize = 70;
+const TOP: usize = 40;
+const BOTTOM: usize = 50;
+
+type Rgb = [u8; 3];
+const WHITE: Rgb = [255, 255, 255];
+const BLACK: Rgb = [40, 40, 40];
+const GRID: Rgb = [225, 225, 225];
+const BLUE: Rgb = [31, 119, 180];
+const ORANGE: Rgb = [255, 127, 14];
+const GREEN: Rgb = [44, 160, 44];
+
+struct Canvas {
+    px: Vec<Rgb>,
+}
+
+impl Canvas {
+    fn set(&mut self, x: i64, y: i64, c: Rgb) {
+        if x >= 0 && y >= 0 && (x as usize) < W && (y as usize) < H {
+            self.px[y as usize * W + x as usize] = c;
+        }
+    }
+
+    fn line(&mut self, (x0, y0): (f64, f64), (x1, y1): (f64, f64), c: Rgb, thick: i64) {
+        let n = ((x1 - x0).abs().max((y1 - y0).abs()) as usize).max(1);
+        for i in 0..=n {
+            let t = i as f64 / n as f64;
+            let (x, y) = (
+                (x0 + (x1 - x0) * t).round() as i64,
+                (y0 + (y1 - y0) * t).round() as i64,
+            );
+            for dx in 0..thick {
+                for dy in 0..thick {
+                    self.set(x + dx - thick / 2, y + dy - thick / 2, c);
+                }
+            }
+        }
+    }
+
+    fn text(&mut self, x: usize, y: usize, s: &str, c: Rgb, scale: usize) {
+        for (i, ch) in s.chars().enumerate() {
+            let g = glyph(ch);
+            for (row, bits) in g.iter().enumerate() {
+                for col in 0..3 {
+                    if bits >> (2 - col) & 1 == 1 {
+                        for sx in 0..scale {
+                            for sy in 0..scale {
+                                self.set(
+                                    (x + i * 4 * scale + col * scale + sx) as i64,
+                                    (y + row * scale + sy) as i64,
+                                    c,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// 3×5 glyphs, one row per entry, bit 2 = left column.
+fn glyph(c: char) -> [u8; 5] {
+    match c.to_ascii_lowercase() {
+        '0' => [7, 5, 5, 5, 7],
+        '1' => [2, 6, 2, 2, 7],
+        '2' => [7, 1, 7, 4, 7],
+        '3' => [7, 1, 7, 1, 7],
+        '4' => [5, 5, 7, 1, 1],
+        '5' => [7, 4, 7, 1, 7],
+        '6' => [7, 4, 7, 5, 7],
+        '7' => [7, 1, 1, 1, 1],
+        '8' => [7, 5, 7, 5, 7],
+        '9' => [7, 5, 7, 1, 7],
+        '.' => [0, 0, 0, 0, 2],
+        '-' => [0, 0, 7, 0, 0],
+        '/' => [1, 1, 2, 4, 4],
+        'a' => [2, 5, 7, 5, 5],
+        'e' => [7, 4, 6, 4, 7],
+        'i' => [7, 2, 2, 2, 7],
+        'l' => [4, 4, 4, 4, 7],
+        'n' => [6, 5, 5, 5, 5],
+        'o' => [7, 5, 5, 5, 7],
+        'p' => [7, 5, 7, 4, 4],
+        'r' => [6, 5, 6, 5, 5],
+        's' => [7, 4, 7, 1, 7],
+        't' => [7, 2, 2, 2, 2],
+        'v' => [5, 5, 5, 5, 2],
+        _ => [0; 5],
+    }
+}
+
+fn fmt_num(v: f64) -> String {
+    if v == 0.0 {
+        "0".into()
+    } else if v.abs() >= 0.01 && v.abs() < 1e4 {
+        let s = format!("{v:.3}");
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        format!("{v:.1e}")
+    }
+}
+
+/// Reads `metrics.jsonl` and writes the chart to `out`.
+pub fn plot(run: &Path, out: &Path) -> Result<()> {
+    let path = run.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read '{}'", path.display()))?;
+    let (mut train, mut val, mut lr) = (vec![], vec![], vec![]);
+    for (i, line) in text.lines().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("'{}' line {}: not JSON", path.display(), i + 1))?;
+        let (Some(step), Some(loss)) = (v["step"].as_f64(), v["loss"].as_f64()) else {
+            continue;
+        };
+        if !loss.is_finite() {
+            continue;
+        }
+        if v["split"] == "val" {
+            val.push((step, loss));
+        } else {
+            train.push((step, loss));
+            if let Some(l) = v["lr"].as_f64() {
+                lr.push((step, l));
+            }
+        }
+    }
+    if train.is_empty() {
+        bail!("'{}' has no training steps to plot", path.display());
+    }
+    let mut c = Canvas {
+        px: vec![WHITE; W * H],
+    };
+    let (pw, ph) = ((W - LEFT - RIGHT) as f64, (H - TOP - BOTTOM) as f64);
+    let xmax = train.iter().chain(&val).map(|p| p.0).fold(1.0, f64::max);
+    let lmax = train
+        .iter()
+        .chain(&val)
+        .map(|p| p.1)
+        .fold(f64::MIN, f64::max);
+    let lmin = train
+        .iter()
+        .chain(&val)
+        .map(|p| p.1)
+        .fold(f64::MAX, f64::min)
+        .min(lmax - 1e-9);
+    let (lo, hi) = (lmin - 0.05 * (lmax - lmin), lmax + 0.05 * (lmax - lmin));
+    let rmax = lr.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-30);
+    let px = |s: f64| LEFT as f64 + s / xmax * pw;
+    let py = |l: f64| TOP as f64 + (hi - l) / (hi - lo) * ph;
+    let pr = |r: f64| TOP as f64 + (1.0 - r / rmax) * ph;
+    for k in 0..=5 {
+        let y = TOP as f64 + ph * k as f64 / 5.0;
+        c.line((LEFT as f64, y), (LEFT as f64 + pw, y), GRID, 1);
+        c.text(
+            8,
+            y as usize - 5,
+            &fmt_num(hi - (hi - lo) * k as f64 / 5.0),
+            BLUE,
+            2,
+        );
+        c.text(
+            W - RIGHT + 8,
+            y as usize - 5,
+            &fmt_num(rmax * (1.0 - k as f64 / 5.0)),
+            GREEN,
+            2,
+        );
+        let x = LEFT as f64 + pw * k as f64 / 5.0;
+        c.line((x, TOP as f64), (x, TOP as f64 + ph), GRID, 1);
+        c.text(
+            x as usize - 8,
+            H - BOTTOM + 10,
+            &fmt_num((xmax * k as f64 / 5.0).round()),
+            BLACK,
+            2,
+        );
+    }
+    c.line(
+        (LEFT as f64, TOP as f64),
+        (LEFT as f64, TOP as f64 + ph),
+        BLACK,
+        2,
+    );
+    c.line(
+        (LEFT as f64, TOP as f64 + ph),
+        (LEFT as f64 + pw, TOP as f64 + ph),
+        BLACK,
+        2,
+    );
+    c.line(
+        (LEFT as f64 + pw, TOP as f64),
+        (LEFT as f64 + pw, TOP as f64 + ph),
+        BLACK,
+        2,
+    );
+    for w in lr.windows(2) {
+        c.line((px(w[0].0), pr(w[0].1)), (px(w[1].0), pr(w[1].1)), GREEN, 1);
+    }
+    for w in train.windows(2) {
+        c.line((px(w[0].0), py(w[0].1)), (px(w[1].0), py(w[1].1)), BLUE, 2);
+    }
+    for w in val.windows(2) {
+        c.line(
+            (px(w[0].0), py(w[0].1)),
+            (px(w[1].0), py(w[1].1)),
+            ORANGE,
+            3,
+        );
+    }
+    for &(s, l) in &val {
+        c.line((px(s) - 3.0, py(l)), (px(s) + 3.0, py(l)), ORANGE, 5);
+    }
+    c.text(LEFT, 12, "train loss", BLUE, 3);
+    c.text(LEFT + 150, 12, "val loss", ORANGE, 3);
+    c.text(LEFT + 280, 12, "lr", GREEN, 3);
+    c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
+    crate::fsutil::write_atomic(out, &encode_png(&c.px))
+}
+
+fn crc32(data: &[u8]) -> u32 {
+    let mut c = 0xFFFF_FFFFu32;
+    for &b in data {
+        c ^= b as u32;
+        for _ in 0..8 {
+            c = if c & 1 == 1 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
+        }
+    }
+    !c
+}
+
+fn adler32(data: &[u8]) -> u32 {
+    let (mut a, mut b) = (1u32, 0u32);
+    for &x in data {
+        a = (a + x as u32) % 65521;
+        b = (b + a) % 65521;
+    }
+    (b << 16) | a
+}
+
+/// LSB-first bit writer.
+struct Bits {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl Bits {
+    fn put(&mut self, v: u32, n: u32) {
+        self.acc |= (v as u64) << self.n;
+        self.n += n;
+        while self.n >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n -= 8;
+        }
+    }
+
+    /// A Huffman code (written most significant bit first).
+    fn code(&mut self, code: u32, len: u32) {
+        let rev = code.reverse_bits() >> (32 - len);
+        self.put(rev, len);
+    }
+
+    fn literal_or_length(&mut self, sym: u32) {
+        match sym {
+            0..=143 => self.code(0x30 + sym, 8),
+            144..=255 => self.code(0x190 + sym - 144, 9),
+            256..=279 => self.code(sym - 256, 7),
+            _ => self.code(0xC0 + sym - 280, 8),
+        }
+    }
+}
+
+/// Deflate with the fixed Huffman code; runs of a repeated byte become
+/// distance-1 matches.
+fn deflate_fixed(data: &[u8]) -> Vec<u8> {
+    const BASE: [u32; 29] = [
+        3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115,
+        131, 163, 195, 227, 258,
+    ];
+    const EXTRA: [u32; 29] = [
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0,
+    ];
+    let mut b = Bits {
+        out: vec![],
+        acc: 0,
+        n: 0,
+    };
+    b.put(1, 1); // final block
+    b.put(1, 2); // fixed Huffman
+    let mut i = 0;
+    while i < data.len() {
+        let mut run = 0;
+        if i > 0 {
+            while i + run < data.len() && data[i + run] == data[i - 1] && run < 258 {
+                run += 1;
+            }
+        }
+        if run >= 3 {
+            let k = BASE.iter().rposition(|&l| l as usize <= run).unwrap_or(0);
+            b.literal_or_length(257 + k as u32);
+            b.put(run as u32 - BASE[k], EXTRA[k]);
+            b.code(0, 5); // distance 1
+            i += run;
+        } else {
+            b.literal_or_length(data[i] as u32);
+            i += 1;
+        }
+    }
+    b.literal_or_length(256);
+    if b.n > 0 {
+        b.out.push(b.acc as u8);
+    }
+    b.out
+}
+
+fn encode_png(px: &[Rgb]) -> Vec<u8> {
+    // Filter "Up" on every row: unchanged rows become zero runs.
+    let mut raw = Vec::with_capacity(H * (1 + 3 * W));
+    for y in 0..H {
+        raw.push(2u8);
+        for x in 0..W {
+            for ch in 0..3 {
+                let above = if y > 0 { px[(y - 1) * W + x][ch] } else { 0 };
+                raw.push(px[y * W + x][ch].wrapping_sub(above));
+            }
+        }
+    }
+    let mut z = vec![0x78, 0x01];
+    z.extend(deflate_fixed(&raw));
+    z.extend(adler32(&raw).to_be_bytes());
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut chunk = |kind: &[u8], data: &[u8]| {
+        png.extend((data.len() as u32).to_be_bytes());
+        let mut c = kind.to_vec();
+        c.extend_from_slice(data);
+        png.extend_from_slice(&c);
+        png.extend(crc32(&c).to_be_bytes());
+    };
+    let mut ihdr = Vec::new();
+    ihdr.extend((W as u32).to_be_bytes());
+    ihdr.extend((H as u32).to_be_bytes());
+    ihdr.extend([8, 2, 0, 0, 0]);
+    chunk(b"IHDR", &ihdr);
+    chunk(b"IDAT", &z);
+    chunk(b"IEND", &[]);
+    png
+}
