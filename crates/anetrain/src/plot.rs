@@ -336,10 +336,8 @@ fn encode_png(px: &[Rgb]) -> Vec<u8> {
     for y in 0..H {
         raw.push(2u8);
         for x in 0..W {
-            for ch in 0..3 {
-                let above = if y > 0 { px[(y - 1) * W + x][ch] } else { 0 };
-                raw.push(px[y * W + x][ch].wrapping_sub(above));
-            }
+            let above = if y > 0 { px[(y - 1) * W + x] } else { [0; 3] };
+            raw.extend(px[y * W + x].iter().zip(above).map(|(v, a)| v.wrapping_sub(a)));
         }
     }
     let mut z = vec![0x78, 0x01];
