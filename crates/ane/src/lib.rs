@@ -10,6 +10,7 @@
 use std::fmt;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use mil::rules::{self, RuleSet};
 use mil::{DType, Executable, Precision, Tensor};
 
@@ -179,9 +180,7 @@ impl Device for SimDevice {
                     data.len()
                 ))
             })?;
-        for (d, s) in dst.iter_mut().zip(data) {
-            *d = f16::from_f32(*s);
-        }
+        dst.convert_from_f32_slice(data);
         Ok(())
     }
 
@@ -196,9 +195,7 @@ impl Device for SimDevice {
                     buf.0.len()
                 ))
             })?;
-        for (o, s) in out.iter_mut().zip(src) {
-            *o = s.to_f32();
-        }
+        src.convert_to_f32_slice(out);
         Ok(())
     }
 
@@ -222,9 +219,7 @@ impl Device for SimDevice {
             .run(vec![x], Precision::Fp16)
             .map_err(|e| DeviceError(format!("evaluation failed: {e}")))?;
         let y = out[0].f32s().map_err(DeviceError)?;
-        for (o, v) in output.0.iter_mut().zip(y) {
-            *o = f16::from_f32(*v);
-        }
+        output.0.convert_from_f32_slice(y);
         Ok(())
     }
 

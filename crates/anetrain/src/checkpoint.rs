@@ -39,6 +39,8 @@ pub struct TrainerState {
     /// Steps skipped for non-finite loss or gradients so far.
     pub skipped: u64,
     pub config: ModelConfig,
+    /// Loss-scaler state (fp16 backends).
+    pub scaler: crate::optim::LossScaler,
     pub adamw: AdamWConfig,
     /// The run's settings, which a resume must repeat (see `train`).
     pub settings: serde_json::Value,

@@ -3,16 +3,20 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use anetrain::backend::{self, Backend};
 use anetrain::data::{self, TokenDtype};
-use anetrain::engine::{self, Engine};
-use anetrain::generate::{generate, Sampling};
+use anetrain::engine::{self, Engine, KernelRunner};
+use anetrain::generate::{generate, generate_with_engine, Sampling};
+use anetrain::kernels::KernelOptions;
 use anetrain::model::Model;
+use anetrain::neural::NeuralKernels;
 use anetrain::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
 
 pub struct EvalArgs {
+    pub backend: Backend,
     pub model: PathBuf,
     pub data: Option<PathBuf>,
     pub tokens: Option<PathBuf>,
@@ -62,20 +66,17 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             model.cfg.max_position_embeddings
         );
     }
-    let mut eng = Engine::cpu(&model);
-    let mut total = 0f64;
-    let mut count = 0usize;
-    let mut all_logits: Vec<f32> = Vec::new();
-    for row in &rows {
-        let n = row.len() - 1;
-        let fwd = eng.forward(&model, &row[..n])?;
-        let mut lg = engine::logits(&model, &fwd.xf, n);
-        if a.logits_out.is_some() {
-            all_logits.extend_from_slice(&lg);
-        }
-        total += engine::cross_entropy(&mut lg, &row[1..], model.cfg.vocab_size, 0.0);
-        count += n;
-    }
+    let keep = a.logits_out.is_some();
+    let (total, count, all_logits) = match a.backend {
+        Backend::Cpu => eval_rows(Engine::cpu(&model), &model, &rows, keep)?,
+        Backend::AneSim => eval_rows(
+            Engine::neural(&model, ane::SimDevice::new()),
+            &model,
+            &rows,
+            keep,
+        )?,
+        Backend::Ane => return backend::ane_unavailable(),
+    };
     if let Some(out) = &a.logits_out {
         let n = rows[0].len() - 1;
         let shape = if two_d {
@@ -93,7 +94,31 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     Ok(())
 }
 
+/// Summed loss, target count and (optionally) all logits over `rows`.
+fn eval_rows<R: KernelRunner>(
+    mut eng: Engine<R>,
+    model: &Model,
+    rows: &[Vec<u32>],
+    keep: bool,
+) -> Result<(f64, usize, Vec<f32>)> {
+    let mut total = 0f64;
+    let mut count = 0usize;
+    let mut all = Vec::new();
+    for row in rows {
+        let n = row.len() - 1;
+        let fwd = eng.forward(model, &row[..n])?;
+        let mut lg = engine::logits(model, &fwd.xf, n);
+        if keep {
+            all.extend_from_slice(&lg);
+        }
+        total += engine::cross_entropy(&mut lg, &row[1..], model.cfg.vocab_size, 0.0);
+        count += n;
+    }
+    Ok((total, count, all))
+}
+
 pub struct GenerateArgs {
+    pub backend: Backend,
     pub model: PathBuf,
     pub prompt: String,
     pub max_tokens: usize,
@@ -118,6 +143,9 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1]");
     }
+    if a.backend == Backend::Ane {
+        backend::ane_unavailable()?;
+    }
     let model = Model::load(&a.model)?;
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(Path::new(&a.model)))?;
     let prompt = tok.encode(&a.prompt)?;
@@ -136,25 +164,47 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         temperature: a.temperature,
         top_p: a.top_p,
     };
-    generate(
-        &model,
-        &prompt,
-        a.max_tokens,
-        sampling,
-        a.seed,
-        &stop_tokens(&tok),
-        |t| {
-            ids.push(t);
-            let text = tok.decode(&ids)?;
-            // Print whole characters only (a token may end mid-UTF-8 sequence).
-            if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                write!(out, "{}", &text[printed..])?;
-                out.flush()?;
-                printed = text.len();
-            }
-            Ok(())
-        },
-    )?;
+    let stops = stop_tokens(&tok);
+    let emit = |t: u32| -> Result<()> {
+        ids.push(t);
+        let text = tok.decode(&ids)?;
+        // Print whole characters only (a token may end mid-UTF-8 sequence).
+        if !text.ends_with('\u{FFFD}') && text.len() > printed {
+            write!(out, "{}", &text[printed..])?;
+            out.flush()?;
+            printed = text.len();
+        }
+        Ok(())
+    };
+    if a.backend == Backend::Cpu {
+        generate(
+            &model,
+            &prompt,
+            a.max_tokens,
+            sampling,
+            a.seed,
+            &stops,
+            emit,
+        )?;
+    } else {
+        // The compiled kernels cover the whole (prompt + new tokens) length.
+        let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
+        let opts = KernelOptions::hf(&model.cfg);
+        let eng = Engine {
+            runner: NeuralKernels::new(ane::SimDevice::new(), opts.clone()).with_fixed_seq(total),
+            opts,
+        };
+        generate_with_engine(
+            eng,
+            &model,
+            &prompt,
+            a.max_tokens,
+            sampling,
+            a.seed,
+            &stops,
+            emit,
+        )?;
+    }
     writeln!(out)?;
     Ok(())
 }

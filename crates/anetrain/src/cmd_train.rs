@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use anetrain::backend::Backend;
 use anetrain::config::ModelConfig;
 use anetrain::data::TokenDtype;
 use anetrain::optim::AdamWConfig;
@@ -25,9 +26,9 @@ pub struct TrainArgs {
     /// Entry width of raw token files.
     #[arg(long, value_enum, default_value = "u16")]
     token_dtype: TokenDtype,
-    /// Engine that runs the kernels.
-    #[arg(long, value_enum, default_value = "cpu")]
-    backend: TrainBackend,
+    /// Engine that runs the kernels [default: ane where available, else cpu].
+    #[arg(long, value_enum)]
+    backend: Option<Backend>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
     steps: u64,
@@ -95,11 +96,6 @@ pub struct TrainArgs {
     log_every: Option<u64>,
 }
 
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-enum TrainBackend {
-    Cpu,
-}
-
 pub fn run(a: TrainArgs) -> Result<()> {
     let lr = a.lr.unwrap_or(match a.model.as_str() {
         "tiny" => 3e-3,
@@ -108,6 +104,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
     });
     let settings = TrainSettings {
         model: a.model.clone(),
+        backend: a.backend.unwrap_or_else(Backend::platform_default),
         data: a.data.clone(),
         token_dtype: a.token_dtype,
         seq: a.seq,
@@ -123,7 +120,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
     };
-    let TrainBackend::Cpu = a.backend;
     train::train(TrainRequest {
         settings,
         adamw: AdamWConfig {

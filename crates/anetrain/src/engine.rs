@@ -168,6 +168,17 @@ impl Engine<CpuKernels> {
     }
 }
 
+impl<D: ane::Device> Engine<crate::neural::NeuralKernels<D>> {
+    /// The Neural Engine path on `device` with Hugging Face semantics.
+    pub fn neural(model: &Model, device: D) -> Self {
+        let opts = KernelOptions::hf(&model.cfg);
+        Engine {
+            runner: crate::neural::NeuralKernels::new(device, opts.clone()),
+            opts,
+        }
+    }
+}
+
 impl<R: KernelRunner> Engine<R> {
     fn take(t: &mut Tensors, name: &str) -> Vec<f32> {
         t.remove(name).unwrap_or_default()

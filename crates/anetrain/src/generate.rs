@@ -211,3 +211,40 @@ pub fn generate(
     }
     Ok(out)
 }
+
+/// Generation through an engine's full forward (the Neural Engine paths):
+/// each new token reruns the whole sequence; causal attention makes the
+/// last position's logits exact.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_with_engine<R: crate::engine::KernelRunner>(
+    mut eng: crate::engine::Engine<R>,
+    model: &Model,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: Sampling,
+    seed: u64,
+    stop: &[u32],
+    mut emit: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut rng = Rng::new(seed);
+    let mut seq = prompt.to_vec();
+    let mut out = Vec::new();
+    while out.len() < max_new && seq.len() < model.cfg.max_position_embeddings {
+        let fwd = eng.forward(model, &seq)?;
+        let n = seq.len();
+        let d = model.cfg.hidden_size;
+        let last: Vec<f32> = (0..d).map(|c| fwd.xf[c * n + n - 1]).collect();
+        let logits = w_x(model.lm_head(), &last, model.cfg.vocab_size, d, 1);
+        let t = sample(&logits, sampling, &mut rng);
+        out.push(t);
+        emit(t)?;
+        if stop.contains(&t) {
+            break;
+        }
+        seq.push(t);
+    }
+    Ok(out)
+}

@@ -3,6 +3,7 @@
 //! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
+pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;
@@ -12,6 +13,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod neural;
 pub mod optim;
 pub mod plot;
 pub mod rng;

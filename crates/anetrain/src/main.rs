@@ -66,9 +66,9 @@ enum Command {
         /// Evaluate at most this many windows of --data.
         #[arg(long)]
         max_windows: Option<usize>,
-        /// Engine (only the CPU engine evaluates today).
-        #[arg(long, value_enum, default_value = "cpu")]
-        backend: EvalBackend,
+        /// Engine [default: ane where available, else cpu].
+        #[arg(long, value_enum)]
+        backend: Option<anetrain::backend::Backend>,
     },
     /// Generate text from a prompt, streaming tokens to stdout.
     Generate {
@@ -93,6 +93,11 @@ enum Command {
         /// tokenizer.json [default: the model directory's].
         #[arg(long)]
         tokenizer: Option<PathBuf>,
+        /// Engine [default: ane where available, else cpu]. The CPU engine
+        /// decodes with a KV cache; the Neural Engine paths rerun the
+        /// compiled kernels over the whole (padded) sequence per token.
+        #[arg(long, value_enum)]
+        backend: Option<anetrain::backend::Backend>,
     },
     /// Draw a run's train/val loss and learning rate as a PNG.
     Plot {
@@ -104,11 +109,6 @@ enum Command {
     },
     /// Print the platform, Neural Engine availability and versions.
     Info,
-}
-
-#[derive(Clone, Copy, clap::ValueEnum)]
-enum EvalBackend {
-    Cpu,
 }
 
 #[derive(Subcommand)]
@@ -210,11 +210,18 @@ fn info() {
         std::env::consts::ARCH
     );
     println!("cpu threads: {}", mil::linalg::threads());
-    if cfg!(target_os = "macos") {
-        println!("neural engine: macOS detected; the private-API device is not built yet (use --backend ane-sim)");
-    } else {
-        println!("neural engine: not available on this platform (the simulated device, ane-sim, runs anywhere)");
+    match anetrain::backend::ane_unavailable() {
+        Ok(()) => println!("neural engine: available"),
+        Err(e) => println!("neural engine: unavailable — {e}"),
     }
+    println!(
+        "simulated device (ane-sim): available; compile budget {} programs per process",
+        ane::DEFAULT_COMPILE_BUDGET
+    );
+    println!(
+        "default backend: {:?}",
+        anetrain::backend::Backend::platform_default()
+    );
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -235,8 +242,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             token_dtype,
             tokenizer,
             max_windows,
-            backend: EvalBackend::Cpu,
+            backend,
         } => cmd_model::eval(cmd_model::EvalArgs {
+            backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
             model,
             data,
             tokens,
@@ -254,7 +262,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             top_p,
             seed,
             tokenizer,
+            backend,
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
+            backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
             model,
             prompt,
             max_tokens,

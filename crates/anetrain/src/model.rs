@@ -49,6 +49,8 @@ pub struct Model {
     pub final_norm: usize,
     /// `None` when tied to the embedding.
     pub lm_head: Option<usize>,
+    /// Bumped whenever the weights change (devices restage on a new value).
+    pub version: u64,
 }
 
 /// The parameter list (names and shapes) a configuration implies.
@@ -110,19 +112,25 @@ fn layout(cfg: &ModelConfig) -> Model {
         layers,
         final_norm,
         lm_head,
+        version: 0,
     }
 }
 
 impl Model {
-    /// Random initialisation: matrices N(0, 0.02), norm weights 1.
+    /// Random initialisation: matrices N(0, 0.02), the two projections that
+    /// write into the residual stream (o_proj, down_proj) N(0, 0.02/√(2·layers))
+    /// as in GPT-2, norm weights 1.
     pub fn init(cfg: &ModelConfig, seed: u64) -> Result<Model> {
         cfg.validate()?;
         let mut m = layout(cfg);
         let mut rng = Rng::new(seed);
+        let residual_std = 0.02 / (2.0 * cfg.num_hidden_layers as f64).sqrt();
         for p in &mut m.params {
             let n: usize = p.shape.iter().product();
             p.data = if p.shape.len() == 1 {
                 vec![1.0; n]
+            } else if p.name.ends_with("o_proj.weight") || p.name.ends_with("down_proj.weight") {
+                rng.normals(n, residual_std)
             } else {
                 rng.normals(n, 0.02)
             };

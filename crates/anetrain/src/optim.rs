@@ -58,6 +58,7 @@ impl AdamW {
     ///   p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)
     pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64) {
         self.step += 1;
+        model.version += 1;
         let t = self.step as i32;
         let c = &self.cfg;
         let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
@@ -144,5 +145,55 @@ mod tests {
         let mut g = vec![vec![0.3f32, 0.4]];
         clip_grad_norm(&mut g, 1.0);
         assert_eq!(g[0], vec![0.3, 0.4]);
+    }
+}
+
+/// Dynamic loss scaling for fp16 gradients: the loss gradient is multiplied
+/// by `scale` before backward; a step whose gradients overflow is skipped
+/// and the scale halved; after `growth_interval` clean steps it doubles.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LossScaler {
+    pub scale: f64,
+    pub good_steps: u64,
+    pub growth_interval: u64,
+    pub dynamic: bool,
+}
+
+impl LossScaler {
+    /// No scaling (f32 engines).
+    pub fn fixed() -> LossScaler {
+        LossScaler {
+            scale: 1.0,
+            good_steps: 0,
+            growth_interval: 0,
+            dynamic: false,
+        }
+    }
+
+    /// Starts at 2^10, grows every 100 clean steps up to 2^16.
+    pub fn dynamic() -> LossScaler {
+        LossScaler {
+            scale: 1024.0,
+            good_steps: 0,
+            growth_interval: 100,
+            dynamic: true,
+        }
+    }
+
+    /// Records a step's outcome.
+    pub fn update(&mut self, finite: bool) {
+        if !self.dynamic {
+            return;
+        }
+        if finite {
+            self.good_steps += 1;
+            if self.good_steps >= self.growth_interval {
+                self.scale = (self.scale * 2.0).min(65536.0);
+                self.good_steps = 0;
+            }
+        } else {
+            self.scale = (self.scale / 2.0).max(1.0 / 1024.0);
+            self.good_steps = 0;
+        }
     }
 }

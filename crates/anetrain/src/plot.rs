@@ -337,7 +337,12 @@ fn encode_png(px: &[Rgb]) -> Vec<u8> {
         raw.push(2u8);
         for x in 0..W {
             let above = if y > 0 { px[(y - 1) * W + x] } else { [0; 3] };
-            raw.extend(px[y * W + x].iter().zip(above).map(|(v, a)| v.wrapping_sub(a)));
+            raw.extend(
+                px[y * W + x]
+                    .iter()
+                    .zip(above)
+                    .map(|(v, a)| v.wrapping_sub(a)),
+            );
         }
     }
     let mut z = vec![0x78, 0x01];

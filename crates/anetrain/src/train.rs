@@ -9,14 +9,15 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{self, Backend};
 use crate::checkpoint::{self, TrainerState};
 use crate::config::ModelConfig;
 use crate::corpus;
 use crate::data::{self, TokenDtype};
-use crate::engine::{self, zero_grads, Engine};
+use crate::engine::{self, zero_grads, Engine, KernelRunner};
 use crate::fsutil::write_atomic;
 use crate::model::Model;
-use crate::optim::{self, AdamW, AdamWConfig};
+use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
 use crate::rng::Rng;
 use crate::tokenizer::Tokenizer;
 
@@ -32,6 +33,7 @@ pub enum Sample {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {
     pub model: String,
+    pub backend: Backend,
     pub data: Option<PathBuf>,
     pub token_dtype: TokenDtype,
     pub seq: usize,
@@ -204,8 +206,8 @@ fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
 }
 
 /// Mean loss over the first `n` validation windows.
-fn val_loss(
-    eng: &mut Engine<engine::CpuKernels>,
+fn val_loss<R: KernelRunner>(
+    eng: &mut Engine<R>,
     model: &Model,
     val: &[u32],
     seq: usize,
@@ -266,6 +268,9 @@ pub fn train(r: TrainRequest) -> Result<f64> {
     install_stop_handler();
     let s = r.settings.clone();
     validate(&s, &r)?;
+    if s.backend == Backend::Ane {
+        backend::ane_unavailable()?;
+    }
     let out = r.out.clone();
     let resuming = r.resume && checkpoint::state_path(&out).is_file();
     if !r.resume && checkpoint::state_path(&out).exists() {
@@ -334,6 +339,11 @@ pub fn train(r: TrainRequest) -> Result<f64> {
             cursor: 0,
             skipped: 0,
             config: model.cfg.clone(),
+            scaler: if s.backend.uses_fp16() {
+                LossScaler::dynamic()
+            } else {
+                LossScaler::fixed()
+            },
             adamw: r.adamw,
             settings: serde_json::to_value(&s)?,
             model_file: String::new(),
@@ -347,153 +357,191 @@ pub fn train(r: TrainRequest) -> Result<f64> {
         (model, opt, state, corpus)
     };
 
-    let metrics_path = out.join("metrics.jsonl");
-    if resuming {
-        truncate_metrics(&metrics_path, state.step)?;
-    } else {
-        let _ = std::fs::remove_file(&metrics_path);
+    let run = Run {
+        r: &r,
+        s: &s,
+        out: &out,
+        resuming,
+        corpus: &corpus,
+    };
+    match s.backend {
+        Backend::AneSim => run.go(
+            Engine::neural(&model, ane::SimDevice::new()),
+            &mut model,
+            &mut opt,
+            &mut state,
+        ),
+        _ => run.go(Engine::cpu(&model), &mut model, &mut opt, &mut state),
     }
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("cannot open '{}'", metrics_path.display()))?;
+}
 
-    let mut eng = Engine::cpu(&model);
-    let mut rng = Rng::from_state(state.rng);
-    let tty = std::io::stderr().is_terminal();
-    let tokens_per_step = (s.batch * s.accum * s.seq) as f64;
-    eprintln!(
-        "training {} ({:.2}M parameters) on {} train / {} val tokens -> {}",
-        s.model,
-        model.num_params() as f64 / 1e6,
-        corpus.train.len(),
-        corpus.val.len(),
-        out.display()
-    );
-    if resuming {
-        eprintln!("resumed at step {} of {}", state.step, r.steps);
-    }
-    let run_start = Instant::now();
-    let start_step = state.step;
-    let mut last_loss = f64::NAN;
-    let mut consecutive_skips = 0;
-    while state.step < r.steps {
-        let step = state.step;
-        let t0 = Instant::now();
-        let lr = optim::lr_at(
-            step,
-            r.steps,
-            s.warmup.unwrap_or(r.steps / 10),
-            s.lr,
-            s.min_lr_frac,
-        );
-        let mut grads = zero_grads(&model);
-        let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
-        let mut loss_sum = 0f64;
-        let n_targets = (s.batch * s.accum * s.seq) as f32;
-        for _ in 0..s.accum * s.batch {
-            let w = next_window(&corpus.train, s.seq, s.sample, &mut rng, &mut state.cursor);
-            let a = Instant::now();
-            let fwd = eng.forward(&model, &w[..s.seq])?;
-            let b = Instant::now();
-            let (loss, dxf) =
-                engine::head_loss(&model, &fwd.xf, &w[1..], 1.0 / n_targets, Some(&mut grads))?;
-            let c = Instant::now();
-            eng.backward(&model, &fwd, &dxf, &mut grads)?;
-            t_fwd += (b - a).as_secs_f64();
-            t_loss += (c - b).as_secs_f64();
-            t_bwd += c.elapsed().as_secs_f64();
-            loss_sum += loss;
-        }
-        let loss = loss_sum / n_targets as f64;
-        let t_opt = Instant::now();
-        let gnorm = optim::clip_grad_norm(&mut grads, s.clip);
-        let finite = loss.is_finite() && gnorm.is_finite();
-        if finite {
-            opt.update(&mut model, &grads, lr);
-            consecutive_skips = 0;
-            last_loss = loss;
+/// The parts of a run the step loop reads.
+struct Run<'a> {
+    r: &'a TrainRequest,
+    s: &'a TrainSettings,
+    out: &'a Path,
+    resuming: bool,
+    corpus: &'a Corpus,
+}
+
+impl Run<'_> {
+    fn go<R: KernelRunner>(
+        &self,
+        mut eng: Engine<R>,
+        model: &mut Model,
+        opt: &mut AdamW,
+        state: &mut TrainerState,
+    ) -> Result<f64> {
+        let (r, s, out, resuming, corpus) = (self.r, self.s, self.out, self.resuming, self.corpus);
+        let metrics_path = out.join("metrics.jsonl");
+        if resuming {
+            truncate_metrics(&metrics_path, state.step)?;
         } else {
-            state.skipped += 1;
-            consecutive_skips += 1;
-            eprintln!(
-                "step {}: non-finite loss ({loss}) or gradient norm ({gnorm}); step skipped",
-                step + 1
+            let _ = std::fs::remove_file(&metrics_path);
+        }
+        let mut metrics = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics_path)
+            .with_context(|| format!("cannot open '{}'", metrics_path.display()))?;
+
+        let mut rng = Rng::from_state(state.rng);
+        let tty = std::io::stderr().is_terminal();
+        let tokens_per_step = (s.batch * s.accum * s.seq) as f64;
+        eprintln!(
+            "training {} ({:.2}M parameters) on {} train / {} val tokens -> {}",
+            s.model,
+            model.num_params() as f64 / 1e6,
+            corpus.train.len(),
+            corpus.val.len(),
+            out.display()
+        );
+        if resuming {
+            eprintln!("resumed at step {} of {}", state.step, r.steps);
+        }
+        let run_start = Instant::now();
+        let start_step = state.step;
+        let mut last_loss = f64::NAN;
+        let mut consecutive_skips = 0;
+        while state.step < r.steps {
+            let step = state.step;
+            let t0 = Instant::now();
+            let lr = optim::lr_at(
+                step,
+                r.steps,
+                s.warmup.unwrap_or(r.steps / 10),
+                s.lr,
+                s.min_lr_frac,
             );
-            if consecutive_skips >= 3 {
-                bail!(
+            let mut grads = zero_grads(model);
+            let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
+            let mut loss_sum = 0f64;
+            let n_targets = (s.batch * s.accum * s.seq) as f32;
+            let loss_scale = state.scaler.scale;
+            for _ in 0..s.accum * s.batch {
+                let w = next_window(&corpus.train, s.seq, s.sample, &mut rng, &mut state.cursor);
+                let a = Instant::now();
+                let fwd = eng.forward(model, &w[..s.seq])?;
+                let b = Instant::now();
+                let (loss, dxf) =
+                    engine::head_loss(&model, &fwd.xf, &w[1..], 1.0 / n_targets, Some(&mut grads))?;
+                let c = Instant::now();
+                eng.backward(model, &fwd, &dxf, &mut grads)?;
+                t_fwd += (b - a).as_secs_f64();
+                t_loss += (c - b).as_secs_f64();
+                t_bwd += c.elapsed().as_secs_f64();
+                loss_sum += loss;
+            }
+            let loss = loss_sum / n_targets as f64;
+            let t_opt = Instant::now();
+            let gnorm = optim::clip_grad_norm(&mut grads, s.clip);
+            let finite = loss.is_finite() && gnorm.is_finite();
+            if finite {
+                opt.update(model, &grads, lr);
+                consecutive_skips = 0;
+                last_loss = loss;
+            } else {
+                state.skipped += 1;
+                consecutive_skips += 1;
+                eprintln!(
+                    "step {}: non-finite loss ({loss}) or gradient norm ({gnorm}); step skipped",
+                    step + 1
+                );
+                if consecutive_skips >= 3 {
+                    bail!(
                     "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
                      the last checkpoint is intact — resume with a lower --lr or stronger --clip",
                     step + 1
                 );
+                }
             }
-        }
-        let t_opt = t_opt.elapsed().as_secs_f64();
-        state.step += 1;
-        let dt = t0.elapsed().as_secs_f64();
-        let tps = tokens_per_step / dt;
-        let rec = serde_json::json!({
-            "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": gnorm,
-            "tokens_per_s": tps, "skipped": !finite,
-            "time": {"forward": t_fwd, "loss": t_loss, "backward": t_bwd, "optimizer": t_opt, "total": dt},
-        });
-        writeln!(metrics, "{rec}")?;
-        let mut val = None;
-        if s.eval_every > 0 && (state.step % s.eval_every == 0 || state.step == r.steps) {
-            val = val_loss(&mut eng, &model, &corpus.val, s.seq, s.eval_windows)?;
-            if let Some(v) = val {
-                writeln!(
-                    metrics,
-                    "{}",
-                    serde_json::json!({"step": state.step, "split": "val", "loss": v})
-                )?;
+            let t_opt = t_opt.elapsed().as_secs_f64();
+            state.step += 1;
+            let dt = t0.elapsed().as_secs_f64();
+            let tps = tokens_per_step / dt;
+            let rec = serde_json::json!({
+                "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": gnorm,
+                "tokens_per_s": tps, "skipped": !finite, "loss_scale": loss_scale,
+                "time": {"forward": t_fwd, "loss": t_loss, "backward": t_bwd, "optimizer": t_opt, "total": dt},
+            });
+            writeln!(metrics, "{rec}")?;
+            let mut val = None;
+            if s.eval_every > 0 && (state.step % s.eval_every == 0 || state.step == r.steps) {
+                val = val_loss(&mut eng, model, &corpus.val, s.seq, s.eval_windows)?;
+                if let Some(v) = val {
+                    writeln!(
+                        metrics,
+                        "{}",
+                        serde_json::json!({"step": state.step, "split": "val", "loss": v})
+                    )?;
+                }
             }
-        }
-        // progress
-        let done = (state.step - start_step) as f64;
-        let eta = run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64;
-        let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
-        if tty {
-            let width = 24;
-            let filled = (width as f64 * state.step as f64 / r.steps as f64) as usize;
-            eprint!(
-                "\r[{}{}] {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}   ",
-                "#".repeat(filled),
-                "-".repeat(width - filled),
-                state.step,
-                r.steps,
-                fmt_duration(eta)
-            );
-            if val.is_some() || state.step == r.steps {
-                eprintln!();
-            }
-        } else if state.step % r.log_every.max(1) == 0 || state.step == r.steps || val.is_some() {
-            eprintln!(
-                "step {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}",
-                state.step,
-                r.steps,
-                fmt_duration(eta)
-            );
-        }
-        let _ = std::io::stderr().flush();
-        let stop = STOP.load(std::sync::atomic::Ordering::SeqCst);
-        if stop || state.step % r.save_every.max(1) == 0 || state.step == r.steps {
-            metrics.sync_all()?;
-            state.rng = rng.state();
-            checkpoint::save(&out, &model, &opt, state.clone())?;
-        }
-        if stop && state.step < r.steps {
+            // progress
+            let done = (state.step - start_step) as f64;
+            let eta = run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64;
+            let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
             if tty {
-                eprintln!();
+                let width = 24;
+                let filled = (width as f64 * state.step as f64 / r.steps as f64) as usize;
+                eprint!(
+                    "\r[{}{}] {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}   ",
+                    "#".repeat(filled),
+                    "-".repeat(width - filled),
+                    state.step,
+                    r.steps,
+                    fmt_duration(eta)
+                );
+                if val.is_some() || state.step == r.steps {
+                    eprintln!();
+                }
+            } else if state.step % r.log_every.max(1) == 0 || state.step == r.steps || val.is_some()
+            {
+                eprintln!(
+                    "step {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}",
+                    state.step,
+                    r.steps,
+                    fmt_duration(eta)
+                );
             }
-            bail!(
+            let _ = std::io::stderr().flush();
+            let stop = STOP.load(std::sync::atomic::Ordering::SeqCst);
+            if stop || state.step % r.save_every.max(1) == 0 || state.step == r.steps {
+                metrics.sync_all()?;
+                state.rng = rng.state();
+                checkpoint::save(out, model, opt, state.clone())?;
+            }
+            if stop && state.step < r.steps {
+                if tty {
+                    eprintln!();
+                }
+                bail!(
                 "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
                 state.step,
                 out.display()
             );
+            }
         }
+        eprintln!("done: {} steps, model in {}", state.step, out.display());
+        Ok(last_loss)
     }
-    eprintln!("done: {} steps, model in {}", state.step, out.display());
-    Ok(last_loss)
 }
