@@ -443,8 +443,9 @@ impl Run<'_> {
                 let a = Instant::now();
                 let fwd = eng.forward(model, &w[..s.seq])?;
                 let b = Instant::now();
+                let grad_scale = loss_scale as f32 / n_targets;
                 let (loss, dxf) =
-                    engine::head_loss(&model, &fwd.xf, &w[1..], 1.0 / n_targets, Some(&mut grads))?;
+                    engine::head_loss(model, &fwd.xf, &w[1..], grad_scale, Some(&mut grads))?;
                 let c = Instant::now();
                 eng.backward(model, &fwd, &dxf, &mut grads)?;
                 t_fwd += (b - a).as_secs_f64();
@@ -454,18 +455,41 @@ impl Run<'_> {
             }
             let loss = loss_sum / n_targets as f64;
             let t_opt = Instant::now();
+            if loss_scale != 1.0 {
+                let inv = (1.0 / loss_scale) as f32;
+                grads
+                    .iter_mut()
+                    .for_each(|g| g.iter_mut().for_each(|x| *x *= inv));
+            }
             let gnorm = optim::clip_grad_norm(&mut grads, s.clip);
             let finite = loss.is_finite() && gnorm.is_finite();
+            state.scaler.update(finite);
             if finite {
                 opt.update(model, &grads, lr);
                 consecutive_skips = 0;
                 last_loss = loss;
             } else {
                 state.skipped += 1;
-                consecutive_skips += 1;
+                // An fp16 overflow with a finite loss is the loss scaler's
+                // business; only other failures count towards divergence.
+                let overflow =
+                    state.scaler.dynamic && loss.is_finite() && state.scaler.scale >= 1.0;
+                if !overflow {
+                    consecutive_skips += 1;
+                }
                 eprintln!(
-                    "step {}: non-finite loss ({loss}) or gradient norm ({gnorm}); step skipped",
-                    step + 1
+                    "step {}: non-finite {}; step skipped{}",
+                    step + 1,
+                    if loss.is_finite() {
+                        format!("gradients (norm {gnorm})")
+                    } else {
+                        format!("loss ({loss})")
+                    },
+                    if state.scaler.dynamic {
+                        format!(", loss scale now {}", state.scaler.scale)
+                    } else {
+                        String::new()
+                    }
                 );
                 if consecutive_skips >= 3 {
                     bail!(
@@ -486,7 +510,9 @@ impl Run<'_> {
             });
             writeln!(metrics, "{rec}")?;
             let mut val = None;
-            if s.eval_every > 0 && (state.step % s.eval_every == 0 || state.step == r.steps) {
+            if s.eval_every > 0
+                && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
+            {
                 val = val_loss(&mut eng, model, &corpus.val, s.seq, s.eval_windows)?;
                 if let Some(v) = val {
                     writeln!(
@@ -514,7 +540,9 @@ impl Run<'_> {
                 if val.is_some() || state.step == r.steps {
                     eprintln!();
                 }
-            } else if state.step % r.log_every.max(1) == 0 || state.step == r.steps || val.is_some()
+            } else if state.step.is_multiple_of(r.log_every.max(1))
+                || state.step == r.steps
+                || val.is_some()
             {
                 eprintln!(
                     "step {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}",
@@ -525,7 +553,7 @@ impl Run<'_> {
             }
             let _ = std::io::stderr().flush();
             let stop = STOP.load(std::sync::atomic::Ordering::SeqCst);
-            if stop || state.step % r.save_every.max(1) == 0 || state.step == r.steps {
+            if stop || state.step.is_multiple_of(r.save_every.max(1)) || state.step == r.steps {
                 metrics.sync_all()?;
                 state.rng = rng.state();
                 checkpoint::save(out, model, opt, state.clone())?;

@@ -73,6 +73,9 @@ pub fn parse(bytes: &[u8]) -> Result<NpyArray, String> {
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or("the .npy shape is too large")?;
     let body = &bytes[hstart + hlen..];
+    if !descr.is_ascii() {
+        return Err(format!("unsupported dtype '{descr}'"));
+    }
     let (kind, size) = match descr.as_str() {
         "|b1" => ('b', 1),
         d if d.len() >= 3 && (d.starts_with('<') || d.starts_with('|')) => {
@@ -244,5 +247,15 @@ mod tests {
         let mut g = encode_f32(&[4], &[1.0; 4]);
         g[6] = 9;
         assert!(parse(&g).unwrap_err().contains("version"));
+    }
+
+    #[test]
+    fn non_ascii_descr_is_an_error_not_a_panic() {
+        // Found by the npy_parse fuzz target.
+        let mut f = encode_f32(&[1], &[1.0]);
+        let at = f.windows(3).position(|w| w == b"<f4").unwrap();
+        f[at + 1] = 0xC3;
+        f[at + 2] = 0x99;
+        assert!(parse(&f).is_err());
     }
 }
