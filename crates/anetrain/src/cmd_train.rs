@@ -10,6 +10,7 @@ use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
 
 #[derive(clap::Args, Debug)]
+#[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// A preset (tiny, stories15m, stories42m, stories110m, qwen3-0.6b) to
     /// train from scratch, or a Hugging Face model directory to fine-tune.
