@@ -137,6 +137,7 @@ fn accumulate_weight_grad(
     inp: usize,
     seq: usize,
 ) {
+    let t = std::time::Instant::now();
     sgemm(
         MatRef::row_major(dy, 0, out, seq),
         MatRef::row_major(x, 0, inp, seq).t(),
@@ -145,6 +146,7 @@ fn accumulate_weight_grad(
         inp,
         true,
     );
+    WEIGHT_GRAD_SECS.with(|c| c.set(c.get() + t.elapsed().as_secs_f64()));
 }
 
 fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
@@ -155,6 +157,16 @@ fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
 pub struct Engine<R: KernelRunner> {
     pub runner: R,
     pub opts: KernelOptions,
+}
+
+thread_local! {
+    /// Seconds spent in weight-gradient gemms (for `bench` breakdowns).
+    static WEIGHT_GRAD_SECS: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+/// Takes and resets the time spent in weight-gradient gemms on this thread.
+pub fn take_weight_grad_secs() -> f64 {
+    WEIGHT_GRAD_SECS.with(|c| c.replace(0.0))
 }
 
 impl Engine<CpuKernels> {

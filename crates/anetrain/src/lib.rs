@@ -4,6 +4,7 @@
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod corpus;

@@ -99,6 +99,29 @@ enum Command {
         #[arg(long, value_enum)]
         backend: Option<anetrain::backend::Backend>,
     },
+    /// Time training steps (forward, backward, AdamW) as `train` runs them;
+    /// prints one JSON line last (median/min step time, tokens/s, GFLOP/s,
+    /// peak RSS, per-phase medians).
+    Bench {
+        /// A preset (random initialisation) or a model directory.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Tokens per sequence.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 1)]
+        batch: usize,
+        /// Timed steps.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Untimed warm-up steps.
+        #[arg(long, default_value_t = 1)]
+        warmup: usize,
+        /// Engine [default: ane where available, else cpu].
+        #[arg(long, value_enum)]
+        backend: Option<anetrain::backend::Backend>,
+    },
     /// Draw a run's train/val loss and learning rate as a PNG.
     Plot {
         /// The run directory (holding metrics.jsonl).
@@ -227,6 +250,24 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Bench {
+            model,
+            seq,
+            batch,
+            steps,
+            warmup,
+            backend,
+        } => {
+            let r = anetrain::bench::bench(&anetrain::bench::BenchArgs {
+                model,
+                seq,
+                batch,
+                steps,
+                warmup,
+                backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
+            })?;
+            println!("{r}");
+        }
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
             anetrain::plot::plot(&run, &out)?;

@@ -35,8 +35,16 @@ fn model_copy(tag: &str) -> PathBuf {
 fn fails(args: &[&str], needles: &[&str]) {
     let o = bin().args(args).output().unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{args:?}: status {:?}, stderr {e}", o.status);
-    assert!(!e.contains("panicked") && !e.contains("internal error") && !e.contains("backtrace"), "{e}");
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{args:?}: status {:?}, stderr {e}",
+        o.status
+    );
+    assert!(
+        !e.contains("panicked") && !e.contains("internal error") && !e.contains("backtrace"),
+        "{e}"
+    );
     assert_eq!(e.lines().count(), 1, "one line expected: {e}");
     assert!(e.starts_with("error: "), "{e}");
     for n in needles {
@@ -46,7 +54,8 @@ fn fails(args: &[&str], needles: &[&str]) {
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
     let p = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
     f(&mut v);
     std::fs::write(p, v.to_string()).unwrap();
 }
@@ -59,44 +68,71 @@ fn s(p: &Path) -> &str {
 fn eval_rejects_broken_models() {
     let tokens = fixture_tokens();
     let t = s(&tokens);
-    fails(&["eval", "--model", "/nonexistent/model", "--tokens", t], &["/nonexistent/model", "does not exist"]);
+    fails(
+        &["eval", "--model", "/nonexistent/model", "--tokens", t],
+        &["/nonexistent/model", "does not exist"],
+    );
 
     let d = model_copy("json");
     std::fs::write(d.join("config.json"), "{\"hidden_size\": 64,").unwrap();
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["config.json", "invalid JSON"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["config.json", "invalid JSON"],
+    );
 
     let d = model_copy("heads");
     edit_config(&d, |v| v["num_key_value_heads"] = 3.into());
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["config.json", "multiple of num_key_value_heads"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["config.json", "multiple of num_key_value_heads"],
+    );
 
     let d = model_copy("huge");
     edit_config(&d, |v| {
         v["vocab_size"] = 5_000_000.into();
         v["hidden_size"] = 8192.into();
     });
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["billion parameters"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["billion parameters"],
+    );
 
     let d = model_copy("odd");
     edit_config(&d, |v| v["head_dim"] = 11.into());
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["head_dim (11) must be even"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["head_dim (11) must be even"],
+    );
 
     let d = model_copy("trunc");
     let st = d.join("model.safetensors");
     let b = std::fs::read(&st).unwrap();
     std::fs::write(&st, &b[..b.len() - 100]).unwrap();
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["model.safetensors", "truncated"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["model.safetensors", "truncated"],
+    );
 
     let d = model_copy("shape");
     edit_config(&d, |v| v["intermediate_size"] = 81.into());
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["gate_proj.weight", "[80, 48]", "[81, 48]"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["gate_proj.weight", "[80, 48]", "[81, 48]"],
+    );
 
     let d = model_copy("layers");
     edit_config(&d, |v| v["num_hidden_layers"] = 3.into());
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["model.layers.2.", "missing"]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["model.layers.2.", "missing"],
+    );
 
     let d = model_copy("extra");
     edit_config(&d, |v| v["num_hidden_layers"] = 1.into());
-    fails(&["eval", "--model", s(&d), "--tokens", t], &["unexpected tensor", "model.layers.1."]);
+    fails(
+        &["eval", "--model", s(&d), "--tokens", t],
+        &["unexpected tensor", "model.layers.1."],
+    );
 
     // NaN in the weights.
     let d = model_copy("nan");
@@ -113,7 +149,10 @@ fn eval_rejects_broken_models() {
     let b = std::fs::read(&st).unwrap();
     let text = String::from_utf8_lossy(&b).replacen("\"F32\"", "\"I64\"", 1);
     std::fs::write(&st, text.as_bytes()).unwrap_or(());
-    let o = bin().args(["eval", "--model", s(&d), "--tokens", t]).output().unwrap();
+    let o = bin()
+        .args(["eval", "--model", s(&d), "--tokens", t])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1));
 }
 
@@ -123,32 +162,67 @@ fn eval_rejects_bad_token_inputs() {
     let d = tmp("tokens");
     let big = d.join("big.npy");
     std::fs::write(&big, mil::npy::encode_i64(&[4], &[1, 2, 96, 3])).unwrap();
-    fails(&["eval", "--model", s(&m), "--tokens", s(&big)], &["big.npy", "96", "vocabulary"]);
+    fails(
+        &["eval", "--model", s(&m), "--tokens", s(&big)],
+        &["big.npy", "96", "vocabulary"],
+    );
     let neg = d.join("neg.npy");
     std::fs::write(&neg, mil::npy::encode_i64(&[3], &[1, -2, 3])).unwrap();
-    fails(&["eval", "--model", s(&m), "--tokens", s(&neg)], &["neg.npy", "-2"]);
+    fails(
+        &["eval", "--model", s(&m), "--tokens", s(&neg)],
+        &["neg.npy", "-2"],
+    );
     let floats = d.join("f.npy");
     std::fs::write(&floats, mil::npy::encode_f32(&[3], &[1.0, 2.0, 3.0])).unwrap();
-    fails(&["eval", "--model", s(&m), "--tokens", s(&floats)], &["f.npy", "integers"]);
+    fails(
+        &["eval", "--model", s(&m), "--tokens", s(&floats)],
+        &["f.npy", "integers"],
+    );
     let short = d.join("short.npy");
     std::fs::write(&short, mil::npy::encode_i64(&[1], &[5])).unwrap();
-    fails(&["eval", "--model", s(&m), "--tokens", s(&short)], &["short.npy", "at least 2 tokens"]);
+    fails(
+        &["eval", "--model", s(&m), "--tokens", s(&short)],
+        &["short.npy", "at least 2 tokens"],
+    );
     let junk = d.join("junk.npy");
     std::fs::write(&junk, b"not numpy at all").unwrap();
-    fails(&["eval", "--model", s(&m), "--tokens", s(&junk)], &["junk.npy", "not a .npy"]);
+    fails(
+        &["eval", "--model", s(&m), "--tokens", s(&junk)],
+        &["junk.npy", "not a .npy"],
+    );
     // --data shorter than one window; odd-sized u16 file; ids beyond the vocabulary.
     let tiny = d.join("tiny.bin");
     std::fs::write(&tiny, [1u8, 0, 2, 0, 3, 0]).unwrap();
-    fails(&["eval", "--model", s(&m), "--data", s(&tiny), "--seq", "8"], &["tiny.bin", "fewer than one window"]);
+    fails(
+        &["eval", "--model", s(&m), "--data", s(&tiny), "--seq", "8"],
+        &["tiny.bin", "fewer than one window"],
+    );
     let odd = d.join("odd.bin");
     std::fs::write(&odd, [1u8, 0, 2]).unwrap();
-    fails(&["eval", "--model", s(&m), "--data", s(&odd)], &["odd.bin", "--token-dtype"]);
+    fails(
+        &["eval", "--model", s(&m), "--data", s(&odd)],
+        &["odd.bin", "--token-dtype"],
+    );
     let oov = d.join("oov.bin");
     std::fs::write(&oov, [1u8, 0, 200, 0, 3, 0]).unwrap();
-    fails(&["eval", "--model", s(&m), "--data", s(&oov)], &["oov.bin", "200"]);
+    fails(
+        &["eval", "--model", s(&m), "--data", s(&oov)],
+        &["oov.bin", "200"],
+    );
     // Logits are not written when evaluation fails.
     let lo = d.join("logits.npy");
-    fails(&["eval", "--model", s(&m), "--tokens", s(&big), "--logits-out", s(&lo)], &["big.npy"]);
+    fails(
+        &[
+            "eval",
+            "--model",
+            s(&m),
+            "--tokens",
+            s(&big),
+            "--logits-out",
+            s(&lo),
+        ],
+        &["big.npy"],
+    );
     assert!(!lo.exists());
 }
 
@@ -157,13 +231,31 @@ fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
     let d = tmp("train");
     let out = d.join("run");
     fails(
-        &["train", "--data", "/nonexistent/data.bin", "--out", s(&out), "--steps", "1"],
+        &[
+            "train",
+            "--data",
+            "/nonexistent/data.bin",
+            "--out",
+            s(&out),
+            "--steps",
+            "1",
+        ],
         &["/nonexistent/data.bin"],
     );
     let short = d.join("short.bin");
     std::fs::write(&short, [1u8, 0, 2, 0, 3, 0, 4, 0]).unwrap();
     fails(
-        &["train", "--data", s(&short), "--out", s(&out), "--steps", "1", "--seq", "16"],
+        &[
+            "train",
+            "--data",
+            s(&short),
+            "--out",
+            s(&out),
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+        ],
         &["too few for one training window"],
     );
     let oov = d.join("oov.bin");
@@ -173,15 +265,34 @@ fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
     }
     std::fs::write(&oov, bytes).unwrap();
     fails(
-        &["train", "--data", s(&oov), "--out", s(&out), "--steps", "1", "--seq", "16"],
+        &[
+            "train",
+            "--data",
+            s(&oov),
+            "--out",
+            s(&out),
+            "--steps",
+            "1",
+            "--seq",
+            "16",
+        ],
         &["oov.bin", "9000", "index 77"],
     );
-    fails(&["train", "--model", "gpt-5", "--out", s(&out)], &["gpt-5", "preset"]);
+    fails(
+        &["train", "--model", "gpt-5", "--out", s(&out)],
+        &["gpt-5", "preset"],
+    );
     fails(&["train", "--lr", "-1", "--out", s(&out)], &["--lr"]);
-    fails(&["train", "--seq", "4096", "--out", s(&out), "--steps", "1"], &["max_position_embeddings"]);
+    fails(
+        &["train", "--seq", "4096", "--out", s(&out), "--steps", "1"],
+        &["max_position_embeddings"],
+    );
     assert!(!out.join("trainer/state.json").exists());
     // A corrupt trainer state.
     std::fs::create_dir_all(out.join("trainer")).unwrap();
     std::fs::write(out.join("trainer/state.json"), "{\"format\": 1, \"step\": ").unwrap();
-    fails(&["train", "--resume", "--out", s(&out), "--steps", "2"], &["state.json", "corrupt"]);
+    fails(
+        &["train", "--resume", "--out", s(&out), "--steps", "2"],
+        &["state.json", "corrupt"],
+    );
 }

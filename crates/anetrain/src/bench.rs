@@ -1,0 +1,152 @@
+//! `anetrain bench`: timed training steps (forward, backward, AdamW) exactly
+//! as `train` runs them, on a randomly initialised model.
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde_json::json;
+
+use crate::backend::{self, Backend};
+use crate::config::ModelConfig;
+use crate::engine::{self, zero_grads, Engine, KernelRunner};
+use crate::model::Model;
+use crate::optim::{self, AdamW, AdamWConfig};
+use crate::rng::Rng;
+
+/// FLOPs of one training step (forward + backward = 3× forward), counting
+/// every matmul including the LM head and full (unmasked) attention.
+pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
+    let (d, h, q, kv, v) = (
+        c.hidden_size as f64,
+        c.intermediate_size as f64,
+        c.q_dim() as f64,
+        c.kv_dim() as f64,
+        c.vocab_size as f64,
+    );
+    let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * h;
+    let tokens = (seq * batch) as f64;
+    let matmul = 2.0 * tokens * (per_layer * c.num_hidden_layers as f64 + v * d);
+    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
+    3.0 * (matmul + attention)
+}
+
+/// Peak resident memory of this process in MB (Linux), if known.
+pub fn peak_rss_mb() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb / 1024.0)
+}
+
+pub struct BenchArgs {
+    pub model: String,
+    pub seq: usize,
+    pub batch: usize,
+    pub steps: usize,
+    pub warmup: usize,
+    pub backend: Backend,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Runs the benchmark and returns its JSON summary.
+pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
+    if a.steps == 0 || a.seq == 0 || a.batch == 0 {
+        bail!("--steps, --seq and --batch must be at least 1");
+    }
+    let cfg = ModelConfig::resolve(&a.model)?;
+    if a.seq > cfg.max_position_embeddings {
+        bail!(
+            "--seq {} exceeds max_position_embeddings ({})",
+            a.seq,
+            cfg.max_position_embeddings
+        );
+    }
+    let model = if ModelConfig::preset(&a.model).is_some() {
+        Model::init(&cfg, 0)?
+    } else {
+        Model::load(std::path::Path::new(&a.model))?
+    };
+    match a.backend {
+        Backend::Cpu => run(a, model, Engine::cpu),
+        Backend::AneSim => run(a, model, |m| Engine::neural(m, ane::SimDevice::new())),
+        Backend::Ane => {
+            backend::ane_unavailable()?;
+            bail!("unreachable")
+        }
+    }
+}
+
+fn run<R: KernelRunner>(
+    a: &BenchArgs,
+    mut model: Model,
+    make: impl Fn(&Model) -> Engine<R>,
+) -> Result<serde_json::Value> {
+    let mut eng = make(&model);
+    let mut opt = AdamW::new(&model, AdamWConfig::default());
+    let mut rng = Rng::new(1);
+    let v = model.cfg.vocab_size;
+    let mut grads = zero_grads(&model);
+    let (mut steps, mut fwd, mut bwd, mut loss_t, mut wg, mut opt_t) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    for i in 0..a.warmup + a.steps {
+        let rows: Vec<Vec<u32>> = (0..a.batch)
+            .map(|_| (0..=a.seq).map(|_| rng.below(v) as u32).collect())
+            .collect();
+        let t0 = Instant::now();
+        grads.iter_mut().for_each(|g| g.fill(0.0));
+        let (mut tf, mut tb, mut tl) = (0.0, 0.0, 0.0);
+        engine::take_weight_grad_secs();
+        let scale = 1.0 / (a.batch * a.seq) as f32;
+        for r in &rows {
+            let s0 = Instant::now();
+            let f = eng.forward(&model, &r[..a.seq])?;
+            let s1 = Instant::now();
+            let (_, dxf) = engine::head_loss(&model, &f.xf, &r[1..], scale, Some(&mut grads))?;
+            let s2 = Instant::now();
+            eng.backward(&model, &f, &dxf, &mut grads)?;
+            tf += (s1 - s0).as_secs_f64();
+            tl += (s2 - s1).as_secs_f64();
+            tb += s2.elapsed().as_secs_f64();
+        }
+        let w = engine::take_weight_grad_secs();
+        let o0 = Instant::now();
+        optim::clip_grad_norm(&mut grads, 1.0);
+        opt.update(&mut model, &grads, 1e-4);
+        let to = o0.elapsed().as_secs_f64();
+        let total = t0.elapsed().as_secs_f64();
+        eprintln!(
+            "step {}{}: {:.3} s",
+            i + 1,
+            if i < a.warmup { " (warm-up)" } else { "" },
+            total
+        );
+        if i >= a.warmup {
+            steps.push(total);
+            fwd.push(tf);
+            bwd.push(tb - w);
+            wg.push(w);
+            loss_t.push(tl);
+            opt_t.push(to);
+        }
+    }
+    let flops = step_flops(&model.cfg, a.seq, a.batch);
+    let med = median(&mut steps.clone());
+    let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
+    Ok(json!({
+        "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
+        "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": mil::linalg::threads(),
+        "median_step_s": med, "min_step_s": min,
+        "tokens_per_s": (a.seq * a.batch) as f64 / med,
+        "flop_per_step": flops, "gflops": flops / med / 1e9,
+        "flop_count": "3 x forward matmul FLOPs (all linear layers, LM head, full attention)",
+        "peak_rss_mb": peak_rss_mb(),
+        "phases_median_s": {
+            "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),
+            "loss": median(&mut loss_t), "optimizer": median(&mut opt_t),
+        },
+    }))
+}
