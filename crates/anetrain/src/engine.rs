@@ -473,18 +473,26 @@ pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
 /// loss and turns `logits` into dL/dlogits scaled by `grad_scale`
 /// (softmax − onehot).
 pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, grad_scale: f32) -> f64 {
-    let mut total = 0f64;
-    for (row, &t) in logits.chunks_mut(vocab).zip(targets) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum: f64 = row.iter().map(|&z| ((z - max) as f64).exp()).sum();
-        let lse = max as f64 + sum.ln();
-        total += lse - row[t as usize] as f64;
-        for z in row.iter_mut() {
-            *z = (((*z - max) as f64).exp() / sum) as f32 * grad_scale;
-        }
-        row[t as usize] -= grad_scale;
+    use rayon::prelude::*;
+    // One row per position, in parallel; the sum is taken in position order.
+    let losses: Vec<f64> = logits
+        .par_chunks_mut(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, &t)| row_cross_entropy(row, t, grad_scale))
+        .collect();
+    losses.iter().sum()
+}
+
+/// −log softmax(row)[t]; turns `row` into (softmax − onehot(t))·grad_scale.
+fn row_cross_entropy(row: &mut [f32], t: u32, grad_scale: f32) -> f64 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&z| ((z - max) as f64).exp()).sum();
+    let loss = max as f64 + sum.ln() - row[t as usize] as f64;
+    for z in row.iter_mut() {
+        *z = (((*z - max) as f64).exp() / sum) as f32 * grad_scale;
     }
-    total
+    row[t as usize] -= grad_scale;
+    loss
 }
 
 /// Loss over one sequence's head, plus (when `grads` is given) the gradient
