@@ -126,3 +126,57 @@ pub fn windows(tokens: &[u32], seq: usize) -> Vec<Vec<u32>> {
         .map(|k| tokens[k * seq..k * seq + seq + 1].to_vec())
         .collect()
 }
+
+/// Tokenizes a text file into a raw token file; returns the token count.
+pub fn tokenize_file(
+    tok: &Tokenizer,
+    input: &Path,
+    output: &Path,
+    dtype: TokenDtype,
+) -> Result<usize> {
+    let text = std::fs::read_to_string(input)
+        .with_context(|| format!("cannot read '{}' as UTF-8 text", input.display()))?;
+    let ids = tok.encode(&text)?;
+    let mut bytes = Vec::with_capacity(ids.len() * 4);
+    for &t in &ids {
+        match dtype {
+            TokenDtype::U16 => {
+                let v = u16::try_from(t).map_err(|_| {
+                    anyhow::anyhow!("token id {t} does not fit u16; use --token-dtype u32 (and pass it to train/eval)")
+                })?;
+                bytes.extend_from_slice(&v.to_le_bytes());
+            }
+            TokenDtype::U32 => bytes.extend_from_slice(&t.to_le_bytes()),
+        }
+    }
+    crate::fsutil::write_atomic(output, &bytes)?;
+    Ok(ids.len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenize_file_roundtrips_through_the_token_reader() {
+        let texts = crate::corpus::stories(50, 2);
+        let tok = crate::corpus::train_tokenizer(&texts, 300).unwrap();
+        let dir = std::env::temp_dir().join(format!("anetrain-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let input = dir.join("in.txt");
+        std::fs::write(&input, texts.join("\n")).unwrap();
+        for dtype in [TokenDtype::U16, TokenDtype::U32] {
+            let out = dir.join("out.bin");
+            let n = tokenize_file(&tok, &input, &out, dtype).unwrap();
+            let ids = read_token_file(&out, dtype).unwrap();
+            assert_eq!(ids.len(), n);
+            assert_eq!(ids, tok.encode(&texts.join("\n")).unwrap());
+            assert_eq!(load_tokens(&input, dtype, Some(&tok), 300).unwrap(), ids);
+        }
+        assert_eq!(
+            windows(&[1, 2, 3, 4, 5], 2),
+            vec![vec![1, 2, 3], vec![3, 4, 5]]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

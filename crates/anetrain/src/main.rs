@@ -122,6 +122,21 @@ enum Command {
         #[arg(long, value_enum)]
         backend: Option<anetrain::backend::Backend>,
     },
+    /// Tokenize a text file into a raw little-endian token file for --data.
+    Tokenize {
+        /// A Hugging Face tokenizer.json.
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// UTF-8 text to tokenize.
+        #[arg(long)]
+        input: PathBuf,
+        /// Output token file.
+        #[arg(long)]
+        output: PathBuf,
+        /// Entry width (u16 holds ids below 65536).
+        #[arg(long, value_enum, default_value = "u16")]
+        token_dtype: anetrain::data::TokenDtype,
+    },
     /// Draw a run's train/val loss and learning rate as a PNG.
     Plot {
         /// The run directory (holding metrics.jsonl).
@@ -250,6 +265,16 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Tokenize {
+            tokenizer,
+            input,
+            output,
+            token_dtype,
+        } => {
+            let tok = anetrain::tokenizer::Tokenizer::load(&tokenizer)?;
+            let n = anetrain::data::tokenize_file(&tok, &input, &output, token_dtype)?;
+            println!("wrote {n} tokens to {}", output.display());
+        }
         Command::Bench {
             model,
             seq,
