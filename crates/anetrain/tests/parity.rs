@@ -193,3 +193,54 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         }
     }
 }
+
+#[test]
+fn sharded_and_half_precision_checkpoints_load() {
+    // Re-encode the fixture as two shards with an index, the second shard in
+    // bf16 and the first in f16 (values rounded accordingly).
+    let dir = fixture("qwen3");
+    let model = Model::load(&dir.join("model")).unwrap();
+    let tmp = std::env::temp_dir().join(format!("anetrain-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(dir.join("model/config.json"), tmp.join("config.json")).unwrap();
+    let half = model.params.len() / 2;
+    let mut map = serde_json::Map::new();
+    for (shard, (range, dtype)) in [(0..half, "F16"), (half..model.params.len(), "BF16")]
+        .into_iter()
+        .enumerate()
+    {
+        let file = format!("model-0000{}-of-00002.safetensors", shard + 1);
+        let mut header = serde_json::Map::new();
+        let mut data = Vec::new();
+        for p in &model.params[range] {
+            let start = data.len();
+            for &v in &p.data {
+                let bytes = if dtype == "F16" {
+                    half::f16::from_f32(v).to_le_bytes()
+                } else {
+                    half::bf16::from_f32(v).to_le_bytes()
+                };
+                data.extend_from_slice(&bytes);
+            }
+            header.insert(p.name.clone(), serde_json::json!({"dtype": dtype, "shape": p.shape, "data_offsets": [start, data.len()]}));
+            map.insert(p.name.clone(), file.clone().into());
+        }
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+        bytes.extend(h);
+        bytes.extend(data);
+        std::fs::write(tmp.join(&file), bytes).unwrap();
+    }
+    std::fs::write(
+        tmp.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
+    let back = Model::load(&tmp).unwrap();
+    for (i, (a, b)) in back.params.iter().zip(&model.params).enumerate() {
+        let tol = if i < half { 1e-3 } else { 8e-3 };
+        let d = max_diff(&a.data, &b.data) / max_abs(&b.data).max(1e-6);
+        assert!(d <= tol, "{}: {d}", a.name);
+    }
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
