@@ -92,15 +92,6 @@ fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
     safetensors::encode(&tensors, &[])
 }
 
-fn model_bytes(model: &Model) -> Vec<u8> {
-    let tensors: Vec<(&str, &[usize], &[f32])> = model
-        .params
-        .iter()
-        .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
-        .collect();
-    safetensors::encode(&tensors, &[("format", "pt")])
-}
-
 /// Saves a checkpoint of `model` and `opt` after `state.step` steps.
 /// Refuses non-finite weights (a NaN never reaches a checkpoint).
 pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> Result<()> {
@@ -116,7 +107,7 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
     let dir = trainer_dir(out);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create '{}'", dir.display()))?;
     let previous = read_state(out).ok();
-    let mb = model_bytes(model);
+    let mb = model.safetensors_bytes();
     let ob = optim_bytes(model, opt);
     state.format = FORMAT;
     state.model_file = format!("model-{}.safetensors", state.step);

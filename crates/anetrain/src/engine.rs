@@ -196,6 +196,21 @@ impl<R: KernelRunner> Engine<R> {
         t.remove(name).unwrap_or_default()
     }
 
+    /// Runs a kernel and returns its output `out`.
+    fn run_one(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        kind: KernelKind,
+        shape: &Shape,
+        acts: &[(&str, &[f32])],
+        out: &str,
+    ) -> Result<Vec<f32>> {
+        let acts: Inputs = acts.iter().copied().collect();
+        let mut t = self.runner.run(model, layer, kind, shape, &acts)?;
+        Ok(Self::take(&mut t, out))
+    }
+
     /// Forward over `tokens` (one sequence), keeping what backward needs.
     pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
         let cfg = &model.cfg;
@@ -306,32 +321,26 @@ impl<R: KernelRunner> Engine<R> {
         for (i, (l, a)) in model.layers.iter().zip(&fwd.layers).enumerate().rev() {
             // x' = x2 + α·ffn:  dx2 = dx',  dffn = α·dx'
             let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-            let dgate = self
-                .runner
-                .run(
-                    model,
-                    i,
-                    KernelKind::FfnBackwardW2,
-                    &shape,
-                    &Inputs::from([("dffn", dffn.as_slice())]),
-                )?
-                .remove("dgate")
-                .unwrap_or_default();
+            let dgate = self.run_one(
+                model,
+                i,
+                KernelKind::FfnBackwardW2,
+                &shape,
+                &[("dffn", dffn.as_slice())],
+                "dgate",
+            )?;
             accumulate_weight_grad(&mut grads[l.w2], &dffn, &a.gate, d, hid, seq);
             let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
             accumulate_weight_grad(&mut grads[l.w1], &dh1, &a.x2n, hid, d, seq);
             accumulate_weight_grad(&mut grads[l.w3], &dh3, &a.x2n, hid, d, seq);
-            let dx2n = self
-                .runner
-                .run(
-                    model,
-                    i,
-                    KernelKind::FfnBackwardW13,
-                    &shape,
-                    &Inputs::from([("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())]),
-                )?
-                .remove("dx")
-                .unwrap_or_default();
+            let dx2n = self.run_one(
+                model,
+                i,
+                KernelKind::FfnBackwardW13,
+                &shape,
+                &[("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())],
+                "dx",
+            )?;
             let dnorm = cpu::head_rms_norm_backward(
                 &a.x2,
                 w(l.ffn_norm),
@@ -345,17 +354,14 @@ impl<R: KernelRunner> Engine<R> {
             // x2 = x + α·Wo·attn:  dx = dx2,  do = α·dx2
             let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
             accumulate_weight_grad(&mut grads[l.wo], &dout, &a.attn, d, q, seq);
-            let da = self
-                .runner
-                .run(
-                    model,
-                    i,
-                    KernelKind::WoBackward,
-                    &shape,
-                    &Inputs::from([("dy", dout.as_slice())]),
-                )?
-                .remove("da")
-                .unwrap_or_default();
+            let da = self.run_one(
+                model,
+                i,
+                KernelKind::WoBackward,
+                &shape,
+                &[("dy", dout.as_slice())],
+                "da",
+            )?;
             let mut b1 = self.runner.run(
                 model,
                 i,
@@ -409,28 +415,22 @@ impl<R: KernelRunner> Engine<R> {
             accumulate_weight_grad(&mut grads[l.wq], &dq, &a.xn, q, d, seq);
             accumulate_weight_grad(&mut grads[l.wk], &dk, &a.xn, kv, d, seq);
             accumulate_weight_grad(&mut grads[l.wv], &dv, &a.xn, kv, d, seq);
-            let mut dxn = self
-                .runner
-                .run(
-                    model,
-                    i,
-                    KernelKind::QBackward,
-                    &shape,
-                    &Inputs::from([("dq", dq.as_slice())]),
-                )?
-                .remove("dx")
-                .unwrap_or_default();
-            let dxkv = self
-                .runner
-                .run(
-                    model,
-                    i,
-                    KernelKind::KvBackward,
-                    &shape,
-                    &Inputs::from([("dk", dk.as_slice()), ("dv", dv.as_slice())]),
-                )?
-                .remove("dx")
-                .unwrap_or_default();
+            let mut dxn = self.run_one(
+                model,
+                i,
+                KernelKind::QBackward,
+                &shape,
+                &[("dq", dq.as_slice())],
+                "dx",
+            )?;
+            let dxkv = self.run_one(
+                model,
+                i,
+                KernelKind::KvBackward,
+                &shape,
+                &[("dk", dk.as_slice()), ("dv", dv.as_slice())],
+                "dx",
+            )?;
             add_scaled(&mut dxn, &dxkv, 1.0);
             let dnorm = cpu::head_rms_norm_backward(
                 &a.x,

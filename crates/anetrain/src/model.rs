@@ -199,6 +199,16 @@ impl Model {
         Ok(m)
     }
 
+    /// The weights as a Hugging Face `model.safetensors` (f32, HF names).
+    pub fn safetensors_bytes(&self) -> Vec<u8> {
+        let tensors: Vec<(&str, &[usize], &[f32])> = self
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+            .collect();
+        safetensors::encode(&tensors, &[("format", "pt")])
+    }
+
     /// Saves as a Hugging Face model directory (f32 safetensors) that
     /// `transformers` loads unchanged. Refuses to write non-finite weights.
     pub fn save(&self, dir: &Path) -> Result<()> {
@@ -213,15 +223,7 @@ impl Model {
         }
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
-        let tensors: Vec<(&str, &[usize], &[f32])> = self
-            .params
-            .iter()
-            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
-            .collect();
-        write_atomic(
-            &dir.join("model.safetensors"),
-            &safetensors::encode(&tensors, &[("format", "pt")]),
-        )?;
+        write_atomic(&dir.join("model.safetensors"), &self.safetensors_bytes())?;
         write_atomic(
             &dir.join("config.json"),
             hf_config_json(&self.cfg).as_bytes(),
