@@ -50,6 +50,44 @@ def build(kind):
     return LlamaForCausalLM(cfg)
 
 
+def export_llama2c(model, path):
+    """Writes a Llama model in llama2.c's legacy .bin format (run.c), with
+    q/k rows permuted back to llama2.c's interleaved RoPE pairs, as
+    llama2.c's export.py does for Hugging Face models."""
+    import struct
+    c = model.config
+    hd = c.hidden_size // c.num_attention_heads
+    sd = {k: v.detach().float() for k, v in model.state_dict().items()}
+
+    def unpermute(w, heads):
+        # HF row h*hd + t*hd/2 + i  <-  llama2.c row h*hd + 2i + t
+        return w.view(heads, 2, hd // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+    shared = c.tie_word_embeddings
+    layers = range(c.num_hidden_layers)
+    L = lambda name: [sd[f"model.layers.{i}.{name}"] for i in layers]
+    tensors = [sd["model.embed_tokens.weight"]]
+    tensors += L("input_layernorm.weight")
+    tensors += [unpermute(w, c.num_attention_heads) for w in L("self_attn.q_proj.weight")]
+    tensors += [unpermute(w, c.num_key_value_heads) for w in L("self_attn.k_proj.weight")]
+    tensors += L("self_attn.v_proj.weight") + L("self_attn.o_proj.weight")
+    tensors += L("post_attention_layernorm.weight")
+    tensors += L("mlp.gate_proj.weight") + L("mlp.down_proj.weight") + L("mlp.up_proj.weight")
+    tensors += [sd["model.norm.weight"]]
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, hd, 2).float() / hd))
+    ang = torch.outer(torch.arange(c.max_position_embeddings).float(), freqs)
+    tensors += [torch.cos(ang), torch.sin(ang)]
+    if not shared:
+        tensors += [sd["lm_head.weight"]]
+    with open(path, "wb") as f:
+        vocab = c.vocab_size if shared else -c.vocab_size
+        f.write(struct.pack("7i", c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                            c.num_attention_heads, c.num_key_value_heads, vocab,
+                            c.max_position_embeddings))
+        for t in tensors:
+            f.write(t.contiguous().numpy().astype("<f4").tobytes())
+
+
 def main():
     out_root = sys.argv[1] if len(sys.argv) > 1 else "crates/anetrain/tests/fixtures"
     for i, kind in enumerate(["qwen3", "llama"]):
@@ -95,6 +133,9 @@ def main():
             gen = fresh.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False,
                                  pad_token_id=0, eos_token_id=None)
         np.save(os.path.join(out, "greedy.npy"), gen[0].numpy().astype(np.int64))
+
+        if kind == "llama":
+            export_llama2c(fresh, os.path.join(out, "llama2c.bin"))
 
         with open(os.path.join(out, "fixture.json"), "w") as f:
             json.dump({

@@ -122,6 +122,18 @@ enum Command {
         #[arg(long, value_enum)]
         backend: Option<anetrain::backend::Backend>,
     },
+    /// Import a llama2.c checkpoint (stories15M/42M/110M .bin) as a Hugging
+    /// Face model directory (q/k rows permuted from interleaved to half-split RoPE).
+    Convert {
+        /// The llama2.c .bin checkpoint.
+        input: PathBuf,
+        /// Output model directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// tokenizer.json to copy beside the model.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+    },
     /// Tokenize a text file into a raw little-endian token file for --data.
     Tokenize {
         /// A Hugging Face tokenizer.json.
@@ -265,6 +277,23 @@ fn info() {
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Info => info(),
+        Command::Convert {
+            input,
+            out,
+            tokenizer,
+        } => {
+            let model = anetrain::convert::load_llama2c(&input)?;
+            model.save(&out)?;
+            if let Some(t) = tokenizer {
+                anetrain::tokenizer::Tokenizer::load(&t)?.save(&out.join("tokenizer.json"))?;
+            }
+            println!(
+                "converted {} ({:.1}M parameters) to {}",
+                input.display(),
+                model.num_params() as f64 / 1e6,
+                out.display()
+            );
+        }
         Command::Tokenize {
             tokenizer,
             input,

@@ -244,3 +244,27 @@ fn sharded_and_half_precision_checkpoints_load() {
     }
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+#[test]
+fn llama2c_checkpoints_convert_to_the_same_model() {
+    // llama2c.bin is the llama fixture exported by scripts/make_fixtures.py
+    // in llama2.c's format (interleaved RoPE rows, separate classifier).
+    let dir = fixture("llama");
+    let converted = anetrain::convert::load_llama2c(&dir.join("llama2c.bin")).unwrap();
+    let hf = Model::load(&dir.join("model")).unwrap();
+    assert_eq!(converted.cfg.vocab_size, hf.cfg.vocab_size);
+    assert!(!converted.cfg.tie_word_embeddings);
+    for (a, b) in converted.params.iter().zip(&hf.params) {
+        assert_eq!(a.name, b.name);
+        assert!(
+            max_diff(&a.data, &b.data) == 0.0,
+            "{} differs after conversion",
+            a.name
+        );
+    }
+    let e = format!(
+        "{:#}",
+        anetrain::convert::load_llama2c(&dir.join("tokens.npy")).unwrap_err()
+    );
+    assert!(e.contains("tokens.npy"), "{e}");
+}

@@ -1,0 +1,172 @@
+//! Import of llama2.c checkpoints (the `stories15M/42M/110M.bin` format):
+//! a header of seven int32 (dim, hidden_dim, n_layers, n_heads, n_kv_heads,
+//! vocab_size — negative when the classifier is stored separately —,
+//! seq_len), then f32 tensors grouped by kind across layers.
+//!
+//! llama2.c rotates adjacent pairs (2i, 2i+1); Hugging Face rotates halves
+//! (i, i + HD/2). The query and key rows are permuted on import — within
+//! each head, row 2i+t moves to t·HD/2 + i — so the model computes the same
+//! function with Hugging Face's RoPE, exactly as `transformers`'
+//! conversion script does.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use crate::config::{Arch, ModelConfig};
+use crate::model::Model;
+
+/// Moves rows of a `[heads·HD, cols]` matrix from interleaved to half-split order.
+fn permute_rope_rows(w: &[f32], heads: usize, hd: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; w.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for t in 0..2 {
+                let src = h * hd + 2 * i + t;
+                let dst = h * hd + t * (hd / 2) + i;
+                out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+/// Reads a llama2.c checkpoint into a Hugging Face-layout model.
+pub fn load_llama2c(path: &Path) -> Result<Model> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    let what = path.display().to_string();
+    if bytes.len() < 28 {
+        bail!(
+            "'{what}' is {} bytes, too short for a llama2.c header",
+            bytes.len()
+        );
+    }
+    let hdr: Vec<i64> = bytes[..28]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+        .collect();
+    let (dim, hidden, layers, heads, kv_heads, vocab_signed, seq_len) =
+        (hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], hdr[5], hdr[6]);
+    if [dim, hidden, layers, heads, kv_heads, seq_len]
+        .iter()
+        .any(|&v| v <= 0)
+        || vocab_signed == 0
+    {
+        bail!("'{what}': header {hdr:?} is not a llama2.c checkpoint (sizes must be positive)");
+    }
+    if dim % heads != 0 {
+        bail!("'{what}': dim {dim} is not a multiple of n_heads {heads}");
+    }
+    let shared = vocab_signed > 0;
+    let cfg = ModelConfig {
+        arch: Arch::Llama,
+        hidden_size: dim as usize,
+        intermediate_size: hidden as usize,
+        num_hidden_layers: layers as usize,
+        num_attention_heads: heads as usize,
+        num_key_value_heads: kv_heads as usize,
+        head_dim: (dim / heads) as usize,
+        vocab_size: vocab_signed.unsigned_abs() as usize,
+        rope_theta: 10000.0,
+        rms_norm_eps: 1e-5,
+        tie_word_embeddings: shared,
+        max_position_embeddings: seq_len as usize,
+        qk_norm: false,
+    };
+    cfg.validate().with_context(|| format!("'{what}'"))?;
+    let (d, h, l, v) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+        cfg.vocab_size,
+    );
+    let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let half_hd = hd / 2;
+    let sizes = [
+        v * d,
+        l * d,
+        l * d * q,
+        l * d * kv,
+        l * d * kv,
+        l * q * d,
+        l * d,
+        l * h * d,
+        l * d * h,
+        l * h * d,
+        d,
+        cfg.max_position_embeddings * half_hd,
+        cfg.max_position_embeddings * half_hd,
+        if shared { 0 } else { v * d },
+    ];
+    let need = 28 + 4 * sizes.iter().sum::<usize>();
+    if bytes.len() < need {
+        bail!(
+            "'{what}' holds {} bytes but its header implies {need} (truncated?)",
+            bytes.len()
+        );
+    }
+    if bytes.len() > need {
+        bail!(
+            "'{what}' holds {} bytes, {} more than its header implies (not a llama2.c checkpoint?)",
+            bytes.len(),
+            bytes.len() - need
+        );
+    }
+    let mut at = 28;
+    let mut next = |n: usize| -> Vec<f32> {
+        let v = bytes[at..at + 4 * n]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        at += 4 * n;
+        v
+    };
+    let embed = next(sizes[0]);
+    let per = |all: &[f32], i: usize, n: usize| all[i * n..(i + 1) * n].to_vec();
+    let (rms_att, wq, wk, wv, wo) = (
+        next(sizes[1]),
+        next(sizes[2]),
+        next(sizes[3]),
+        next(sizes[4]),
+        next(sizes[5]),
+    );
+    let (rms_ffn, w1, w2, w3) = (
+        next(sizes[6]),
+        next(sizes[7]),
+        next(sizes[8]),
+        next(sizes[9]),
+    );
+    let final_norm = next(sizes[10]);
+    next(sizes[11]);
+    next(sizes[12]);
+    let wcls = next(sizes[13]);
+    let mut m = Model::init(&cfg, 0)?;
+    m.params[m.embed].data = embed;
+    for i in 0..l {
+        let ids = m.layers[i];
+        m.params[ids.attn_norm].data = per(&rms_att, i, d);
+        m.params[ids.wq].data =
+            permute_rope_rows(&per(&wq, i, q * d), cfg.num_attention_heads, hd, d);
+        m.params[ids.wk].data =
+            permute_rope_rows(&per(&wk, i, kv * d), cfg.num_key_value_heads, hd, d);
+        m.params[ids.wv].data = per(&wv, i, kv * d);
+        m.params[ids.wo].data = per(&wo, i, d * q);
+        m.params[ids.ffn_norm].data = per(&rms_ffn, i, d);
+        m.params[ids.w1].data = per(&w1, i, h * d);
+        m.params[ids.w2].data = per(&w2, i, d * h);
+        m.params[ids.w3].data = per(&w3, i, h * d);
+    }
+    m.params[m.final_norm].data = final_norm;
+    if let Some(head) = m.lm_head {
+        m.params[head].data = wcls;
+    }
+    for p in &m.params {
+        if let Some(i) = p.data.iter().position(|x| !x.is_finite()) {
+            bail!(
+                "'{what}': tensor '{}' holds a non-finite value at index {i}",
+                p.name
+            );
+        }
+    }
+    Ok(m)
+}
