@@ -17,6 +17,85 @@ pub enum TokenDtype {
     U32,
 }
 
+/// A token stream: in memory (tokenized text, the built-in corpus) or
+/// memory-mapped from a raw token file, so multi-gigabyte datasets are
+/// paged in on demand.
+pub enum Tokens {
+    Owned(Vec<u32>),
+    Mapped {
+        map: memmap2::Mmap,
+        dtype: TokenDtype,
+    },
+}
+
+impl Tokens {
+    pub fn len(&self) -> usize {
+        match self {
+            Tokens::Owned(v) => v.len(),
+            Tokens::Mapped { map, dtype } => map.len() / width(*dtype),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn get(&self, i: usize) -> u32 {
+        match self {
+            Tokens::Owned(v) => v[i],
+            Tokens::Mapped {
+                map,
+                dtype: TokenDtype::U16,
+            } => u16::from_le_bytes([map[2 * i], map[2 * i + 1]]) as u32,
+            Tokens::Mapped {
+                map,
+                dtype: TokenDtype::U32,
+            } => u32::from_le_bytes([map[4 * i], map[4 * i + 1], map[4 * i + 2], map[4 * i + 3]]),
+        }
+    }
+
+    /// Tokens `start..end` as a vector.
+    pub fn range(&self, start: usize, end: usize) -> Vec<u32> {
+        match self {
+            Tokens::Owned(v) => v[start..end].to_vec(),
+            Tokens::Mapped { .. } => (start..end).map(|i| self.get(i)).collect(),
+        }
+    }
+}
+
+fn width(dtype: TokenDtype) -> usize {
+    match dtype {
+        TokenDtype::U16 => 2,
+        TokenDtype::U32 => 4,
+    }
+}
+
+/// Maps a raw little-endian token file.
+pub fn map_token_file(path: &Path, dtype: TokenDtype) -> Result<Tokens> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    let len = file
+        .metadata()
+        .with_context(|| format!("cannot read '{}'", path.display()))?
+        .len();
+    let w = width(dtype) as u64;
+    if len % w != 0 {
+        bail!(
+            "'{}' is {len} bytes, not a whole number of {w}-byte tokens (wrong --token-dtype?)",
+            path.display()
+        );
+    }
+    if len == 0 {
+        return Ok(Tokens::Owned(vec![]));
+    }
+    // SAFETY: the map is read-only and lives as long as `Tokens`; the file
+    // must not be truncated while training reads it (as for any reader of
+    // a memory-mapped dataset), which the docs of `--data` state.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("cannot map '{}'", path.display()))?;
+    Ok(Tokens::Mapped { map, dtype })
+}
+
 /// Reads a raw little-endian token file.
 pub fn read_token_file(path: &Path, dtype: TokenDtype) -> Result<Vec<u32>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
@@ -86,6 +165,31 @@ pub fn read_npy_rows(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>> {
     Ok(v.chunks(row_len)
         .map(|r| r.iter().map(|&t| t as u32).collect())
         .collect())
+}
+
+/// Opens training data: a text file (`.txt`, tokenized into memory) or a
+/// raw token file (memory-mapped); every id is checked against `vocab`.
+pub fn open_tokens(
+    path: &Path,
+    dtype: TokenDtype,
+    tokenizer: Option<&Tokenizer>,
+    vocab: usize,
+) -> Result<Tokens> {
+    let is_text = path
+        .extension()
+        .is_some_and(|e| e == "txt" || e == "text" || e == "md");
+    if is_text {
+        return Ok(Tokens::Owned(load_tokens(path, dtype, tokenizer, vocab)?));
+    }
+    let t = map_token_file(path, dtype)?;
+    if let Some(i) = (0..t.len()).find(|&i| t.get(i) as usize >= vocab) {
+        bail!(
+            "'{}': token id {} at index {i} is outside the model's vocabulary ({vocab} ids)",
+            path.display(),
+            t.get(i)
+        );
+    }
+    Ok(t)
 }
 
 /// Loads training/eval tokens: a text file (`.txt`, tokenized) or a raw
@@ -172,6 +276,9 @@ mod tests {
             assert_eq!(ids.len(), n);
             assert_eq!(ids, tok.encode(&texts.join("\n")).unwrap());
             assert_eq!(load_tokens(&input, dtype, Some(&tok), 300).unwrap(), ids);
+            let mapped = open_tokens(&out, dtype, None, 300).unwrap();
+            assert!(matches!(mapped, Tokens::Mapped { .. }));
+            assert_eq!(mapped.range(0, mapped.len()), ids);
         }
         assert_eq!(
             windows(&[1, 2, 3, 4, 5], 2),

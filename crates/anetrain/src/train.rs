@@ -70,7 +70,9 @@ const BUILTIN_STORIES: usize = 4000;
 
 /// Where the data comes from and how it is tokenized.
 struct Corpus {
-    train: Vec<u32>,
+    tokens: data::Tokens,
+    /// Tokens `..train_end` train; the rest is the validation split.
+    train_end: usize,
     val: Vec<u32>,
     tokenizer: Option<Tokenizer>,
 }
@@ -89,7 +91,7 @@ fn load_corpus(
                 None => corpus::train_tokenizer(&texts, cfg.vocab_size)?,
             };
             let ids = corpus::encode_all(&tok, &texts)?;
-            (ids, Some(tok))
+            (data::Tokens::Owned(ids), Some(tok))
         }
         Some(path) => {
             if fresh {
@@ -100,11 +102,13 @@ fn load_corpus(
                     }
                 }
             }
-            let ids = data::load_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
+            let ids = data::open_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
             (ids, tokenizer)
         }
     };
-    data::check_ids(&tokens, cfg.vocab_size, "training data")?;
+    if let data::Tokens::Owned(ids) = &tokens {
+        data::check_ids(ids, cfg.vocab_size, "training data")?;
+    }
     let n = tokens.len();
     let n_val = if s.val_frac > 0.0 {
         ((n as f64 * s.val_frac) as usize).max(s.seq + 1)
@@ -123,30 +127,32 @@ fn load_corpus(
         );
     }
     Ok(Corpus {
-        train: tokens[..n - n_val].to_vec(),
-        val: tokens[n - n_val..].to_vec(),
+        val: tokens.range(n - n_val, n),
+        train_end: n - n_val,
+        tokens,
         tokenizer,
     })
 }
 
-/// Draws the next window of `seq + 1` tokens.
+/// Draws the next window of `seq + 1` tokens from the first `n_train`.
 fn next_window(
-    train: &[u32],
+    tokens: &data::Tokens,
+    n_train: usize,
     seq: usize,
     sample: Sample,
     rng: &mut Rng,
     cursor: &mut u64,
 ) -> Vec<u32> {
     let start = match sample {
-        Sample::Random => rng.below(train.len() - seq),
+        Sample::Random => rng.below(n_train - seq),
         Sample::Sequential => {
-            let n_windows = ((train.len() - 1) / seq) as u64;
+            let n_windows = ((n_train - 1) / seq) as u64;
             let k = *cursor % n_windows;
             *cursor += 1;
             k as usize * seq
         }
     };
-    train[start..start + seq + 1].to_vec()
+    tokens.range(start, start + seq + 1)
 }
 
 /// A default run directory: `runs/<model>-<UTC date>-<time>`.
@@ -412,7 +418,7 @@ impl Run<'_> {
             "training {} ({:.2}M parameters) on {} train / {} val tokens -> {}",
             s.model,
             model.num_params() as f64 / 1e6,
-            corpus.train.len(),
+            corpus.train_end,
             corpus.val.len(),
             out.display()
         );
@@ -439,7 +445,14 @@ impl Run<'_> {
             let n_targets = (s.batch * s.accum * s.seq) as f32;
             let loss_scale = state.scaler.scale;
             for _ in 0..s.accum * s.batch {
-                let w = next_window(&corpus.train, s.seq, s.sample, &mut rng, &mut state.cursor);
+                let w = next_window(
+                    &corpus.tokens,
+                    corpus.train_end,
+                    s.seq,
+                    s.sample,
+                    &mut rng,
+                    &mut state.cursor,
+                );
                 let a = Instant::now();
                 let fwd = eng.forward(model, &w[..s.seq])?;
                 let b = Instant::now();

@@ -287,3 +287,44 @@ fn backend_ane_fails_cleanly_off_macos() {
     assert_eq!(e.lines().count(), 1, "{e}");
     assert!(e.contains("ANE not available on this platform"), "{e}");
 }
+
+#[test]
+fn trains_on_a_memory_mapped_token_file_sequentially() {
+    let out = tmp("mapped");
+    std::fs::create_dir_all(&out).unwrap();
+    let data = out.join("data.bin");
+    let bytes: Vec<u8> = (0..3000u32)
+        .flat_map(|i| ((i * 7 % 500) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&data, bytes).unwrap();
+    let run = out.join("run");
+    let o = bin()
+        .args([
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "3",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--sample",
+            "sequential",
+            "--data",
+        ])
+        .arg(&data)
+        .arg("--out")
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("trainer/state.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        state["cursor"], 6,
+        "sequential sampling advances one window per sequence"
+    );
+    let _ = std::fs::remove_dir_all(out);
+}
