@@ -75,7 +75,7 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
         Backend::AneSim => run(a, model, |m| Engine::neural(m, ane::SimDevice::new())),
         Backend::Ane => {
             backend::ane_unavailable()?;
-            bail!("unreachable")
+            bail!("the ane backend is not available")
         }
     }
 }
