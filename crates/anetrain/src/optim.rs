@@ -87,12 +87,17 @@ impl AdamW {
 
 /// The global L2 norm of all gradients (accumulated in f64).
 pub fn grad_norm(grads: &Grads) -> f64 {
-    grads
+    use rayon::prelude::*;
+    // Partial sums per fixed-size chunk, added in order: the result does not
+    // depend on the number of threads.
+    let partial: Vec<f64> = grads
         .iter()
-        .flat_map(|g| g.iter())
-        .map(|&x| (x as f64) * (x as f64))
-        .sum::<f64>()
-        .sqrt()
+        .flat_map(|g| g.chunks(1 << 16))
+        .collect::<Vec<_>>()
+        .par_iter()
+        .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+        .collect();
+    partial.iter().sum::<f64>().sqrt()
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (PyTorch's
@@ -103,8 +108,10 @@ pub fn clip_grad_norm(grads: &mut Grads, max_norm: f64) -> f64 {
     if max_norm > 0.0 {
         let coef = max_norm / (norm + 1e-6);
         if coef < 1.0 {
+            use rayon::prelude::*;
             for g in grads.iter_mut() {
-                g.iter_mut().for_each(|x| *x *= coef as f32);
+                g.par_chunks_mut(1 << 16)
+                    .for_each(|c| c.iter_mut().for_each(|x| *x *= coef as f32));
             }
         }
     }

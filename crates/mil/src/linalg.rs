@@ -83,7 +83,7 @@ pub fn sgemm(
         return;
     }
     let flops = 2 * m * n * k;
-    let par = if flops >= 1 << 20 {
+    let par = if flops >= 1 << 24 {
         gemm::Parallelism::Rayon(threads())
     } else {
         gemm::Parallelism::None
