@@ -199,7 +199,7 @@ impl Parser {
         t
     }
 
-    fn expect(&mut self, c: char) -> Result<()> {
+    fn punct(&mut self, c: char) -> Result<()> {
         if *self.peek() == Tok::Punct(c) {
             self.next();
             Ok(())
@@ -250,9 +250,9 @@ impl Parser {
     /// `string("...")`
     fn string_call(&mut self) -> Result<String> {
         self.keyword("string")?;
-        self.expect('(')?;
+        self.punct('(')?;
         let s = self.string()?;
-        self.expect(')')?;
+        self.punct(')')?;
         Ok(s)
     }
 
@@ -271,7 +271,7 @@ impl Parser {
 
     fn program(&mut self) -> Result<Program> {
         self.keyword("program")?;
-        self.expect('(')?;
+        self.punct('(')?;
         let version = match self.next() {
             Tok::Number(v) | Tok::Ident(v) => v,
             t => {
@@ -282,37 +282,37 @@ impl Parser {
                 ));
             }
         };
-        self.expect(')')?;
+        self.punct(')')?;
         let mut build_info = Vec::new();
         if self.eat('[') {
             self.keyword("buildInfo")?;
-            self.expect('=')?;
+            self.punct('=')?;
             self.keyword("dict")?;
-            self.expect('<')?;
+            self.punct('<')?;
             self.keyword("string")?;
-            self.expect(',')?;
+            self.punct(',')?;
             self.keyword("string")?;
-            self.expect('>')?;
-            self.expect('(')?;
-            self.expect('{')?;
+            self.punct('>')?;
+            self.punct('(')?;
+            self.punct('{')?;
             if !self.eat('}') {
                 loop {
-                    self.expect('{')?;
+                    self.punct('{')?;
                     let k = self.string()?;
-                    self.expect(',')?;
+                    self.punct(',')?;
                     let v = self.string()?;
-                    self.expect('}')?;
+                    self.punct('}')?;
                     build_info.push((k, v));
                     if self.eat('}') {
                         break;
                     }
-                    self.expect(',')?;
+                    self.punct(',')?;
                 }
             }
-            self.expect(')')?;
-            self.expect(']')?;
+            self.punct(')')?;
+            self.punct(']')?;
         }
-        self.expect('{')?;
+        self.punct('{')?;
         let mut functions = Vec::new();
         while !self.eat('}') {
             functions.push(self.function()?);
@@ -333,10 +333,10 @@ impl Parser {
     fn function(&mut self) -> Result<Function> {
         self.keyword("func")?;
         let name = self.ident("a function name")?;
-        self.expect('<')?;
+        self.punct('<')?;
         let opset = self.ident("an opset name such as ios18")?;
-        self.expect('>')?;
-        self.expect('(')?;
+        self.punct('>')?;
+        self.punct('(')?;
         let mut inputs = Vec::new();
         if !self.eat(')') {
             loop {
@@ -346,10 +346,10 @@ impl Parser {
                 if self.eat(')') {
                     break;
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
-        self.expect('{')?;
+        self.punct('{')?;
         let mut ops = Vec::new();
         while !self.eat('}') {
             ops.push(self.statement()?);
@@ -361,7 +361,7 @@ impl Parser {
                 self.peek().describe()
             ));
         }
-        self.expect('(')?;
+        self.punct('(')?;
         let mut outputs = Vec::new();
         if !self.eat(')') {
             loop {
@@ -369,10 +369,10 @@ impl Parser {
                 if self.eat(')') {
                     break;
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
-        self.expect(';')?;
+        self.punct(';')?;
         Ok(Function {
             name,
             opset,
@@ -395,7 +395,7 @@ impl Parser {
                 )),
             };
         }
-        self.expect('<')?;
+        self.punct('<')?;
         let (l, c) = self.here();
         let dn = self.ident("a dtype")?;
         let dtype = DType::from_name(&dn)
@@ -407,8 +407,8 @@ impl Parser {
                     format!("unknown tensor dtype '{dn}' (expected fp16, fp32, int32 or bool)"),
                 )
             })?;
-        self.expect(',')?;
-        self.expect('[')?;
+        self.punct(',')?;
+        self.punct('[')?;
         let mut dims = Vec::new();
         if !self.eat(']') {
             loop {
@@ -419,10 +419,10 @@ impl Parser {
                 if self.eat(']') {
                     break;
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
-        self.expect('>')?;
+        self.punct('>')?;
         let elems = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
         if elems.is_none_or(|e| e > MAX_ELEMS) {
             return Err(MilError::at(
@@ -438,14 +438,14 @@ impl Parser {
         let (line, col) = self.here();
         let ty = self.ty()?;
         let out = self.ident("a variable name")?;
-        self.expect('=')?;
+        self.punct('=')?;
         let op = self.ident("an op name")?;
-        self.expect('(')?;
+        self.punct('(')?;
         let mut args = Vec::new();
         if !self.eat(')') {
             loop {
                 let k = self.ident("an argument name")?;
-                self.expect('=')?;
+                self.punct('=')?;
                 let a = if self.eat('(') {
                     let mut vs = Vec::new();
                     if !self.eat(')') {
@@ -454,7 +454,7 @@ impl Parser {
                             if self.eat(')') {
                                 break;
                             }
-                            self.expect(',')?;
+                            self.punct(',')?;
                         }
                     }
                     Arg::Tuple(vs)
@@ -465,7 +465,7 @@ impl Parser {
                 if self.eat(')') {
                     break;
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
         let mut name = None;
@@ -474,7 +474,7 @@ impl Parser {
             loop {
                 let (l, c) = self.here();
                 let key = self.ident("an attribute name")?;
-                self.expect('=')?;
+                self.punct('=')?;
                 match key.as_str() {
                     "name" if name.is_none() => name = Some(self.string_call()?),
                     "val" if val.is_none() => val = Some(self.const_val()?),
@@ -496,10 +496,10 @@ impl Parser {
                 if self.eat(']') {
                     break;
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
-        self.expect(';')?;
+        self.punct(';')?;
         Ok(Operation {
             op,
             name: name.unwrap_or_else(|| out.clone()),
@@ -513,23 +513,23 @@ impl Parser {
     fn const_val(&mut self) -> Result<ConstVal> {
         let (l, c) = self.here();
         let ty = self.ty()?;
-        self.expect('(')?;
+        self.punct('(')?;
         let data = if ty.dtype == DType::Str {
             ConstData::Str(self.string()?)
         } else if matches!(self.peek(), Tok::Ident(s) if s == "BLOBFILE") {
             self.next();
-            self.expect('(')?;
+            self.punct('(')?;
             self.keyword("path")?;
-            self.expect('=')?;
+            self.punct('=')?;
             let path = self.string_call()?;
-            self.expect(',')?;
+            self.punct(',')?;
             self.keyword("offset")?;
-            self.expect('=')?;
+            self.punct('=')?;
             self.keyword("uint64")?;
-            self.expect('(')?;
+            self.punct('(')?;
             let offset = self.unsigned("a blob offset")?;
-            self.expect(')')?;
-            self.expect(')')?;
+            self.punct(')')?;
+            self.punct(')')?;
             if ty.shape.is_none() || !ty.dtype.is_float() {
                 return Err(MilError::at(
                     l,
@@ -543,7 +543,7 @@ impl Parser {
             self.literals(&mut raw, 0)?;
             self.convert(&ty, raw, l, c)?
         };
-        self.expect(')')?;
+        self.punct(')')?;
         Ok(ConstVal { ty, data })
     }
 
@@ -561,7 +561,7 @@ impl Parser {
                 if self.eat(']') {
                     return Ok(());
                 }
-                self.expect(',')?;
+                self.punct(',')?;
             }
         }
         let (l, c) = self.here();
