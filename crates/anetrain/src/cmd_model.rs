@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anetrain::backend::{self, Backend};
 use anetrain::data::{self, TokenDtype};
 use anetrain::engine::{self, Engine, KernelRunner};
-use anetrain::generate::{generate, generate_with_engine, Sampling};
+use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
 use anetrain::kernels::KernelOptions;
 use anetrain::model::Model;
 use anetrain::neural::NeuralKernels;
@@ -176,16 +176,14 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         }
         Ok(())
     };
+    let options = GenerateOptions {
+        max_new: a.max_tokens,
+        sampling,
+        seed: a.seed,
+        stop: &stops,
+    };
     if a.backend == Backend::Cpu {
-        generate(
-            &model,
-            &prompt,
-            a.max_tokens,
-            sampling,
-            a.seed,
-            &stops,
-            emit,
-        )?;
+        generate(&model, &prompt, &options, emit)?;
     } else {
         // The compiled kernels cover the whole (prompt + new tokens) length.
         let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
@@ -194,16 +192,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
             runner: NeuralKernels::new(ane::SimDevice::new(), opts.clone()).with_fixed_seq(total),
             opts,
         };
-        generate_with_engine(
-            eng,
-            &model,
-            &prompt,
-            a.max_tokens,
-            sampling,
-            a.seed,
-            &stops,
-            emit,
-        )?;
+        generate_with_engine(eng, &model, &prompt, &options, emit)?;
     }
     writeln!(out)?;
     Ok(())

@@ -179,72 +179,107 @@ pub fn sample(logits: &[f32], s: Sampling, rng: &mut Rng) -> u32 {
     probs.last().map(|p| p.0 as u32).unwrap_or_else(argmax)
 }
 
-/// Generates up to `max_new` tokens after `prompt`, calling `emit` with each
-/// new token; stops early at `stop` tokens.
+/// What to generate after a prompt.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerateOptions<'a> {
+    pub max_new: usize,
+    pub sampling: Sampling,
+    pub seed: u64,
+    /// Tokens that end generation (emitted, then stop).
+    pub stop: &'a [u32],
+}
+
+/// Samples from `logits`, emits, and asks `next` for the following logits
+/// (`None`: no room left) until `max_new` tokens or a stop token.
+fn sample_loop(
+    o: &GenerateOptions,
+    mut logits: Vec<f32>,
+    mut next: impl FnMut(u32) -> Result<Option<Vec<f32>>>,
+    mut emit: impl FnMut(u32) -> Result<()>,
+) -> Result<Vec<u32>> {
+    let mut rng = Rng::new(o.seed);
+    let mut out = Vec::new();
+    while out.len() < o.max_new {
+        let t = sample(&logits, o.sampling, &mut rng);
+        out.push(t);
+        emit(t)?;
+        if o.stop.contains(&t) {
+            break;
+        }
+        match next(t)? {
+            Some(l) => logits = l,
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
+/// Generates after `prompt` with the KV-cache decoder (CPU).
 pub fn generate(
     model: &Model,
     prompt: &[u32],
-    max_new: usize,
-    sampling: Sampling,
-    seed: u64,
-    stop: &[u32],
-    mut emit: impl FnMut(u32) -> Result<()>,
+    o: &GenerateOptions,
+    emit: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
     let mut dec = Decoder::new(model);
-    let mut rng = Rng::new(seed);
     let mut logits = vec![];
     for &t in prompt {
         logits = dec.step(t)?;
     }
-    let mut out = Vec::new();
-    for _ in 0..max_new {
-        let t = sample(&logits, sampling, &mut rng);
-        out.push(t);
-        emit(t)?;
-        if stop.contains(&t) || dec.position() >= model.cfg.max_position_embeddings {
-            break;
-        }
-        logits = dec.step(t)?;
-    }
-    Ok(out)
+    let max_pos = model.cfg.max_position_embeddings;
+    sample_loop(
+        o,
+        logits,
+        |t| {
+            if dec.position() >= max_pos {
+                Ok(None)
+            } else {
+                dec.step(t).map(Some)
+            }
+        },
+        emit,
+    )
 }
 
 /// Generation through an engine's full forward (the Neural Engine paths):
 /// each new token reruns the whole sequence; causal attention makes the
 /// last position's logits exact.
-#[allow(clippy::too_many_arguments)]
 pub fn generate_with_engine<R: crate::engine::KernelRunner>(
     mut eng: crate::engine::Engine<R>,
     model: &Model,
     prompt: &[u32],
-    max_new: usize,
-    sampling: Sampling,
-    seed: u64,
-    stop: &[u32],
-    mut emit: impl FnMut(u32) -> Result<()>,
+    o: &GenerateOptions,
+    emit: impl FnMut(u32) -> Result<()>,
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let mut rng = Rng::new(seed);
-    let mut seq = prompt.to_vec();
-    let mut out = Vec::new();
-    while out.len() < max_new && seq.len() < model.cfg.max_position_embeddings {
-        let fwd = eng.forward(model, &seq)?;
-        let n = seq.len();
-        let d = model.cfg.hidden_size;
-        let last: Vec<f32> = (0..d).map(|c| fwd.xf[c * n + n - 1]).collect();
-        let logits = w_x(model.lm_head(), &last, model.cfg.vocab_size, d, 1);
-        let t = sample(&logits, sampling, &mut rng);
-        out.push(t);
-        emit(t)?;
-        if stop.contains(&t) {
-            break;
-        }
-        seq.push(t);
+    let max_pos = model.cfg.max_position_embeddings;
+    if prompt.len() >= max_pos {
+        return Ok(vec![]);
     }
-    Ok(out)
+    let d = model.cfg.hidden_size;
+    let last_logits = |eng: &mut crate::engine::Engine<R>, seq: &[u32]| -> Result<Vec<f32>> {
+        let fwd = eng.forward(model, seq)?;
+        let n = seq.len();
+        let last: Vec<f32> = (0..d).map(|c| fwd.xf[c * n + n - 1]).collect();
+        Ok(w_x(model.lm_head(), &last, model.cfg.vocab_size, d, 1))
+    };
+    let mut seq = prompt.to_vec();
+    let first = last_logits(&mut eng, &seq)?;
+    sample_loop(
+        o,
+        first,
+        |t| {
+            seq.push(t);
+            if seq.len() >= max_pos {
+                return Ok(None);
+            }
+            last_logits(&mut eng, &seq).map(Some)
+        },
+        emit,
+    )
 }

@@ -153,7 +153,7 @@ fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
 
 #[test]
 fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
-    use anetrain::generate::{generate, Decoder, Sampling};
+    use anetrain::generate::{generate, Decoder, GenerateOptions, Sampling};
     for kind in ["qwen3", "llama"] {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
@@ -168,16 +168,13 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
             temperature: 0.0,
             top_p: 1.0,
         };
-        let got = generate(
-            &model,
-            &want[..plen],
-            want.len() - plen,
-            greedy,
-            0,
-            &[],
-            |_| Ok(()),
-        )
-        .unwrap();
+        let o = GenerateOptions {
+            max_new: want.len() - plen,
+            sampling: greedy,
+            seed: 0,
+            stop: &[],
+        };
+        let got = generate(&model, &want[..plen], &o, |_| Ok(())).unwrap();
         assert_eq!(got, want[plen..].to_vec(), "{kind}: greedy continuation");
         // The cached decoder's logits equal the full forward's at every position.
         let row = &tokens(&dir)[0];
