@@ -209,11 +209,9 @@ impl Device for SimDevice {
                 p.output_elems
             )));
         }
-        let x = Tensor::float(
-            DType::Fp16,
-            p.input_shape.clone(),
-            input.0.iter().map(|v| v.to_f32()).collect(),
-        );
+        let mut xs = vec![0f32; input.0.len()];
+        input.0.convert_to_f32_slice(&mut xs);
+        let x = Tensor::float(DType::Fp16, p.input_shape.clone(), xs);
         let out = p
             .exe
             .run(vec![x], Precision::Fp16)

@@ -74,7 +74,6 @@ fn crop(name: &str, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
 
 /// The compiled kernels and per-layer buffers for one padded length.
 struct KernelSet<D: Device> {
-    shape: Shape,
     kernels: Vec<(Kernel, D::Program)>,
     /// `[layer][kernel]` input buffers.
     inputs: Vec<Vec<D::Buffer>>,
@@ -157,7 +156,6 @@ impl<D: Device> NeuralKernels<D> {
         self.sets.insert(
             sp,
             KernelSet {
-                shape,
                 kernels,
                 inputs,
                 outputs,
@@ -262,7 +260,6 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 .map_err(|e| anyhow!("{e}"))?;
             result.insert(b.name.clone(), crop(&b.name, &v, seq, sp));
         }
-        let _ = &set.shape;
         Ok(result)
     }
 }
