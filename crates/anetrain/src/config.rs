@@ -202,8 +202,15 @@ impl ModelConfig {
             intermediate_size: uint("intermediate_size")?,
             num_hidden_layers: uint("num_hidden_layers")?,
             num_attention_heads: heads,
-            num_key_value_heads: opt_uint("num_key_value_heads")?.unwrap_or(heads),
-            head_dim: opt_uint("head_dim")?.unwrap_or(hidden / heads),
+            num_key_value_heads: opt_uint("num_key_value_heads")?.unwrap_or(match arch {
+                Arch::Qwen3 => 32,
+                Arch::Llama => heads,
+            }),
+            // transformers' defaults when absent: Qwen3Config 128, LlamaConfig hidden/heads.
+            head_dim: opt_uint("head_dim")?.unwrap_or(match arch {
+                Arch::Qwen3 => 128,
+                Arch::Llama => hidden / heads,
+            }),
             vocab_size: uint("vocab_size")?,
             rope_theta: rope_theta(obj)?,
             rms_norm_eps: float("rms_norm_eps", 1e-6)?,
@@ -213,7 +220,10 @@ impl ModelConfig {
                     .as_bool()
                     .context("\"tie_word_embeddings\" must be true or false")?,
             },
-            max_position_embeddings: opt_uint("max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings: opt_uint("max_position_embeddings")?.unwrap_or(match arch {
+                Arch::Qwen3 => 32768,
+                Arch::Llama => 2048,
+            }),
             qk_norm: arch == Arch::Qwen3,
         };
         if let Some(s) = obj.get("rope_scaling") {
