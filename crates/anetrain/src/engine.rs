@@ -122,7 +122,7 @@ pub type Grads = Vec<Vec<f32>>;
 
 pub fn zero_grads(model: &Model) -> Grads {
     model
-        .params
+        .trainable()
         .iter()
         .map(|p| vec![0f32; p.data.len()])
         .collect()

@@ -14,6 +14,7 @@ pub mod engine;
 pub mod fsutil;
 pub mod generate;
 pub mod kernels;
+pub mod lora;
 pub mod model;
 pub mod neural;
 pub mod optim;

@@ -51,6 +51,8 @@ pub struct Model {
     pub lm_head: Option<usize>,
     /// Bumped whenever the weights change (devices restage on a new value).
     pub version: u64,
+    /// LoRA adapters; when present they are the only trainable parameters.
+    pub lora: Option<crate::lora::Lora>,
 }
 
 /// The parameter list (names and shapes) a configuration implies.
@@ -113,6 +115,7 @@ fn layout(cfg: &ModelConfig) -> Model {
         final_norm,
         lm_head,
         version: 0,
+        lora: None,
     }
 }
 
@@ -141,6 +144,29 @@ impl Model {
     /// The output projection (the embedding when tied).
     pub fn lm_head(&self) -> &[f32] {
         &self.params[self.lm_head.unwrap_or(self.embed)].data
+    }
+
+    /// The parameters training updates: the adapters when LoRA is on,
+    /// otherwise every weight. Gradients and optimizer state parallel this.
+    pub fn trainable(&self) -> &[Param] {
+        match &self.lora {
+            Some(l) => &l.params,
+            None => &self.params,
+        }
+    }
+
+    /// Mutable [`Model::trainable`]; marks them changed for devices.
+    pub fn trainable_mut(&mut self) -> &mut [Param] {
+        match &mut self.lora {
+            Some(l) => {
+                l.version += 1;
+                &mut l.params
+            }
+            None => {
+                self.version += 1;
+                &mut self.params
+            }
+        }
     }
 
     pub fn num_params(&self) -> usize {

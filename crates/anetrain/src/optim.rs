@@ -42,12 +42,12 @@ impl AdamW {
             cfg,
             step: 0,
             m: model
-                .params
+                .trainable()
                 .iter()
                 .map(|p| vec![0f32; p.data.len()])
                 .collect(),
             v: model
-                .params
+                .trainable()
                 .iter()
                 .map(|p| vec![0f32; p.data.len()])
                 .collect(),
@@ -59,7 +59,6 @@ impl AdamW {
     ///   p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)
     pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64) {
         self.step += 1;
-        model.version += 1;
         let t = self.step as i32;
         let c = &self.cfg;
         let (b1, b2) = (c.beta1 as f32, c.beta2 as f32);
@@ -67,7 +66,7 @@ impl AdamW {
         let bc2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
         let step_size = (lr / bc1) as f32;
         let (eps, bc2_sqrt) = (c.eps as f32, bc2_sqrt as f32);
-        for (i, p) in model.params.iter_mut().enumerate() {
+        for (i, p) in model.trainable_mut().iter_mut().enumerate() {
             let decay = if p.decay {
                 (1.0 - lr * c.weight_decay) as f32
             } else {

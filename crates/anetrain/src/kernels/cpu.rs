@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 
 use mil::linalg::{sgemm, MatRef};
 
-use super::{KernelKind, KernelOptions, Rope, Shape};
+use super::{KernelKind, KernelOptions, Product, Rope, Shape};
+use crate::lora::Target;
 
 /// Named tensors, row-major in their logical shapes.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
@@ -53,6 +54,58 @@ pub fn wt_x(w: &[f32], x: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
         false,
     );
     out
+}
+
+/// Adds weight region `w`'s LoRA branch, when it has an adapter, to `y`:
+///   forward   y [out, S] += s·B·(A·(m⊙x))
+///   backward dx [in, S]  += m⊙(s·Aᵀ·(Bᵀ·dy))
+/// with `A [r, in]`, `B [out, r]` and m the optional dropout mask input
+/// (host-only; the device kernels have no dropout).
+fn add_adapter(
+    y: &mut [f32],
+    t: &Inputs,
+    o: &KernelOptions,
+    s: &Shape,
+    w: &str,
+    x: &[f32],
+    product: Product,
+) {
+    let Some((r, scale)) = o.adapter(w) else {
+        return;
+    };
+    let target = Target::from_region(w).expect("projection regions name targets");
+    let (an, bn) = target.adapter_regions();
+    let (a, b) = (get(t, an), get(t, bn));
+    let mask = t.get(target.mask_input()).copied();
+    let (out, inp) = s.projection(w);
+    let seq = s.seq;
+    let scale = o.constant(scale);
+    match product {
+        Product::Forward | Product::ForwardRows => {
+            let xm: Vec<f32>;
+            let x = match mask {
+                Some(m) => {
+                    xm = x.iter().zip(m).map(|(a, b)| a * b).collect();
+                    &xm[..]
+                }
+                None => x,
+            };
+            let xa = w_x(a, x, r, inp, seq);
+            let low = w_x(b, &xa, out, r, seq);
+            y.iter_mut().zip(&low).for_each(|(y, l)| *y += scale * l);
+        }
+        Product::Backward => {
+            let tb = wt_x(b, x, out, r, seq);
+            let low = wt_x(a, &tb, r, inp, seq);
+            match mask {
+                Some(m) => y
+                    .iter_mut()
+                    .zip(low.iter().zip(m))
+                    .for_each(|(y, (l, m))| *y += scale * l * m),
+                None => y.iter_mut().zip(&low).for_each(|(y, l)| *y += scale * l),
+            }
+        }
+    }
 }
 
 /// Per-head RMSNorm over `HD` at every position of `x [heads·HD, S]`:
@@ -197,9 +250,12 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
     match kind {
         KernelKind::SdpaForward => {
             let x = get(t, "xnorm");
-            let q_raw = w_x(get(t, "wq"), x, q, d, seq);
-            let k_raw = w_x(get(t, "wk"), x, kv, d, seq);
-            let v = w_x(get(t, "wv"), x, kv, d, seq);
+            let mut q_raw = w_x(get(t, "wq"), x, q, d, seq);
+            add_adapter(&mut q_raw, t, o, s, "wq", x, Product::Forward);
+            let mut k_raw = w_x(get(t, "wk"), x, kv, d, seq);
+            add_adapter(&mut k_raw, t, o, s, "wk", x, Product::Forward);
+            let mut v = w_x(get(t, "wv"), x, kv, d, seq);
+            add_adapter(&mut v, t, o, s, "wv", x, Product::Forward);
             let (qn, kn) = if o.qk_norm {
                 (
                     head_rms_norm(&q_raw, get(t, "q_norm"), hd, seq, eps),
@@ -237,17 +293,25 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
                 put("k_raw", k_raw);
             }
         }
-        KernelKind::WoForward => put("o", w_x(get(t, "wo"), get(t, "attn"), d, q, seq)),
+        KernelKind::WoForward => {
+            let x = get(t, "attn");
+            let mut y = w_x(get(t, "wo"), x, d, q, seq);
+            add_adapter(&mut y, t, o, s, "wo", x, Product::Forward);
+            put("o", y);
+        }
         KernelKind::FfnForward => {
             let x = get(t, "x2norm");
-            let h1 = w_x(get(t, "w1"), x, hid, d, seq);
-            let h3 = w_x(get(t, "w3"), x, hid, d, seq);
+            let mut h1 = w_x(get(t, "w1"), x, hid, d, seq);
+            add_adapter(&mut h1, t, o, s, "w1", x, Product::Forward);
+            let mut h3 = w_x(get(t, "w3"), x, hid, d, seq);
+            add_adapter(&mut h3, t, o, s, "w3", x, Product::Forward);
             let gate: Vec<f32> = h1
                 .iter()
                 .zip(&h3)
                 .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
                 .collect();
-            let ffn = w_x(get(t, "w2"), &gate, d, hid, seq);
+            let mut ffn = w_x(get(t, "w2"), &gate, d, hid, seq);
+            add_adapter(&mut ffn, t, o, s, "w2", &gate, Product::ForwardRows);
             let alpha = o.constant(o.residual_scale);
             let x_next = get(t, "x2")
                 .iter()
@@ -259,20 +323,32 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             put("h3", h3);
             put("gate", gate);
         }
-        KernelKind::FfnBackwardW2 => put("dgate", wt_x(get(t, "w2"), get(t, "dffn"), d, hid, seq)),
-        KernelKind::FfnBackwardW13 => {
-            let mut dx = wt_x(get(t, "w1"), get(t, "dh1"), hid, d, seq);
-            let dx3 = wt_x(get(t, "w3"), get(t, "dh3"), hid, d, seq);
-            dx.iter_mut().zip(&dx3).for_each(|(a, b)| *a += b);
-            put("dx", dx);
-        }
-        KernelKind::WoBackward => put("da", wt_x(get(t, "wo"), get(t, "dy"), d, q, seq)),
-        KernelKind::QBackward => put("dx", wt_x(get(t, "wq"), get(t, "dq"), q, d, seq)),
-        KernelKind::KvBackward => {
-            let mut dx = wt_x(get(t, "wk"), get(t, "dk"), kv, d, seq);
-            let dxv = wt_x(get(t, "wv"), get(t, "dv"), kv, d, seq);
-            dx.iter_mut().zip(&dxv).for_each(|(a, b)| *a += b);
-            put("dx", dx);
+        KernelKind::FfnBackwardW2
+        | KernelKind::FfnBackwardW13
+        | KernelKind::WoBackward
+        | KernelKind::QBackward
+        | KernelKind::KvBackward => {
+            // dx = Σ over the kernel's projections of Wᵀ·dy (+ adapters)
+            let (acts, out): (&[&str], &str) = match kind {
+                KernelKind::FfnBackwardW2 => (&["dffn"], "dgate"),
+                KernelKind::FfnBackwardW13 => (&["dh1", "dh3"], "dx"),
+                KernelKind::WoBackward => (&["dy"], "da"),
+                KernelKind::QBackward => (&["dq"], "dx"),
+                _ => (&["dk", "dv"], "dx"),
+            };
+            let mut dx: Vec<f32> = vec![];
+            for (&(w, product), act) in kind.projections().iter().zip(acts) {
+                let (rows, cols) = s.projection(w);
+                let dy = get(t, act);
+                let mut y = wt_x(get(t, w), dy, rows, cols, seq);
+                add_adapter(&mut y, t, o, s, w, dy, product);
+                if dx.is_empty() {
+                    dx = y;
+                } else {
+                    dx.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+                }
+            }
+            put(out, dx);
         }
         KernelKind::SdpaBackward1 => {
             let (qr, kr, v, da) = (

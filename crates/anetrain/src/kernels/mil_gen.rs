@@ -11,7 +11,8 @@ use mil::ir::Function;
 use mil::{DType, Result, Ty};
 
 use super::layout::KernelLayout;
-use super::{KernelKind, KernelOptions, Rope, Shape, BLOB_COS, BLOB_MASK, BLOB_SIN};
+use super::{KernelKind, KernelOptions, Product, Rope, Shape, BLOB_COS, BLOB_MASK, BLOB_SIN};
+use crate::lora::Target;
 
 const F16: DType = DType::Fp16;
 
@@ -115,6 +116,49 @@ impl<'a> Gen<'a> {
         let (c, n) = (wr.dims()[1], wr.dims()[3]);
         let w2 = self.reshape(&format!("{w}_2d"), &wr, &[1, 1, c, n])?;
         self.matmul(out, act_t, &w2, false, false)
+    }
+
+    /// Adds weight region `w`'s LoRA branch, if it has one, to the
+    /// projection `y [1, 1, S, N]` of `act_t [1, 1, S, C]`:
+    /// forward y + s·(x·Aᵀ)·Bᵀ, backward y + s·(dy·B)·A.
+    fn with_adapter(
+        &mut self,
+        y: Value,
+        act_t: &Value,
+        w: &str,
+        product: Product,
+        o: &KernelOptions,
+    ) -> Result<Value> {
+        let Some((_, scale)) = o.adapter(w) else {
+            return Ok(y);
+        };
+        let t = Target::from_region(w).expect("projection regions name targets");
+        let (a, b) = t.adapter_regions();
+        let low = match product {
+            // A and B stored transposed: [in, r] and [r, out].
+            Product::Forward => {
+                let xa = self.project(&format!("{w}_lora_xa"), act_t, a)?;
+                self.project(&format!("{w}_lora_y"), &xa, b)?
+            }
+            // A [r, in] and B [out, r] as is.
+            Product::ForwardRows => {
+                let ar = self.region(a)?;
+                let (r, inp) = (ar.dims()[1], ar.dims()[3]);
+                let a2 = self.reshape(&format!("{a}_2d"), &ar, &[1, 1, r, inp])?;
+                let xa = self.matmul(&format!("{w}_lora_xa"), act_t, &a2, false, true)?;
+                let br = self.region(b)?;
+                let out = br.dims()[1];
+                let b2 = self.reshape(&format!("{b}_2d"), &br, &[1, 1, out, r])?;
+                self.matmul(&format!("{w}_lora_y"), &xa, &b2, false, true)?
+            }
+            Product::Backward => {
+                let yb = self.project(&format!("{w}_lora_yb"), act_t, b)?;
+                self.project(&format!("{w}_lora_y"), &yb, a)?
+            }
+        };
+        let sc = self.scalar("lora_scale", scale)?;
+        let scaled = self.b.mul(&format!("{w}_lora_ys"), &low, &sc)?;
+        self.b.add(&format!("{w}_plus_lora"), &y, &scaled)
     }
 
     /// `[1, 1, S, N]` → channel-first `[1, N, 1, S]`.
@@ -240,8 +284,11 @@ pub fn generate(
         KernelKind::SdpaForward => {
             let xt = g.act_rows("xnorm")?;
             let qm = g.project("q_mm", &xt, "wq")?;
+            let qm = g.with_adapter(qm, &xt, "wq", Product::Forward, o)?;
             let km = g.project("k_mm", &xt, "wk")?;
+            let km = g.with_adapter(km, &xt, "wk", Product::Forward, o)?;
             let vm = g.project("v_mm", &xt, "wv")?;
+            let vm = g.with_adapter(vm, &xt, "wv", Product::Forward, o)?;
             let mut q = g.rows_to_heads("q", &qm, s.heads)?;
             let mut k = g.rows_to_heads("k", &km, kvh)?;
             let v = g.rows_to_heads("v", &vm, kvh)?;
@@ -276,12 +323,15 @@ pub fn generate(
         KernelKind::WoForward => {
             let at = g.act_rows("attn")?;
             let y = g.project("o_mm", &at, "wo")?;
+            let y = g.with_adapter(y, &at, "wo", Product::Forward, o)?;
             g.rows_to_channels("o", &y)?
         }
         KernelKind::FfnForward => {
             let xt = g.act_rows("x2norm")?;
             let h1m = g.project("h1_mm", &xt, "w1")?;
+            let h1m = g.with_adapter(h1m, &xt, "w1", Product::Forward, o)?;
             let h3m = g.project("h3_mm", &xt, "w3")?;
+            let h3m = g.with_adapter(h3m, &xt, "w3", Product::Forward, o)?;
             let h1 = g.rows_to_channels("h1", &h1m)?;
             let h3 = g.rows_to_channels("h3", &h3m)?;
             // silu(h1)·h3 with silu = h1·sigmoid(h1)
@@ -294,6 +344,7 @@ pub fn generate(
             let w2 = g.region("w2")?;
             let w22 = g.reshape("w2_2d", &w2, &[1, 1, s.dim, hid])?;
             let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
+            let fm = g.with_adapter(fm, &gt, "w2", Product::ForwardRows, o)?;
             let ffn = g.rows_to_channels("ffn", &fm)?;
             let x2 = g.region("x2")?;
             let branch = if o.residual_scale == 1.0 {
@@ -313,6 +364,7 @@ pub fn generate(
             };
             let at = g.act_rows(act)?;
             let y = g.project(&format!("{out}_mm"), &at, w)?;
+            let y = g.with_adapter(y, &at, w, Product::Backward, o)?;
             g.rows_to_channels(out, &y)?
         }
         KernelKind::FfnBackwardW13 | KernelKind::KvBackward => {
@@ -323,7 +375,9 @@ pub fn generate(
             let t1 = g.act_rows(a1)?;
             let t2 = g.act_rows(a2)?;
             let y1 = g.project(&format!("{a1}_mm"), &t1, w1)?;
+            let y1 = g.with_adapter(y1, &t1, w1, Product::Backward, o)?;
             let y2 = g.project(&format!("{a2}_mm"), &t2, w2)?;
+            let y2 = g.with_adapter(y2, &t2, w2, Product::Backward, o)?;
             let y = g.b.add("dx_mm", &y1, &y2)?;
             g.rows_to_channels("dx", &y)?
         }

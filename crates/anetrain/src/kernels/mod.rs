@@ -22,6 +22,7 @@ mod mil_gen;
 use serde::Serialize;
 
 use crate::config::ModelConfig;
+use crate::lora::Target;
 pub use layout::{Encoding, KernelLayout};
 
 /// The ten kernels, in the order a training step uses them.
@@ -129,6 +130,49 @@ pub struct KernelOptions {
     /// the interpreter's fp32 mode can be compared bit for bit with the
     /// maths. The CPU engine leaves this off and uses exact constants.
     pub fp16_constants: bool,
+    /// LoRA adapters as extra dynamic-weight regions, if any.
+    pub lora: Option<LoraKernel>,
+}
+
+/// What the kernels need to know about LoRA adapters: every adapted
+/// projection `W` gains regions `A [r, in]` and `B [out, r]` and computes
+/// `W·x + scale·B·(A·x)` (forward) or `Wᵀ·dy + scale·Aᵀ·(Bᵀ·dy)` (backward).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LoraKernel {
+    pub rank: usize,
+    pub scale: f64,
+    pub targets: Vec<Target>,
+}
+
+/// How a kernel uses a projection, which decides where its adapter
+/// regions go and how the MIL multiplies them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Product {
+    /// y = W·x with `W` stored transposed (`in` along channels).
+    Forward,
+    /// y = W·x with `W` stored as is (`out` along channels), as the FFN's
+    /// down projection is.
+    ForwardRows,
+    /// dx = Wᵀ·dy with `W` stored as is.
+    Backward,
+}
+
+impl KernelKind {
+    /// The weight projections this kernel applies, by region name.
+    pub fn projections(self) -> &'static [(&'static str, Product)] {
+        use Product::*;
+        match self {
+            KernelKind::SdpaForward => &[("wq", Forward), ("wk", Forward), ("wv", Forward)],
+            KernelKind::WoForward => &[("wo", Forward)],
+            KernelKind::FfnForward => &[("w1", Forward), ("w3", Forward), ("w2", ForwardRows)],
+            KernelKind::FfnBackwardW2 => &[("w2", Backward)],
+            KernelKind::FfnBackwardW13 => &[("w1", Backward), ("w3", Backward)],
+            KernelKind::WoBackward => &[("wo", Backward)],
+            KernelKind::QBackward => &[("wq", Backward)],
+            KernelKind::KvBackward => &[("wk", Backward), ("wv", Backward)],
+            KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => &[],
+        }
+    }
 }
 
 impl KernelOptions {
@@ -142,7 +186,26 @@ impl KernelOptions {
             residual_scale: 1.0,
             seed_compat: false,
             fp16_constants: false,
+            lora: None,
         }
+    }
+
+    /// Hugging Face semantics for `model`, with its adapters if it has any.
+    pub fn for_model(model: &crate::model::Model) -> KernelOptions {
+        let mut o = KernelOptions::hf(&model.cfg);
+        o.lora = model.lora.as_ref().map(|l| LoraKernel {
+            rank: l.cfg.rank,
+            scale: l.cfg.scale(),
+            targets: l.cfg.targets.clone(),
+        });
+        o
+    }
+
+    /// The adapter (rank, scale) of weight region `w`, if it has one.
+    pub fn adapter(&self, w: &str) -> Option<(usize, f64)> {
+        let l = self.lora.as_ref()?;
+        let t = Target::from_region(w)?;
+        l.targets.contains(&t).then_some((l.rank, l.scale))
     }
 
     /// The seed's conventions: interleaved RoPE with θ = 10000, no QK-norm,
@@ -156,6 +219,7 @@ impl KernelOptions {
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
             seed_compat: true,
             fp16_constants: false,
+            lora: None,
         }
     }
 }
@@ -189,6 +253,18 @@ impl Shape {
 
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+
+    /// `[out, in]` of the projection stored in weight region `w`.
+    pub fn projection(&self, w: &str) -> (usize, usize) {
+        let (d, h, q, kv) = (self.dim, self.hidden, self.q_dim(), self.kv_dim());
+        match w {
+            "wq" => (q, d),
+            "wk" | "wv" => (kv, d),
+            "wo" => (d, q),
+            "w1" | "w3" => (h, d),
+            _ => (d, h),
+        }
     }
 
     pub fn ratio(&self) -> usize {
@@ -314,6 +390,25 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
                 .columns("wv", kv, d, AsIs)
                 .output("dx", d);
         }
+    }
+    let mut adapted = false;
+    for &(w, product) in kind.projections() {
+        let Some((r, _)) = o.adapter(w) else { continue };
+        let t = Target::from_region(w).expect("projection regions name targets");
+        let (a, bn) = t.adapter_regions();
+        let (out, inp) = s.projection(w);
+        match product {
+            Product::Forward => b
+                .columns(a, inp, r, Transposed)
+                .columns(bn, r, out, Transposed),
+            Product::ForwardRows | Product::Backward => {
+                b.columns(bn, out, r, AsIs).columns(a, r, inp, AsIs)
+            }
+        };
+        adapted = true;
+    }
+    if adapted {
+        b.pad_spatial_to(16);
     }
     b.build()
 }

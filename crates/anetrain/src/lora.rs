@@ -1,0 +1,510 @@
+//! LoRA adapters: for a frozen projection `W [out, in]`,
+//!   y = W·x + s·B·(A·x),   A [r, in] (Kaiming-uniform), B [out, r] (zeros), s = α/r,
+//! stored under Hugging Face PEFT's names and files (`adapter_config.json`,
+//! `adapter_model.safetensors`), so `peft.PeftModel.from_pretrained` loads
+//! what we write and we load what PEFT writes.
+//!
+//! Adapters ride inside the kernels as extra dynamic-weight regions (see
+//! `docs/kernels.md`): the base weights are staged once and never change,
+//! only the small A/B regions are restaged after a step, and the low-rank
+//! path keeps its own precision instead of vanishing into an fp16 rounding
+//! of W + s·BA.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+use crate::fsutil::write_atomic;
+use crate::model::{LayerIds, Model, Param};
+use crate::rng::Rng;
+use crate::safetensors;
+
+/// A projection an adapter can attach to.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Target {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Target {
+    pub const ALL: [Target; 7] = [
+        Target::Q,
+        Target::K,
+        Target::V,
+        Target::O,
+        Target::Gate,
+        Target::Up,
+        Target::Down,
+    ];
+
+    /// Position in [`Target::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Hugging Face module name (`q_proj`).
+    pub fn module(self) -> &'static str {
+        self.names().0
+    }
+
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    pub fn path(self) -> &'static str {
+        self.names().1
+    }
+
+    /// The kernel weight region of the base projection (`wq`).
+    pub fn region(self) -> &'static str {
+        self.names().2
+    }
+
+    /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
+    pub fn adapter_regions(self) -> (&'static str, &'static str) {
+        let n = self.names();
+        (n.3, n.4)
+    }
+
+    /// Host-only kernel input holding the dropout mask (already scaled by
+    /// 1/(1−p)) applied to the adapter's input.
+    pub fn mask_input(self) -> &'static str {
+        self.names().5
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn names(
+        self,
+    ) -> (
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+        &'static str,
+    ) {
+        match self {
+            Target::Q => (
+                "q_proj",
+                "self_attn.q_proj",
+                "wq",
+                "wq_lora_a",
+                "wq_lora_b",
+                "wq_lora_mask",
+            ),
+            Target::K => (
+                "k_proj",
+                "self_attn.k_proj",
+                "wk",
+                "wk_lora_a",
+                "wk_lora_b",
+                "wk_lora_mask",
+            ),
+            Target::V => (
+                "v_proj",
+                "self_attn.v_proj",
+                "wv",
+                "wv_lora_a",
+                "wv_lora_b",
+                "wv_lora_mask",
+            ),
+            Target::O => (
+                "o_proj",
+                "self_attn.o_proj",
+                "wo",
+                "wo_lora_a",
+                "wo_lora_b",
+                "wo_lora_mask",
+            ),
+            Target::Gate => (
+                "gate_proj",
+                "mlp.gate_proj",
+                "w1",
+                "w1_lora_a",
+                "w1_lora_b",
+                "w1_lora_mask",
+            ),
+            Target::Up => (
+                "up_proj",
+                "mlp.up_proj",
+                "w3",
+                "w3_lora_a",
+                "w3_lora_b",
+                "w3_lora_mask",
+            ),
+            Target::Down => (
+                "down_proj",
+                "mlp.down_proj",
+                "w2",
+                "w2_lora_a",
+                "w2_lora_b",
+                "w2_lora_mask",
+            ),
+        }
+    }
+
+    pub fn from_region(name: &str) -> Option<Target> {
+        Target::ALL.into_iter().find(|t| t.region() == name)
+    }
+
+    pub fn from_module(name: &str) -> Option<Target> {
+        Target::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    /// The base weight's index in [`Model::params`].
+    pub fn base(self, l: &LayerIds) -> usize {
+        match self {
+            Target::Q => l.wq,
+            Target::K => l.wk,
+            Target::V => l.wv,
+            Target::O => l.wo,
+            Target::Gate => l.w1,
+            Target::Up => l.w3,
+            Target::Down => l.w2,
+        }
+    }
+}
+
+/// Adapter hyper-parameters (PEFT's `r`, `lora_alpha`, `lora_dropout`,
+/// `target_modules`, `use_rslora`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    pub targets: Vec<Target>,
+    /// Scale α/√r instead of α/r.
+    #[serde(default)]
+    pub rslora: bool,
+}
+
+impl LoraConfig {
+    /// The branch scale s.
+    pub fn scale(&self) -> f64 {
+        if self.rslora {
+            self.alpha / (self.rank as f64).sqrt()
+        } else {
+            self.alpha / self.rank as f64
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        if self.rank == 0 || self.rank > 4096 {
+            bail!("--lora-rank must be between 1 and 4096 (got {})", self.rank);
+        }
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            bail!("--lora-alpha must be a positive number (got {})", self.alpha);
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            bail!("--lora-dropout must be in [0, 1) (got {})", self.dropout);
+        }
+        if self.targets.is_empty() {
+            bail!("--lora-targets needs at least one of q,k,v,o,gate,up,down");
+        }
+        Ok(())
+    }
+}
+
+/// A and B of one adapted projection, as indices into [`Lora::params`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AdapterIds {
+    pub a: usize,
+    pub b: usize,
+}
+
+/// The adapters of a model.
+#[derive(Clone, Debug)]
+pub struct Lora {
+    pub cfg: LoraConfig,
+    /// PEFT names, e.g.
+    /// `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
+    pub params: Vec<Param>,
+    /// `[layer][Target::index]`.
+    pub slots: Vec<[Option<AdapterIds>; 7]>,
+    /// Bumped whenever the adapters change (devices restage only them).
+    pub version: u64,
+}
+
+/// PEFT's key for layer `i`, target `t`, matrix `ab` ("A" or "B").
+fn peft_key(i: usize, t: Target, ab: &str) -> String {
+    format!(
+        "base_model.model.model.layers.{i}.{}.lora_{ab}.weight",
+        t.path()
+    )
+}
+
+/// `[out, in]` of a target's base projection.
+fn projection_shape(model: &Model, t: Target) -> (usize, usize) {
+    let p = &model.params[t.base(&model.layers[0])];
+    (p.shape[0], p.shape[1])
+}
+
+impl Lora {
+    /// Fresh adapters as PEFT initialises them: A ~ U(−1/√in, 1/√in)
+    /// (`kaiming_uniform_(a=√5)`), B = 0.
+    pub fn init(model: &Model, cfg: LoraConfig, seed: u64) -> Result<Lora> {
+        cfg.validate()?;
+        let mut rng = Rng::new(seed ^ 0x4c6f_5241);
+        let mut lora = Lora::layout(model, cfg);
+        for p in &mut lora.params {
+            let n = p.shape[0] * p.shape[1];
+            p.data = if p.name.contains(".lora_A.") {
+                let bound = 1.0 / (p.shape[1] as f64).sqrt();
+                (0..n)
+                    .map(|_| ((rng.uniform() * 2.0 - 1.0) * bound) as f32)
+                    .collect()
+            } else {
+                vec![0.0; n]
+            };
+        }
+        Ok(lora)
+    }
+
+    /// Names and shapes, no data.
+    fn layout(model: &Model, mut cfg: LoraConfig) -> Lora {
+        cfg.targets.sort();
+        cfg.targets.dedup();
+        let r = cfg.rank;
+        let mut params = Vec::new();
+        let mut slots = Vec::new();
+        for i in 0..model.layers.len() {
+            let mut slot = [None; 7];
+            for &t in &cfg.targets {
+                let (out, inp) = projection_shape(model, t);
+                let mut add = |ab: &str, shape: Vec<usize>| {
+                    params.push(Param {
+                        name: peft_key(i, t, ab),
+                        shape,
+                        data: vec![],
+                        decay: true,
+                    });
+                    params.len() - 1
+                };
+                let a = add("A", vec![r, inp]);
+                let b = add("B", vec![out, r]);
+                slot[t.index()] = Some(AdapterIds { a, b });
+            }
+            slots.push(slot);
+        }
+        Lora {
+            cfg,
+            params,
+            slots,
+            version: 0,
+        }
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.params.iter().map(|p| p.data.len()).sum()
+    }
+
+    /// A and B of `layer`'s `target`, if adapted.
+    pub fn adapter(&self, layer: usize, t: Target) -> Option<(&[f32], &[f32])> {
+        let ids = self.slots[layer][t.index()]?;
+        Some((&self.params[ids.a].data, &self.params[ids.b].data))
+    }
+
+    /// `adapter_config.json` as PEFT writes it.
+    pub fn peft_config(&self, base_model: &str) -> serde_json::Value {
+        let modules: Vec<&str> = self.cfg.targets.iter().map(|t| t.module()).collect();
+        serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base_model,
+            "r": self.cfg.rank,
+            "lora_alpha": self.cfg.alpha,
+            "lora_dropout": self.cfg.dropout,
+            "target_modules": modules,
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "use_rslora": self.cfg.rslora,
+            "use_dora": false,
+            "init_lora_weights": true,
+            "inference_mode": true,
+            "modules_to_save": null,
+            "layers_to_transform": null,
+            "rank_pattern": {},
+            "alpha_pattern": {},
+        })
+    }
+
+    /// `adapter_model.safetensors` bytes (f32); refuses non-finite values.
+    pub fn safetensors_bytes(&self) -> Result<Vec<u8>> {
+        let mut tensors = Vec::new();
+        for p in &self.params {
+            if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
+                bail!(
+                    "adapter tensor '{}' holds a non-finite value at index {i}; refusing to save it",
+                    p.name
+                );
+            }
+            tensors.push((p.name.as_str(), p.shape.as_slice(), p.data.as_slice()));
+        }
+        Ok(safetensors::encode(&tensors, &[("format", "pt")]))
+    }
+
+    /// Writes a PEFT adapter directory (each file atomically).
+    pub fn save(&self, dir: &Path, base_model: &str) -> Result<()> {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create '{}'", dir.display()))?;
+        let bytes = self.safetensors_bytes()?;
+        write_atomic(&dir.join("adapter_model.safetensors"), &bytes)?;
+        let cfg = serde_json::to_string_pretty(&self.peft_config(base_model))?;
+        write_atomic(&dir.join("adapter_config.json"), cfg.as_bytes())
+    }
+
+    /// Reads PEFT's `adapter_config.json`.
+    pub fn read_config(path: &Path) -> Result<LoraConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read '{}'", path.display()))?;
+        let j: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("'{}' is not valid JSON", path.display()))?;
+        let bad = |what: &str| anyhow::anyhow!("'{}': {what}", path.display());
+        if j.get("peft_type").and_then(|v| v.as_str()).unwrap_or("LORA") != "LORA" {
+            return Err(bad("only LORA adapters are supported"));
+        }
+        let flag = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
+        if flag("use_dora") {
+            return Err(bad("DoRA adapters are not supported"));
+        }
+        if flag("fan_in_fan_out") {
+            return Err(bad("fan_in_fan_out adapters are not supported"));
+        }
+        if j.get("bias").and_then(|v| v.as_str()).unwrap_or("none") != "none" {
+            return Err(bad("adapters with trained biases are not supported"));
+        }
+        for k in ["rank_pattern", "alpha_pattern"] {
+            if j.get(k)
+                .and_then(|v| v.as_object())
+                .is_some_and(|o| !o.is_empty())
+            {
+                return Err(bad(&format!("'{k}' (per-module ranks) is not supported")));
+            }
+        }
+        for k in ["modules_to_save", "layers_to_transform"] {
+            if j.get(k).is_some_and(|v| !v.is_null()) {
+                return Err(bad(&format!("'{k}' is not supported")));
+            }
+        }
+        let rank = j
+            .get("r")
+            .and_then(|v| v.as_u64())
+            .ok_or_else(|| bad("'r' is missing or not a positive integer"))?
+            as usize;
+        let alpha = j.get("lora_alpha").and_then(|v| v.as_f64()).unwrap_or(8.0);
+        let dropout = j.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let modules: Vec<String> = match j.get("target_modules") {
+            Some(serde_json::Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().map(str::to_string))
+                .collect::<Option<_>>()
+                .ok_or_else(|| bad("'target_modules' must list module names"))?,
+            Some(serde_json::Value::String(s)) if s == "all-linear" => {
+                Target::ALL.iter().map(|t| t.module().to_string()).collect()
+            }
+            _ => return Err(bad("'target_modules' must be a list of module names")),
+        };
+        let mut targets = Vec::new();
+        for m in &modules {
+            let t = Target::from_module(m).ok_or_else(|| {
+                bad(&format!(
+                    "unsupported target module '{m}' (supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
+                ))
+            })?;
+            targets.push(t);
+        }
+        let cfg = LoraConfig {
+            rank,
+            alpha,
+            dropout,
+            targets,
+            rslora: flag("use_rslora"),
+        };
+        cfg.validate().map_err(|e| bad(&e.to_string()))?;
+        Ok(cfg)
+    }
+
+    /// Loads a PEFT adapter directory for `model`.
+    pub fn load(model: &Model, dir: &Path) -> Result<Lora> {
+        if !dir.is_dir() {
+            bail!("adapter directory '{}' does not exist", dir.display());
+        }
+        let cfg = Lora::read_config(&dir.join("adapter_config.json"))?;
+        let file = dir.join("adapter_model.safetensors");
+        let found = safetensors::read(&file)?;
+        Lora::from_tensors(model, cfg, found, &file.display().to_string())
+    }
+
+    /// Adapters from named tensors (PEFT keys, with or without the
+    /// `.default` adapter name).
+    pub fn from_tensors(
+        model: &Model,
+        cfg: LoraConfig,
+        tensors: BTreeMap<String, safetensors::Tensor>,
+        file: &str,
+    ) -> Result<Lora> {
+        let mut found: BTreeMap<String, safetensors::Tensor> = tensors
+            .into_iter()
+            .map(|(k, t)| (k.replace(".default.weight", ".weight"), t))
+            .collect();
+        let mut lora = Lora::layout(model, cfg);
+        for p in &mut lora.params {
+            let t = found.remove(&p.name).with_context(|| {
+                format!(
+                    "'{file}': adapter tensor '{}' is missing (does the adapter belong to this model?)",
+                    p.name
+                )
+            })?;
+            if t.shape != p.shape {
+                bail!(
+                    "'{file}': adapter tensor '{}' has shape {:?}, the model and rank imply {:?}",
+                    p.name,
+                    t.shape,
+                    p.shape
+                );
+            }
+            if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+                bail!(
+                    "'{file}': adapter tensor '{}' holds a non-finite value at index {i}",
+                    p.name
+                );
+            }
+            p.data = t.data;
+        }
+        if let Some(extra) = found.keys().next() {
+            bail!("'{file}': unexpected tensor '{extra}' for this model and adapter config");
+        }
+        Ok(lora)
+    }
+
+    /// Folds the adapters into the base weights: W ← W + s·B·A.
+    pub fn merge_into(&self, model: &mut Model) {
+        let s = self.cfg.scale() as f32;
+        for (i, slot) in self.slots.iter().enumerate() {
+            for t in Target::ALL {
+                let Some(ids) = slot[t.index()] else { continue };
+                let (a, b) = (&self.params[ids.a], &self.params[ids.b]);
+                let (r, inp, out) = (a.shape[0], a.shape[1], b.shape[0]);
+                let mut ba = vec![0f32; out * inp];
+                mil::linalg::sgemm(
+                    mil::linalg::MatRef::row_major(&b.data, 0, out, r),
+                    mil::linalg::MatRef::row_major(&a.data, 0, r, inp),
+                    &mut ba,
+                    0,
+                    inp,
+                    false,
+                );
+                let w = &mut model.params[t.base(&model.layers[i])].data;
+                w.iter_mut().zip(&ba).for_each(|(w, d)| *w += s * d);
+            }
+        }
+        model.version += 1;
+    }
+}
