@@ -187,10 +187,11 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     } else {
         // The compiled kernels cover the whole (prompt + new tokens) length.
         let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
-        let opts = KernelOptions::hf(&model.cfg);
+        let opts = KernelOptions::for_model(&model);
         let eng = Engine {
             runner: NeuralKernels::new(ane::SimDevice::new(), opts.clone()).with_fixed_seq(total),
             opts,
+            dropout_key: None,
         };
         generate_with_engine(eng, &model, &prompt, &options, emit)?;
     }

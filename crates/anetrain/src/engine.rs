@@ -14,7 +14,9 @@ use mil::linalg::{sgemm, MatRef};
 
 use crate::kernels::cpu::{self, Inputs, Tensors};
 use crate::kernels::{KernelKind, KernelOptions, Shape};
+use crate::lora::Target;
 use crate::model::Model;
+use crate::rng::Rng;
 
 /// Runs one kernel for one layer. Activations come in `acts`; the runner
 /// supplies the layer's weights itself.
@@ -68,6 +70,16 @@ pub fn kernel_weights<'a>(model: &'a Model, layer: usize, kind: KernelKind) -> I
         }
         KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {}
     }
+    if let Some(lora) = &model.lora {
+        for &(region, _) in kind.projections() {
+            let t = Target::from_region(region).expect("projection regions name targets");
+            if let Some((a, b)) = lora.adapter(layer, t) {
+                let (an, bn) = t.adapter_regions();
+                w.insert(an, a);
+                w.insert(bn, b);
+            }
+        }
+    }
     w
 }
 
@@ -106,6 +118,9 @@ struct LayerActs {
     h1: Vec<f32>,
     h3: Vec<f32>,
     gate: Vec<f32>,
+    /// LoRA dropout masks per target (scaled by 1/(1−p)), when training
+    /// with dropout.
+    masks: [Option<Vec<f32>>; 7],
 }
 
 /// A forward pass over one sequence.
@@ -126,6 +141,115 @@ pub fn zero_grads(model: &Model) -> Grads {
         .iter()
         .map(|p| vec![0f32; p.data.len()])
         .collect()
+}
+
+/// Where a base parameter's gradient accumulates: its slot in `grads`, or
+/// a scratch buffer when LoRA freezes the base.
+fn base_grad<'a>(
+    model: &Model,
+    grads: &'a mut Grads,
+    id: usize,
+    scratch: &'a mut Vec<f32>,
+) -> &'a mut [f32] {
+    if model.lora.is_some() {
+        scratch.clear();
+        scratch.resize(model.params[id].data.len(), 0.0);
+        scratch
+    } else {
+        &mut grads[id]
+    }
+}
+
+/// Gradient of projection `t` in `layer` given its output gradient
+/// `dy [out, S]` and input `x [in, S]`: the base weight's, or with LoRA
+/// only the adapter's (y = W·x + s·B·A·(m⊙x)):
+///   dA = s·(Bᵀ·dy)·(m⊙x)ᵀ,   dB = s·dy·(A·(m⊙x))ᵀ.
+fn projection_grad(
+    model: &Model,
+    grads: &mut Grads,
+    layer: usize,
+    t: Target,
+    dy: &[f32],
+    x: &[f32],
+    mask: Option<&[f32]>,
+) {
+    let base = &model.params[t.base(&model.layers[layer])];
+    let (out, inp, seq) = (base.shape[0], base.shape[1], x.len() / base.shape[1]);
+    let Some(lora) = &model.lora else {
+        accumulate_weight_grad(&mut grads[t.base(&model.layers[layer])], dy, x, out, inp, seq);
+        return;
+    };
+    let Some(ids) = lora.slots[layer][t.index()] else {
+        return;
+    };
+    let r = lora.cfg.rank;
+    let s = lora.cfg.scale() as f32;
+    let xm: Vec<f32>;
+    let x = match mask {
+        Some(m) => {
+            xm = x.iter().zip(m).map(|(a, b)| a * b).collect();
+            &xm[..]
+        }
+        None => x,
+    };
+    let (a, b) = (&lora.params[ids.a].data, &lora.params[ids.b].data);
+    let mut bt_dy = cpu::wt_x(b, dy, out, r, seq);
+    bt_dy.iter_mut().for_each(|v| *v *= s);
+    let mut ax = cpu::w_x(a, x, r, inp, seq);
+    ax.iter_mut().for_each(|v| *v *= s);
+    accumulate_weight_grad(&mut grads[ids.a], &bt_dy, x, r, inp, seq);
+    accumulate_weight_grad(&mut grads[ids.b], dy, &ax, out, r, seq);
+}
+
+/// Dropout masks for every adapted target of `layer` (keep with
+/// probability 1−p, kept values scaled by 1/(1−p)), drawn from `key`.
+fn dropout_masks(
+    model: &Model,
+    layer: usize,
+    seq: usize,
+    key: Option<u64>,
+) -> [Option<Vec<f32>>; 7] {
+    let mut masks: [Option<Vec<f32>>; 7] = Default::default();
+    let (Some(lora), Some(key)) = (&model.lora, key) else {
+        return masks;
+    };
+    let p = lora.cfg.dropout;
+    if p <= 0.0 {
+        return masks;
+    }
+    let keep = (1.0 / (1.0 - p)) as f32;
+    for t in Target::ALL {
+        if lora.slots[layer][t.index()].is_none() {
+            continue;
+        }
+        let inp = model.params[t.base(&model.layers[layer])].shape[1];
+        let mut rng = Rng::new(
+            key ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t.index() as u64) << 56,
+        );
+        masks[t.index()] = Some(
+            (0..inp * seq)
+                .map(|_| if rng.uniform() < p { 0.0 } else { keep })
+                .collect(),
+        );
+    }
+    masks
+}
+
+/// Kernel activations plus the dropout masks of the kernel's adapted
+/// projections.
+fn with_masks<'a>(
+    acts: &[(&'a str, &'a [f32])],
+    kind: KernelKind,
+    masks: &'a [Option<Vec<f32>>; 7],
+) -> Inputs<'a> {
+    let mut all: Inputs = acts.iter().copied().collect();
+    for &(region, _) in kind.projections() {
+        let t = Target::from_region(region).expect("projection regions name targets");
+        if let Some(m) = &masks[t.index()] {
+            all.insert(t.mask_input(), m.as_slice());
+        }
+    }
+    all
 }
 
 /// `dW [out, in] += dY [out, S] · X [in, S]ᵀ`
@@ -157,6 +281,9 @@ fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
 pub struct Engine<R: KernelRunner> {
     pub runner: R,
     pub opts: KernelOptions,
+    /// Training with LoRA dropout: the key the next forward draws its
+    /// masks from (`None`: no dropout, as in evaluation).
+    pub dropout_key: Option<u64>,
 }
 
 thread_local! {
@@ -172,10 +299,11 @@ pub fn take_weight_grad_secs() -> f64 {
 impl Engine<CpuKernels> {
     /// The CPU engine with Hugging Face semantics for `model`.
     pub fn cpu(model: &Model) -> Engine<CpuKernels> {
-        let opts = KernelOptions::hf(&model.cfg);
+        let opts = KernelOptions::for_model(model);
         Engine {
             runner: CpuKernels { opts: opts.clone() },
             opts,
+            dropout_key: None,
         }
     }
 }
@@ -183,10 +311,11 @@ impl Engine<CpuKernels> {
 impl<D: ane::Device> Engine<crate::neural::NeuralKernels<D>> {
     /// The Neural Engine path on `device` with Hugging Face semantics.
     pub fn neural(model: &Model, device: D) -> Self {
-        let opts = KernelOptions::hf(&model.cfg);
+        let opts = KernelOptions::for_model(model);
         Engine {
             runner: crate::neural::NeuralKernels::new(device, opts.clone()),
             opts,
+            dropout_key: None,
         }
     }
 }
@@ -196,7 +325,9 @@ impl<R: KernelRunner> Engine<R> {
         t.remove(name).unwrap_or_default()
     }
 
-    /// Runs a kernel and returns its output `out`.
+    /// Runs a kernel (with the layer's dropout masks) and returns its
+    /// output `out`.
+    #[allow(clippy::too_many_arguments)]
     fn run_one(
         &mut self,
         model: &Model,
@@ -204,9 +335,10 @@ impl<R: KernelRunner> Engine<R> {
         kind: KernelKind,
         shape: &Shape,
         acts: &[(&str, &[f32])],
+        masks: &[Option<Vec<f32>>; 7],
         out: &str,
     ) -> Result<Vec<f32>> {
-        let acts: Inputs = acts.iter().copied().collect();
+        let acts = with_masks(acts, kind, masks);
         let mut t = self.runner.run(model, layer, kind, shape, &acts)?;
         Ok(Self::take(&mut t, out))
     }
@@ -239,13 +371,15 @@ impl<R: KernelRunner> Engine<R> {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for (i, l) in model.layers.iter().enumerate() {
             let w = |id: usize| model.params[id].data.as_slice();
+            let key = self.dropout_key.map(|k| k.wrapping_add(i as u64));
+            let masks = dropout_masks(model, i, seq, key);
             let xn = cpu::head_rms_norm(&x, w(l.attn_norm), d, seq, eps);
             let mut a = self.runner.run(
                 model,
                 i,
                 KernelKind::SdpaForward,
                 &shape,
-                &Inputs::from([("xnorm", xn.as_slice())]),
+                &with_masks(&[("xnorm", xn.as_slice())], KernelKind::SdpaForward, &masks),
             )?;
             let attn = Self::take(&mut a, "attn");
             let mut o = self.runner.run(
@@ -253,7 +387,7 @@ impl<R: KernelRunner> Engine<R> {
                 i,
                 KernelKind::WoForward,
                 &shape,
-                &Inputs::from([("attn", attn.as_slice())]),
+                &with_masks(&[("attn", attn.as_slice())], KernelKind::WoForward, &masks),
             )?;
             let mut x2 = x.clone();
             add_scaled(&mut x2, &Self::take(&mut o, "o"), alpha);
@@ -263,7 +397,11 @@ impl<R: KernelRunner> Engine<R> {
                 i,
                 KernelKind::FfnForward,
                 &shape,
-                &Inputs::from([("x2norm", x2n.as_slice()), ("x2", x2.as_slice())]),
+                &with_masks(
+                    &[("x2norm", x2n.as_slice()), ("x2", x2.as_slice())],
+                    KernelKind::FfnForward,
+                    &masks,
+                ),
             )?;
             let x_next = Self::take(&mut f, "x_next");
             layers.push(LayerActs {
@@ -280,6 +418,7 @@ impl<R: KernelRunner> Engine<R> {
                 h1: Self::take(&mut f, "h1"),
                 h3: Self::take(&mut f, "h3"),
                 gate: Self::take(&mut f, "gate"),
+                masks,
             });
         }
         let xf = cpu::head_rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
@@ -302,12 +441,12 @@ impl<R: KernelRunner> Engine<R> {
     ) -> Result<()> {
         let cfg = &model.cfg;
         let (d, seq, hd) = (cfg.hidden_size, fwd.tokens.len(), cfg.head_dim);
-        let (q, kv, hid) = (cfg.q_dim(), cfg.kv_dim(), cfg.intermediate_size);
         let shape = Shape::new(cfg, seq);
         let eps = cfg.rms_norm_eps as f32;
         let alpha = self.opts.residual_scale as f32;
         let (cos, sin) = self.opts.rope_tables(seq, hd);
         let w = |id: usize| model.params[id].data.as_slice();
+        let mut scratch = Vec::new();
         // xf = rmsnorm(x)·w_final
         let mut dx = cpu::head_rms_norm_backward(
             &fwd.x_last,
@@ -316,29 +455,33 @@ impl<R: KernelRunner> Engine<R> {
             d,
             seq,
             eps,
-            &mut grads[model.final_norm],
+            base_grad(model, grads, model.final_norm, &mut scratch),
         );
         for (i, (l, a)) in model.layers.iter().zip(&fwd.layers).enumerate().rev() {
             // x' = x2 + α·ffn:  dx2 = dx',  dffn = α·dx'
             let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
+            let m = &a.masks;
+            let mask = |t: Target| m[t.index()].as_deref();
             let dgate = self.run_one(
                 model,
                 i,
                 KernelKind::FfnBackwardW2,
                 &shape,
                 &[("dffn", dffn.as_slice())],
+                m,
                 "dgate",
             )?;
-            accumulate_weight_grad(&mut grads[l.w2], &dffn, &a.gate, d, hid, seq);
+            projection_grad(model, grads, i, Target::Down, &dffn, &a.gate, mask(Target::Down));
             let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
-            accumulate_weight_grad(&mut grads[l.w1], &dh1, &a.x2n, hid, d, seq);
-            accumulate_weight_grad(&mut grads[l.w3], &dh3, &a.x2n, hid, d, seq);
+            projection_grad(model, grads, i, Target::Gate, &dh1, &a.x2n, mask(Target::Gate));
+            projection_grad(model, grads, i, Target::Up, &dh3, &a.x2n, mask(Target::Up));
             let dx2n = self.run_one(
                 model,
                 i,
                 KernelKind::FfnBackwardW13,
                 &shape,
                 &[("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())],
+                m,
                 "dx",
             )?;
             let dnorm = cpu::head_rms_norm_backward(
@@ -348,18 +491,19 @@ impl<R: KernelRunner> Engine<R> {
                 d,
                 seq,
                 eps,
-                &mut grads[l.ffn_norm],
+                base_grad(model, grads, l.ffn_norm, &mut scratch),
             );
             add_scaled(&mut dx, &dnorm, 1.0);
             // x2 = x + α·Wo·attn:  dx = dx2,  do = α·dx2
             let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-            accumulate_weight_grad(&mut grads[l.wo], &dout, &a.attn, d, q, seq);
+            projection_grad(model, grads, i, Target::O, &dout, &a.attn, mask(Target::O));
             let da = self.run_one(
                 model,
                 i,
                 KernelKind::WoBackward,
                 &shape,
                 &[("dy", dout.as_slice())],
+                m,
                 "da",
             )?;
             let mut b1 = self.runner.run(
@@ -407,20 +551,21 @@ impl<R: KernelRunner> Engine<R> {
                 -1.0,
             );
             if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                dq =
-                    cpu::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, &mut grads[qn]);
-                dk =
-                    cpu::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, &mut grads[kn]);
+                let gq = base_grad(model, grads, qn, &mut scratch);
+                dq = cpu::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
+                let gk = base_grad(model, grads, kn, &mut scratch);
+                dk = cpu::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
             }
-            accumulate_weight_grad(&mut grads[l.wq], &dq, &a.xn, q, d, seq);
-            accumulate_weight_grad(&mut grads[l.wk], &dk, &a.xn, kv, d, seq);
-            accumulate_weight_grad(&mut grads[l.wv], &dv, &a.xn, kv, d, seq);
+            projection_grad(model, grads, i, Target::Q, &dq, &a.xn, mask(Target::Q));
+            projection_grad(model, grads, i, Target::K, &dk, &a.xn, mask(Target::K));
+            projection_grad(model, grads, i, Target::V, &dv, &a.xn, mask(Target::V));
             let mut dxn = self.run_one(
                 model,
                 i,
                 KernelKind::QBackward,
                 &shape,
                 &[("dq", dq.as_slice())],
+                m,
                 "dx",
             )?;
             let dxkv = self.run_one(
@@ -429,6 +574,7 @@ impl<R: KernelRunner> Engine<R> {
                 KernelKind::KvBackward,
                 &shape,
                 &[("dk", dk.as_slice()), ("dv", dv.as_slice())],
+                m,
                 "dx",
             )?;
             add_scaled(&mut dxn, &dxkv, 1.0);
@@ -439,9 +585,12 @@ impl<R: KernelRunner> Engine<R> {
                 d,
                 seq,
                 eps,
-                &mut grads[l.attn_norm],
+                base_grad(model, grads, l.attn_norm, &mut scratch),
             );
             add_scaled(&mut dx, &dnorm, 1.0);
+        }
+        if model.lora.is_some() {
+            return Ok(()); // the embedding is frozen
         }
         // x[c, s] = E[token_s, c]
         let de = &mut grads[model.embed];
@@ -523,6 +672,9 @@ pub fn head_loss(
         seq,
         false,
     );
+    if model.lora.is_some() {
+        return Ok((loss, dxf)); // the head is frozen
+    }
     // dhead [V, D] += dlogitsᵀ [V, S] · xfᵀ [S, D]
     let head = model.lm_head.unwrap_or(model.embed);
     sgemm(

@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Result};
 
 use crate::engine::{kernel_weights, KernelRunner};
 use crate::kernels::cpu::{Inputs, Tensors};
-use crate::kernels::layout::Encoding;
+use crate::kernels::layout::{Encoding, KernelLayout};
 use crate::kernels::{build, Kernel, KernelKind, KernelOptions, Shape};
 use crate::model::Model;
 
@@ -79,7 +79,8 @@ struct KernelSet<D: Device> {
     inputs: Vec<Vec<D::Buffer>>,
     /// One output buffer per kernel.
     outputs: Vec<D::Buffer>,
-    staged: Option<u64>,
+    /// `(Model::version, adapter version)` last staged.
+    staged: Option<(u64, u64)>,
 }
 
 /// The kernel contract on a Neural Engine device.
@@ -165,14 +166,40 @@ impl<D: Device> NeuralKernels<D> {
         Ok(())
     }
 
-    /// Packs every layer's weights into its kernel input buffers.
+    /// Packs every layer's weights into its kernel input buffers: all of
+    /// them when the base weights changed, only the LoRA adapter regions
+    /// when only the adapters did.
     fn stage(&mut self, model: &Model, sp: usize) -> Result<()> {
         let set = self
             .sets
             .get_mut(&sp)
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        if set.staged == Some(model.version) {
-            return Ok(());
+        let adapters = model.lora.as_ref().map_or(0, |l| l.version);
+        let now = (model.version, adapters);
+        match set.staged {
+            Some(s) if s == now => return Ok(()),
+            Some((base, _)) if base == model.version => {
+                for layer in 0..model.cfg.num_hidden_layers {
+                    for (ki, (k, _)) in set.kernels.iter().enumerate() {
+                        for (name, data) in kernel_weights(model, layer, k.kind) {
+                            if !name.contains("_lora_") {
+                                continue;
+                            }
+                            let values = k.layout.region_values(name, data);
+                            write_region(
+                                &mut self.device,
+                                &mut set.inputs[layer][ki],
+                                &k.layout,
+                                name,
+                                &values,
+                            )?;
+                        }
+                    }
+                }
+                set.staged = Some(now);
+                return Ok(());
+            }
+            _ => {}
         }
         for layer in 0..model.cfg.num_hidden_layers {
             for (ki, (k, _)) in set.kernels.iter().enumerate() {
@@ -190,9 +217,39 @@ impl<D: Device> NeuralKernels<D> {
                     .map_err(|e| anyhow!("staging {}: {e}", k.kind.name()))?;
             }
         }
-        set.staged = Some(model.version);
+        set.staged = Some(now);
         Ok(())
     }
+}
+
+/// Writes a region's rows (`[channels, width]`) into a device input buffer.
+fn write_region<D: Device>(
+    device: &mut D,
+    buf: &mut D::Buffer,
+    l: &KernelLayout,
+    name: &str,
+    values: &[f32],
+) -> Result<()> {
+    let r = l.region(name);
+    let width = r.spatial.len();
+    if values.len() != r.channels.len() * width {
+        bail!(
+            "{}: '{name}' has {} values, the layout needs {}",
+            l.kernel,
+            values.len(),
+            r.channels.len() * width
+        );
+    }
+    for (ci, c) in r.channels.clone().enumerate() {
+        device
+            .write(
+                buf,
+                c * l.in_spatial + r.spatial.start,
+                &values[ci * width..(ci + 1) * width],
+            )
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    Ok(())
 }
 
 impl<D: Device> KernelRunner for NeuralKernels<D> {
@@ -216,6 +273,9 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let (k, prog) = &set.kernels[ki];
         let l = &k.layout;
         let buf = &mut set.inputs[layer][ki];
+        if acts.keys().any(|k| k.ends_with("_lora_mask")) {
+            bail!("LoRA dropout is not available on the Neural Engine path; use --lora-dropout 0");
+        }
         for r in l
             .inputs
             .iter()
@@ -228,25 +288,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 bail!("{}: activation '{}' not given", kind.name(), r.name);
             };
             let padded = pad(&r.name, data, seq, sp);
-            let width = r.spatial.len();
-            if padded.len() != r.channels.len() * width {
-                bail!(
-                    "{}: '{}' has {} values, the layout needs {}",
-                    kind.name(),
-                    r.name,
-                    padded.len(),
-                    r.channels.len() * width
-                );
-            }
-            for (ci, c) in r.channels.clone().enumerate() {
-                self.device
-                    .write(
-                        buf,
-                        c * l.in_spatial + r.spatial.start,
-                        &padded[ci * width..(ci + 1) * width],
-                    )
-                    .map_err(|e| anyhow!("{e}"))?;
-            }
+            write_region(&mut self.device, buf, l, &r.name, &padded)?;
         }
         let out = &mut set.outputs[ki];
         self.device

@@ -89,9 +89,10 @@ impl KernelLayout {
             .unwrap_or_else(|| panic!("kernel {} has no output block '{name}'", self.kernel))
     }
 
-    /// Writes tensor `data` (row-major, the region's `tensor_shape`) into the
-    /// packed input `buf` (`[in_channels, in_spatial]`).
-    pub fn pack(&self, name: &str, data: &[f32], buf: &mut [f32]) {
+    /// Tensor `data` (row-major, the region's `tensor_shape`) as the
+    /// region's rows: `[channels, width]`, row c holding what goes to input
+    /// channel `channels.start + c`.
+    pub fn region_values(&self, name: &str, data: &[f32]) -> Vec<f32> {
         let r = self.region(name);
         let [rows, cols] = r.tensor_shape();
         assert_eq!(
@@ -100,21 +101,31 @@ impl KernelLayout {
             "{}: '{name}' has the wrong length",
             self.kernel
         );
-        assert_eq!(buf.len(), self.input_elems());
-        let sp = self.in_spatial;
-        let width = r.spatial.len();
-        for (ci, c) in r.channels.clone().enumerate() {
-            let dst = &mut buf[c * sp + r.spatial.start..][..width];
-            match r.encoding {
-                Encoding::Activation | Encoding::AsIs => {
-                    dst.copy_from_slice(&data[ci * width..][..width])
-                }
-                Encoding::Transposed => {
-                    for (j, d) in dst.iter_mut().enumerate() {
-                        *d = data[j * cols + ci];
+        match r.encoding {
+            Encoding::Activation | Encoding::AsIs => data.to_vec(),
+            Encoding::Transposed => {
+                let (channels, width) = (r.channels.len(), r.spatial.len());
+                let mut v = vec![0f32; channels * width];
+                for c in 0..channels {
+                    for j in 0..width {
+                        v[c * width + j] = data[j * cols + c];
                     }
                 }
+                v
             }
+        }
+    }
+
+    /// Writes tensor `data` (row-major, the region's `tensor_shape`) into the
+    /// packed input `buf` (`[in_channels, in_spatial]`).
+    pub fn pack(&self, name: &str, data: &[f32], buf: &mut [f32]) {
+        assert_eq!(buf.len(), self.input_elems());
+        let values = self.region_values(name, data);
+        let r = self.region(name);
+        let width = r.spatial.len();
+        for (ci, c) in r.channels.clone().enumerate() {
+            buf[c * self.in_spatial + r.spatial.start..][..width]
+                .copy_from_slice(&values[ci * width..][..width]);
         }
     }
 

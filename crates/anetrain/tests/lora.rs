@@ -1,0 +1,205 @@
+//! LoRA parity with `peft` + PyTorch on the committed fixtures
+//! (`scripts/make_lora_fixtures.py`): logits of the adapted model (1e-5
+//! relative), loss (1e-5 relative), every adapter gradient (1e-4 of its
+//! largest entry), one AdamW step on the adapters (1e-6 absolute); the same
+//! through the simulated Neural Engine in fp16 (3e-2); save/load and merge.
+
+use std::path::{Path, PathBuf};
+
+use anetrain::engine::{self, zero_grads, Engine, KernelRunner};
+use anetrain::lora::Lora;
+use anetrain::model::Model;
+use anetrain::optim::{AdamW, AdamWConfig};
+
+fn fixture(kind: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(kind)
+}
+
+fn tokens(dir: &Path) -> Vec<Vec<u32>> {
+    let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
+    let mil::npy::NpyData::Int(v) = a.data else {
+        panic!("tokens not int")
+    };
+    v.chunks(a.shape[1])
+        .map(|r| r.iter().map(|&t| t as u32).collect())
+        .collect()
+}
+
+fn floats(p: &Path) -> Vec<f32> {
+    let mil::npy::NpyData::Float(v) = mil::npy::read(p).unwrap().data else {
+        panic!("{} not float", p.display())
+    };
+    v
+}
+
+fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// The fixture's base model with its starting adapter attached.
+fn adapted(kind: &str) -> Model {
+    let dir = fixture(kind);
+    let mut model = Model::load(&dir.join("model")).unwrap();
+    model.lora = Some(Lora::load(&model, &dir.join("lora/adapter")).unwrap());
+    model
+}
+
+/// Worst relative logits error of `eng` against the adapted model's logits.
+fn logits_err<R: KernelRunner>(kind: &str, eng: &mut Engine<R>, model: &Model) -> f32 {
+    let dir = fixture(kind);
+    let want = floats(&dir.join("lora/logits.npy"));
+    let v = model.cfg.vocab_size;
+    let mut worst = 0f32;
+    for (b, row) in tokens(&dir).iter().enumerate() {
+        let n = row.len() - 1;
+        let fwd = eng.forward(model, &row[..n]).unwrap();
+        let got = engine::logits(model, &fwd.xf, n);
+        let w = &want[b * n * v..(b + 1) * n * v];
+        worst = worst.max(max_diff(&got, w) / max_abs(w));
+    }
+    worst
+}
+
+#[test]
+fn adapter_logits_gradients_and_adamw_match_peft() {
+    for kind in ["qwen3", "llama"] {
+        let dir = fixture(kind);
+        let model = adapted(kind);
+        let lora = model.lora.as_ref().unwrap();
+        assert!(lora.num_params() > 0);
+        let mut eng = Engine::cpu(&model);
+        let rel = logits_err(kind, &mut eng, &model);
+        eprintln!("{kind}: adapted logits rel err {rel:.2e}");
+        assert!(rel <= 1e-5, "{kind}: logits rel err {rel:e}");
+
+        let j: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("lora/fixture.json")).unwrap())
+                .unwrap();
+        let mut grads = zero_grads(&model);
+        assert_eq!(grads.len(), lora.params.len(), "gradients only for adapters");
+        let rows = tokens(&dir);
+        let (loss, _) = engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
+        let want_loss = j["loss"].as_f64().unwrap();
+        assert!(
+            ((loss - want_loss) / want_loss).abs() <= 1e-5,
+            "{kind}: loss {loss} vs {want_loss}"
+        );
+        let want_g = anetrain::safetensors::read(&dir.join("lora/grads.safetensors")).unwrap();
+        assert_eq!(want_g.len(), lora.params.len());
+        let mut worst = 0f32;
+        for (p, g) in lora.params.iter().zip(&grads) {
+            let w = &want_g[&p.name].data;
+            assert!(max_abs(w) > 0.0, "{kind}: fixture gradient of {} is zero", p.name);
+            let rel = max_diff(g, w) / max_abs(w);
+            worst = worst.max(rel);
+            assert!(rel <= 1e-4, "{kind}: gradient of {} rel err {rel:e}", p.name);
+        }
+        eprintln!("{kind}: adapter gradients worst rel err {worst:.2e}");
+
+        // One AdamW step with peft's own gradients isolates the optimizer.
+        let cfg = AdamWConfig {
+            beta1: j["beta1"].as_f64().unwrap(),
+            beta2: j["beta2"].as_f64().unwrap(),
+            eps: j["eps"].as_f64().unwrap(),
+            weight_decay: j["weight_decay"].as_f64().unwrap(),
+        };
+        let peft_grads: Vec<Vec<f32>> = lora
+            .params
+            .iter()
+            .map(|p| want_g[&p.name].data.clone())
+            .collect();
+        let mut m2 = model.clone();
+        let base_before = m2.params.clone();
+        let mut opt = AdamW::new(&m2, cfg);
+        opt.update(&mut m2, &peft_grads, j["lr"].as_f64().unwrap());
+        let after = anetrain::safetensors::read(&dir.join("lora/adamw.safetensors")).unwrap();
+        for p in &m2.lora.as_ref().unwrap().params {
+            let d = max_diff(&p.data, &after[&p.name].data);
+            assert!(d <= 1e-6, "{kind}: AdamW update of {} differs by {d:e}", p.name);
+        }
+        assert_eq!(m2.params, base_before, "{kind}: the base must stay frozen");
+    }
+}
+
+#[test]
+fn adapters_run_through_the_simulated_neural_engine() {
+    for kind in ["qwen3", "llama"] {
+        let model = adapted(kind);
+        let mut eng = Engine::neural(&model, ane::SimDevice::new());
+        let rel = logits_err(kind, &mut eng, &model);
+        eprintln!("{kind}: ane-sim adapted logits rel err {rel:.2e}");
+        assert!(rel <= 3e-2, "{kind}: ane-sim logits rel err {rel:e}");
+        // After an adapter-only update the device restages the adapters:
+        // its logits follow the CPU engine's for the new adapters.
+        let mut m2 = model.clone();
+        for p in m2.trainable_mut() {
+            p.data.iter_mut().for_each(|v| *v *= 1.5);
+        }
+        let rows = tokens(&fixture(kind));
+        let n = rows[0].len() - 1;
+        let want = {
+            let mut cpu = Engine::cpu(&m2);
+            let f = cpu.forward(&m2, &rows[0][..n]).unwrap();
+            engine::logits(&m2, &f.xf, n)
+        };
+        let f = eng.forward(&m2, &rows[0][..n]).unwrap();
+        let got = engine::logits(&m2, &f.xf, n);
+        let rel = max_diff(&got, &want) / max_abs(&want);
+        assert!(rel <= 3e-2, "{kind}: after restaging, rel err {rel:e}");
+        let stale = {
+            let f = Engine::cpu(&model).forward(&model, &rows[0][..n]).unwrap();
+            engine::logits(&model, &f.xf, n)
+        };
+        assert!(
+            max_diff(&got, &stale) > 10.0 * max_diff(&got, &want),
+            "{kind}: the device kept the old adapters"
+        );
+    }
+}
+
+#[test]
+fn adapters_save_load_and_merge() {
+    let model = adapted("qwen3");
+    let lora = model.lora.as_ref().unwrap();
+    let tmp = std::env::temp_dir().join(format!("anetrain-lora-{}", std::process::id()));
+    lora.save(&tmp, "base").unwrap();
+    let back = Lora::load(&model, &tmp).unwrap();
+    assert_eq!(back.cfg, lora.cfg);
+    for (a, b) in back.params.iter().zip(&lora.params) {
+        assert_eq!(a, b);
+    }
+    // Merged weights give the adapted model's logits.
+    let mut merged = model.clone();
+    let l = merged.lora.take().unwrap();
+    l.merge_into(&mut merged);
+    let rows = tokens(&fixture("qwen3"));
+    let n = rows[0].len() - 1;
+    let a = {
+        let f = Engine::cpu(&model).forward(&model, &rows[0][..n]).unwrap();
+        engine::logits(&model, &f.xf, n)
+    };
+    let b = {
+        let f = Engine::cpu(&merged).forward(&merged, &rows[0][..n]).unwrap();
+        engine::logits(&merged, &f.xf, n)
+    };
+    let rel = max_diff(&a, &b) / max_abs(&a);
+    assert!(rel <= 1e-5, "merged vs adapted rel err {rel:e}");
+    // Adapters that do not fit the model fail with the tensor's name.
+    let llama = Model::load(&fixture("llama").join("model")).unwrap();
+    let err = Lora::load(&llama, &tmp).unwrap_err().to_string();
+    assert!(err.contains("adapter tensor"), "{err}");
+    std::fs::write(tmp.join("adapter_config.json"), "{\"r\": 4, \"use_dora\": true}").unwrap();
+    let err = Lora::load(&model, &tmp).unwrap_err().to_string();
+    assert!(err.contains("DoRA"), "{err}");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
