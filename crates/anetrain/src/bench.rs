@@ -9,6 +9,7 @@ use serde_json::json;
 use crate::backend::{self, Backend};
 use crate::config::ModelConfig;
 use crate::engine::{self, zero_grads, Engine, KernelRunner};
+use crate::lora::{Lora, LoraConfig, Target};
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig};
 use crate::rng::Rng;
@@ -45,6 +46,8 @@ pub struct BenchArgs {
     pub steps: usize,
     pub warmup: usize,
     pub backend: Backend,
+    /// LoRA rank (every projection adapted, base frozen), if any.
+    pub lora_rank: Option<usize>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -65,11 +68,21 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
             cfg.max_position_embeddings
         );
     }
-    let model = if ModelConfig::preset(&a.model).is_some() {
+    let mut model = if ModelConfig::preset(&a.model).is_some() {
         Model::init(&cfg, 0)?
     } else {
         Model::load(std::path::Path::new(&a.model))?
     };
+    if let Some(rank) = a.lora_rank {
+        let lc = LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f64,
+            dropout: 0.0,
+            targets: Target::ALL.to_vec(),
+            rslora: false,
+        };
+        model.lora = Some(Lora::init(&model, lc, 0)?);
+    }
     match a.backend {
         Backend::Cpu => run(a, model, Engine::cpu),
         Backend::AneSim => run(a, model, |m| Engine::neural(m, ane::SimDevice::new())),
@@ -133,7 +146,20 @@ fn run<R: KernelRunner>(
             opt_t.push(to);
         }
     }
-    let flops = step_flops(&model.cfg, a.seq, a.batch);
+    // Without weight gradients (LoRA) a step does two of the three matmul
+    // passes; the rank-r adapter products are left out of the count.
+    let full = step_flops(&model.cfg, a.seq, a.batch);
+    let (flops, flop_count) = if model.lora.is_some() {
+        (
+            full * 2.0 / 3.0,
+            "2 x forward matmul FLOPs (forward and input gradients; LoRA adapter products not counted)",
+        )
+    } else {
+        (
+            full,
+            "3 x forward matmul FLOPs (all linear layers, LM head, full attention)",
+        )
+    };
     let med = median(&mut steps.clone());
     let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
     Ok(json!({
@@ -142,7 +168,8 @@ fn run<R: KernelRunner>(
         "median_step_s": med, "min_step_s": min,
         "tokens_per_s": (a.seq * a.batch) as f64 / med,
         "flop_per_step": flops, "gflops": flops / med / 1e9,
-        "flop_count": "3 x forward matmul FLOPs (all linear layers, LM head, full attention)",
+        "flop_count": flop_count, "lora_rank": a.lora_rank,
+        "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
         "peak_rss_mb": peak_rss_mb(),
         "phases_median_s": {
             "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),

@@ -80,12 +80,12 @@ pub fn state_path(out: &Path) -> PathBuf {
 
 fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
     let names: Vec<(String, String)> = model
-        .params
+        .trainable()
         .iter()
         .map(|p| (format!("m.{}", p.name), format!("v.{}", p.name)))
         .collect();
     let mut tensors: Vec<(&str, &[usize], &[f32])> = Vec::new();
-    for (i, p) in model.params.iter().enumerate() {
+    for (i, p) in model.trainable().iter().enumerate() {
         tensors.push((names[i].0.as_str(), p.shape.as_slice(), opt.m[i].as_slice()));
         tensors.push((names[i].1.as_str(), p.shape.as_slice(), opt.v[i].as_slice()));
     }
@@ -94,8 +94,11 @@ fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
 
 /// Saves a checkpoint of `model` and `opt` after `state.step` steps.
 /// Refuses non-finite weights (a NaN never reaches a checkpoint).
+///
+/// With LoRA only the adapters are checkpointed, and the top level is a
+/// PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
 pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> Result<()> {
-    for p in &model.params {
+    for p in model.trainable() {
         if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
             bail!(
                 "refusing to checkpoint: '{}' holds {} at index {i}",
@@ -107,7 +110,14 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
     let dir = trainer_dir(out);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create '{}'", dir.display()))?;
     let previous = read_state(out).ok();
-    let mb = model.safetensors_bytes();
+    let mb = {
+        let t: Vec<(&str, &[usize], &[f32])> = model
+            .trainable()
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+            .collect();
+        safetensors::encode(&t, &[("format", "pt")])
+    };
     let ob = optim_bytes(model, opt);
     state.format = FORMAT;
     state.model_file = format!("model-{}.safetensors", state.step);
@@ -121,11 +131,27 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
         &state_path(out),
         serde_json::to_string_pretty(&state)?.as_bytes(),
     )?;
-    publish_model(out, &dir.join(&state.model_file))?;
-    write_atomic(
-        &out.join("config.json"),
-        crate::model::hf_config_json(&model.cfg).as_bytes(),
-    )?;
+    match &model.lora {
+        Some(lora) => {
+            publish(
+                out,
+                &dir.join(&state.model_file),
+                "adapter_model.safetensors",
+            )?;
+            let base = state.settings["model"].as_str().unwrap_or_default();
+            write_atomic(
+                &out.join("adapter_config.json"),
+                serde_json::to_string_pretty(&lora.peft_config(base))?.as_bytes(),
+            )?;
+        }
+        None => {
+            publish(out, &dir.join(&state.model_file), "model.safetensors")?;
+            write_atomic(
+                &out.join("config.json"),
+                crate::model::hf_config_json(&model.cfg).as_bytes(),
+            )?;
+        }
+    }
     if let Some(prev) = previous {
         for f in [prev.model_file, prev.optim_file] {
             if f != state.model_file && f != state.optim_file {
@@ -136,20 +162,16 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
     Ok(())
 }
 
-/// Makes `src` the top-level `model.safetensors` atomically (hard link, or
-/// a copy where links are unsupported).
-fn publish_model(out: &Path, src: &Path) -> Result<()> {
-    let tmp = out.join(format!(".model.safetensors.tmp{}", std::process::id()));
+/// Makes `src` the top-level file `name` atomically (hard link, or a copy
+/// where links are unsupported).
+fn publish(out: &Path, src: &Path, name: &str) -> Result<()> {
+    let tmp = out.join(format!(".{name}.tmp{}", std::process::id()));
     let _ = std::fs::remove_file(&tmp);
     if std::fs::hard_link(src, &tmp).is_err() {
         std::fs::copy(src, &tmp).with_context(|| format!("cannot copy '{}'", src.display()))?;
     }
-    std::fs::rename(&tmp, out.join("model.safetensors")).with_context(|| {
-        format!(
-            "cannot update '{}'",
-            out.join("model.safetensors").display()
-        )
-    })
+    std::fs::rename(&tmp, out.join(name))
+        .with_context(|| format!("cannot update '{}'", out.join(name).display()))
 }
 
 pub fn read_state(out: &Path) -> Result<TrainerState> {
@@ -173,8 +195,9 @@ pub fn read_state(out: &Path) -> Result<TrainerState> {
 }
 
 /// Loads the committed checkpoint of a run directory, verifying checksums
-/// and shapes.
-pub fn load(out: &Path) -> Result<(Model, AdamW, TrainerState)> {
+/// and shapes. `base` is the frozen model with (freshly initialised)
+/// adapters attached for a LoRA run, `None` for full training.
+pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerState)> {
     let state = read_state(out)?;
     state
         .config
@@ -200,12 +223,15 @@ pub fn load(out: &Path) -> Result<(Model, AdamW, TrainerState)> {
     };
     let mb = read_checked(&state.model_file, &state.model_hash)?;
     let ob = read_checked(&state.optim_file, &state.optim_hash)?;
-    let mut model = Model::init(&state.config, 0)?;
+    let mut model = match base {
+        Some(m) => m,
+        None => Model::init(&state.config, 0)?,
+    };
     let mut weights = safetensors::parse(&mb).context("checkpoint weights")?;
     let mut moments = safetensors::parse(&ob).context("checkpoint optimizer state")?;
     let mut opt = AdamW::new(&model, state.adamw);
     opt.step = state.step - state.skipped;
-    for (i, p) in model.params.iter_mut().enumerate() {
+    for (i, p) in model.trainable_mut().iter_mut().enumerate() {
         let take = |map: &mut std::collections::BTreeMap<String, safetensors::Tensor>,
                     name: &str|
          -> Result<Vec<f32>> {

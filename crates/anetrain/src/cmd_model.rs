@@ -8,6 +8,7 @@ use anetrain::data::{self, TokenDtype};
 use anetrain::engine::{self, Engine, KernelRunner};
 use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
 use anetrain::kernels::KernelOptions;
+use anetrain::lora::Lora;
 use anetrain::model::Model;
 use anetrain::neural::NeuralKernels;
 use anetrain::tokenizer::Tokenizer;
@@ -15,7 +16,42 @@ use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
 
+/// Loads `dir`, with the adapter in `adapter` attached (or, with `merge`,
+/// folded into the weights).
+fn load_model(dir: &Path, adapter: Option<&Path>, merge: bool) -> Result<Model> {
+    let mut model = Model::load(dir)?;
+    if let Some(a) = adapter {
+        let lora = Lora::load(&model, a)?;
+        if merge {
+            lora.merge_into(&mut model);
+        } else {
+            model.lora = Some(lora);
+        }
+    }
+    Ok(model)
+}
+
+/// `anetrain merge`: base + adapter → a plain model directory.
+pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
+    let merged = load_model(model, Some(adapter), true)?;
+    merged.save(out)?;
+    let tok = model.join("tokenizer.json");
+    if tok.is_file() {
+        let bytes =
+            std::fs::read(&tok).with_context(|| format!("cannot read '{}'", tok.display()))?;
+        write_atomic(&out.join("tokenizer.json"), &bytes)?;
+    }
+    eprintln!(
+        "merged '{}' into '{}' -> {}",
+        adapter.display(),
+        model.display(),
+        out.display()
+    );
+    Ok(())
+}
+
 pub struct EvalArgs {
+    pub adapter: Option<PathBuf>,
     pub backend: Backend,
     pub model: PathBuf,
     pub data: Option<PathBuf>,
@@ -28,7 +64,7 @@ pub struct EvalArgs {
 }
 
 pub fn eval(a: EvalArgs) -> Result<()> {
-    let model = Model::load(&a.model)?;
+    let model = load_model(&a.model, a.adapter.as_deref(), false)?;
     let vocab = model.cfg.vocab_size;
     let (rows, two_d) = match (&a.tokens, &a.data) {
         (Some(t), None) => {
@@ -118,6 +154,7 @@ fn eval_rows<R: KernelRunner>(
 }
 
 pub struct GenerateArgs {
+    pub adapter: Option<PathBuf>,
     pub backend: Backend,
     pub model: PathBuf,
     pub prompt: String,
@@ -146,7 +183,9 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     if a.backend == Backend::Ane {
         backend::ane_unavailable()?;
     }
-    let model = Model::load(&a.model)?;
+    // The CPU decoder reads plain weights: fold the adapter in (f32); the
+    // Neural Engine path keeps it as kernel regions.
+    let model = load_model(&a.model, a.adapter.as_deref(), a.backend == Backend::Cpu)?;
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(Path::new(&a.model)))?;
     let prompt = tok.encode(&a.prompt)?;
     if prompt.is_empty() {

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anetrain::backend::Backend;
 use anetrain::config::ModelConfig;
 use anetrain::data::TokenDtype;
+use anetrain::lora::{LoraConfig, Target};
 use anetrain::optim::AdamWConfig;
 use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
@@ -43,7 +44,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 1)]
     accum: usize,
     /// Peak learning rate [default: 3e-3 for tiny, 5e-4 for other presets,
-    /// 2e-5 when fine-tuning a model directory].
+    /// 2e-5 when fine-tuning a model directory, 2e-4 with LoRA].
     #[arg(long)]
     lr: Option<f64>,
     /// Linear warmup steps [default: steps/10].
@@ -95,13 +96,48 @@ pub struct TrainArgs {
     /// [default: steps/20].
     #[arg(long)]
     log_every: Option<u64>,
+    /// Train LoRA adapters of this rank instead of every weight: the base
+    /// model is frozen and the run directory becomes a PEFT adapter
+    /// (adapter_config.json + adapter_model.safetensors).
+    #[arg(long, value_name = "R", help_heading = "LoRA")]
+    lora_rank: Option<usize>,
+    /// LoRA α; the adapter branch is scaled by α/r [default: 2·rank].
+    #[arg(long, value_name = "A", requires = "lora_rank", help_heading = "LoRA")]
+    lora_alpha: Option<f64>,
+    /// Dropout on the adapters' inputs (CPU backend only).
+    #[arg(
+        long,
+        value_name = "P",
+        default_value_t = 0.0,
+        requires = "lora_rank",
+        help_heading = "LoRA"
+    )]
+    lora_dropout: f64,
+    /// Projections that get adapters.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "q,k,v,o,gate,up,down",
+        requires = "lora_rank",
+        help_heading = "LoRA"
+    )]
+    lora_targets: Vec<Target>,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let lr = a.lr.unwrap_or(match a.model.as_str() {
+        _ if a.lora_rank.is_some() => 2e-4,
         "tiny" => 3e-3,
         m if ModelConfig::preset(m).is_some() => 5e-4,
         _ => 2e-5,
+    });
+    let lora = a.lora_rank.map(|rank| LoraConfig {
+        rank,
+        alpha: a.lora_alpha.unwrap_or(2.0 * rank as f64),
+        dropout: a.lora_dropout,
+        targets: a.lora_targets.clone(),
+        rslora: false,
     });
     let settings = TrainSettings {
         model: a.model.clone(),
@@ -120,6 +156,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         val_frac: a.val_frac,
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
+        lora,
     };
     train::train(TrainRequest {
         settings,

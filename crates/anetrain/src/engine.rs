@@ -176,7 +176,14 @@ fn projection_grad(
     let base = &model.params[t.base(&model.layers[layer])];
     let (out, inp, seq) = (base.shape[0], base.shape[1], x.len() / base.shape[1]);
     let Some(lora) = &model.lora else {
-        accumulate_weight_grad(&mut grads[t.base(&model.layers[layer])], dy, x, out, inp, seq);
+        accumulate_weight_grad(
+            &mut grads[t.base(&model.layers[layer])],
+            dy,
+            x,
+            out,
+            inp,
+            seq,
+        );
         return;
     };
     let Some(ids) = lora.slots[layer][t.index()] else {
@@ -471,9 +478,25 @@ impl<R: KernelRunner> Engine<R> {
                 m,
                 "dgate",
             )?;
-            projection_grad(model, grads, i, Target::Down, &dffn, &a.gate, mask(Target::Down));
+            projection_grad(
+                model,
+                grads,
+                i,
+                Target::Down,
+                &dffn,
+                &a.gate,
+                mask(Target::Down),
+            );
             let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
-            projection_grad(model, grads, i, Target::Gate, &dh1, &a.x2n, mask(Target::Gate));
+            projection_grad(
+                model,
+                grads,
+                i,
+                Target::Gate,
+                &dh1,
+                &a.x2n,
+                mask(Target::Gate),
+            );
             projection_grad(model, grads, i, Target::Up, &dh3, &a.x2n, mask(Target::Up));
             let dx2n = self.run_one(
                 model,

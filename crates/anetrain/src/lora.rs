@@ -23,7 +23,17 @@ use crate::safetensors;
 
 /// A projection an adapter can attach to.
 #[derive(
-    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, clap::ValueEnum,
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Target {
@@ -200,7 +210,10 @@ impl LoraConfig {
             bail!("--lora-rank must be between 1 and 4096 (got {})", self.rank);
         }
         if !(self.alpha.is_finite() && self.alpha > 0.0) {
-            bail!("--lora-alpha must be a positive number (got {})", self.alpha);
+            bail!(
+                "--lora-alpha must be a positive number (got {})",
+                self.alpha
+            );
         }
         if !(0.0..1.0).contains(&self.dropout) {
             bail!("--lora-dropout must be in [0, 1) (got {})", self.dropout);
@@ -367,7 +380,11 @@ impl Lora {
         let j: serde_json::Value = serde_json::from_str(&text)
             .with_context(|| format!("'{}' is not valid JSON", path.display()))?;
         let bad = |what: &str| anyhow::anyhow!("'{}': {what}", path.display());
-        if j.get("peft_type").and_then(|v| v.as_str()).unwrap_or("LORA") != "LORA" {
+        if j.get("peft_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("LORA")
+            != "LORA"
+        {
             return Err(bad("only LORA adapters are supported"));
         }
         let flag = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
@@ -399,7 +416,10 @@ impl Lora {
             .ok_or_else(|| bad("'r' is missing or not a positive integer"))?
             as usize;
         let alpha = j.get("lora_alpha").and_then(|v| v.as_f64()).unwrap_or(8.0);
-        let dropout = j.get("lora_dropout").and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let dropout = j
+            .get("lora_dropout")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.0);
         let modules: Vec<String> = match j.get("target_modules") {
             Some(serde_json::Value::Array(a)) => a
                 .iter()

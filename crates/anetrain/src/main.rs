@@ -66,6 +66,9 @@ enum Command {
         /// Evaluate at most this many windows of --data.
         #[arg(long)]
         max_windows: Option<usize>,
+        /// A LoRA adapter directory (PEFT format) to apply to --model.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
         /// Engine [default: ane where available, else cpu].
         #[arg(long, value_enum)]
         backend: Option<anetrain::backend::Backend>,
@@ -93,6 +96,9 @@ enum Command {
         /// tokenizer.json [default: the model directory's].
         #[arg(long)]
         tokenizer: Option<PathBuf>,
+        /// A LoRA adapter directory (PEFT format) to apply to --model.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
         /// Engine [default: ane where available, else cpu]. The CPU engine
         /// decodes with a KV cache; the Neural Engine paths rerun the
         /// compiled kernels over the whole (padded) sequence per token.
@@ -121,6 +127,23 @@ enum Command {
         /// Engine [default: ane where available, else cpu].
         #[arg(long, value_enum)]
         backend: Option<anetrain::backend::Backend>,
+        /// Time LoRA training with adapters of this rank on every projection
+        /// (base frozen) instead of full training.
+        #[arg(long, value_name = "R")]
+        lora_rank: Option<usize>,
+    },
+    /// Fold a LoRA adapter into its base model (W + α/r·B·A) and write a
+    /// plain Hugging Face model directory.
+    Merge {
+        /// The base Hugging Face model directory.
+        #[arg(long)]
+        model: PathBuf,
+        /// The adapter directory (adapter_config.json + adapter_model.safetensors).
+        #[arg(long)]
+        adapter: PathBuf,
+        /// Output model directory.
+        #[arg(long)]
+        out: PathBuf,
     },
     /// Import a llama2.c checkpoint (stories15M/42M/110M .bin) as a Hugging
     /// Face model directory (q/k rows permuted from interleaved to half-split RoPE).
@@ -311,8 +334,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             steps,
             warmup,
             backend,
+            lora_rank,
         } => {
             let r = anetrain::bench::bench(&anetrain::bench::BenchArgs {
+                lora_rank,
                 model,
                 seq,
                 batch,
@@ -322,6 +347,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             })?;
             println!("{r}");
         }
+        Command::Merge {
+            model,
+            adapter,
+            out,
+        } => cmd_model::merge(&model, &adapter, &out)?,
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
             anetrain::plot::plot(&run, &out)?;
@@ -337,8 +367,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             token_dtype,
             tokenizer,
             max_windows,
+            adapter,
             backend,
         } => cmd_model::eval(cmd_model::EvalArgs {
+            adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
             model,
             data,
@@ -357,8 +389,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             top_p,
             seed,
             tokenizer,
+            adapter,
             backend,
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
+            adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
             model,
             prompt,

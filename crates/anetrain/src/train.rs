@@ -16,6 +16,7 @@ use crate::corpus;
 use crate::data::{self, TokenDtype};
 use crate::engine::{self, zero_grads, Engine, KernelRunner};
 use crate::fsutil::write_atomic;
+use crate::lora::{Lora, LoraConfig};
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
 use crate::rng::Rng;
@@ -49,6 +50,9 @@ pub struct TrainSettings {
     pub val_frac: f64,
     pub eval_every: u64,
     pub eval_windows: usize,
+    /// LoRA adapters instead of full training.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
 }
 
 /// Everything `anetrain train` was asked to do.
@@ -208,7 +212,34 @@ fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
     if s.clip < 0.0 || !s.clip.is_finite() {
         bail!("--clip must be >= 0 (0 disables clipping)");
     }
+    if let Some(l) = &s.lora {
+        l.validate()?;
+        if l.dropout > 0.0 && s.backend != Backend::Cpu {
+            bail!(
+                "--lora-dropout is only supported with --backend cpu (the Neural Engine kernels have no dropout); use --lora-dropout 0"
+            );
+        }
+    }
     Ok(())
+}
+
+/// The model a run starts from: a model directory, or a preset initialised
+/// from the seed. With LoRA it is the frozen base, re-created the same way
+/// on resume.
+fn starting_model(s: &TrainSettings, cfg: &ModelConfig) -> Result<Model> {
+    if ModelConfig::preset(&s.model).is_none() {
+        Model::load(Path::new(&s.model))
+    } else {
+        Model::init(cfg, s.seed)
+    }
+}
+
+/// Attaches fresh adapters when the run trains LoRA.
+fn with_adapters(mut model: Model, s: &TrainSettings) -> Result<Model> {
+    if let Some(l) = &s.lora {
+        model.lora = Some(Lora::init(&model, l.clone(), s.seed)?);
+    }
+    Ok(model)
 }
 
 /// Mean loss over the first `n` validation windows.
@@ -288,8 +319,8 @@ pub fn train(r: TrainRequest) -> Result<f64> {
     std::fs::create_dir_all(&out).with_context(|| format!("cannot create '{}'", out.display()))?;
 
     let (mut model, mut opt, mut state, corpus) = if resuming {
-        let (model, opt, state) = checkpoint::load(&out)?;
-        let saved: TrainSettings = serde_json::from_value(state.settings.clone())
+        let committed = checkpoint::read_state(&out)?;
+        let saved: TrainSettings = serde_json::from_value(committed.settings.clone())
             .context("the checkpoint's settings are unreadable")?;
         if saved != s {
             bail!(
@@ -298,12 +329,17 @@ pub fn train(r: TrainRequest) -> Result<f64> {
                 serde_json::to_string(&saved)?
             );
         }
-        if state.adamw != r.adamw {
+        if committed.adamw != r.adamw {
             bail!(
                 "--resume with different AdamW settings than the run in '{}'",
                 out.display()
             );
         }
+        let base = match s.lora {
+            Some(_) => Some(with_adapters(starting_model(&s, &committed.config)?, &s)?),
+            None => None,
+        };
+        let (model, opt, state) = checkpoint::load(&out, base)?;
         let tok_path = out.join("tokenizer.json");
         let tok = if tok_path.is_file() {
             Some(Tokenizer::load(&tok_path)?)
@@ -325,11 +361,13 @@ pub fn train(r: TrainRequest) -> Result<f64> {
         };
         let mut cfg = ModelConfig::resolve(&s.model)?;
         let corpus = load_corpus(&s, &mut cfg, true, tok)?;
-        let model = if from_dir {
-            Model::load(dir)?
-        } else {
-            Model::init(&cfg, s.seed)?
-        };
+        let model = with_adapters(starting_model(&s, &cfg)?, &s)?;
+        if s.lora.is_some() && !from_dir {
+            eprintln!(
+                "note: LoRA on the randomly initialised preset '{}': the base is re-created from --seed {}, and is not saved",
+                s.model, s.seed
+            );
+        }
         if s.seq > model.cfg.max_position_embeddings {
             bail!(
                 "--seq {} exceeds the model's max_position_embeddings ({})",
@@ -422,6 +460,17 @@ impl Run<'_> {
             corpus.val.len(),
             out.display()
         );
+        if let Some(l) = &model.lora {
+            let names: Vec<&str> = l.cfg.targets.iter().map(|t| t.module()).collect();
+            eprintln!(
+                "LoRA rank {} alpha {} on {}: {:.3}M trainable parameters ({:.2}% of the base)",
+                l.cfg.rank,
+                l.cfg.alpha,
+                names.join(","),
+                l.num_params() as f64 / 1e6,
+                100.0 * l.num_params() as f64 / model.num_params() as f64
+            );
+        }
         if resuming {
             eprintln!("resumed at step {} of {}", state.step, r.steps);
         }
@@ -444,7 +493,18 @@ impl Run<'_> {
             let mut loss_sum = 0f64;
             let n_targets = (s.batch * s.accum * s.seq) as f32;
             let loss_scale = state.scaler.scale;
-            for _ in 0..s.accum * s.batch {
+            for micro in 0..s.accum * s.batch {
+                // LoRA dropout masks depend only on (seed, step, micro-batch),
+                // so a resumed run draws the same ones.
+                if s.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
+                    eng.dropout_key = Some(
+                        s.seed
+                            .wrapping_mul(0x2545_f491_4f6c_dd1d)
+                            .wrapping_add(step.wrapping_mul(1 << 20))
+                            .wrapping_add(micro as u64)
+                            .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                    );
+                }
                 let w = next_window(
                     &corpus.tokens,
                     corpus.train_end,
@@ -461,6 +521,7 @@ impl Run<'_> {
                     engine::head_loss(model, &fwd.xf, &w[1..], grad_scale, Some(&mut grads))?;
                 let c = Instant::now();
                 eng.backward(model, &fwd, &dxf, &mut grads)?;
+                eng.dropout_key = None;
                 t_fwd += (b - a).as_secs_f64();
                 t_loss += (c - b).as_secs_f64();
                 t_bwd += c.elapsed().as_secs_f64();

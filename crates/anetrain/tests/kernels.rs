@@ -151,7 +151,10 @@ fn seed_compatible_mode_reproduces_the_seed_programs() {
 fn kernels_with_lora_adapters_match_their_cpu_twins() {
     // Every projection adapted, rank 4 (not a multiple of 16, so the
     // padding path is exercised), scale 2; MHA and GQA with QK-norm.
-    for cfg in [config(48, 96, 4, 4, 16, false), config(64, 160, 4, 2, 24, true)] {
+    for cfg in [
+        config(48, 96, 4, 4, 16, false),
+        config(64, 160, 4, 2, 24, true),
+    ] {
         let mut o = KernelOptions::hf(&cfg);
         o.lora = Some(LoraKernel {
             rank: 4,
@@ -184,9 +187,17 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
         let mut rng = Rng::new(3);
         let mut t = anetrain::kernels::check::random_inputs(&k, &mut rng);
         let with = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&t));
-        t.get_mut("wq_lora_b").unwrap().iter_mut().for_each(|v| *v = 0.0);
+        t.get_mut("wq_lora_b")
+            .unwrap()
+            .iter_mut()
+            .for_each(|v| *v = 0.0);
         let zeroed = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&t));
-        let plain = cpu::run(KernelKind::QBackward, &s, &KernelOptions::hf(&cfg), &cpu::inputs(&t));
+        let plain = cpu::run(
+            KernelKind::QBackward,
+            &s,
+            &KernelOptions::hf(&cfg),
+            &cpu::inputs(&t),
+        );
         assert_eq!(zeroed["dx"], plain["dx"]);
         assert_ne!(with["dx"], plain["dx"]);
     }

@@ -86,7 +86,11 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
             serde_json::from_str(&std::fs::read_to_string(dir.join("lora/fixture.json")).unwrap())
                 .unwrap();
         let mut grads = zero_grads(&model);
-        assert_eq!(grads.len(), lora.params.len(), "gradients only for adapters");
+        assert_eq!(
+            grads.len(),
+            lora.params.len(),
+            "gradients only for adapters"
+        );
         let rows = tokens(&dir);
         let (loss, _) = engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
         let want_loss = j["loss"].as_f64().unwrap();
@@ -99,10 +103,18 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
         let mut worst = 0f32;
         for (p, g) in lora.params.iter().zip(&grads) {
             let w = &want_g[&p.name].data;
-            assert!(max_abs(w) > 0.0, "{kind}: fixture gradient of {} is zero", p.name);
+            assert!(
+                max_abs(w) > 0.0,
+                "{kind}: fixture gradient of {} is zero",
+                p.name
+            );
             let rel = max_diff(g, w) / max_abs(w);
             worst = worst.max(rel);
-            assert!(rel <= 1e-4, "{kind}: gradient of {} rel err {rel:e}", p.name);
+            assert!(
+                rel <= 1e-4,
+                "{kind}: gradient of {} rel err {rel:e}",
+                p.name
+            );
         }
         eprintln!("{kind}: adapter gradients worst rel err {worst:.2e}");
 
@@ -125,7 +137,11 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
         let after = anetrain::safetensors::read(&dir.join("lora/adamw.safetensors")).unwrap();
         for p in &m2.lora.as_ref().unwrap().params {
             let d = max_diff(&p.data, &after[&p.name].data);
-            assert!(d <= 1e-6, "{kind}: AdamW update of {} differs by {d:e}", p.name);
+            assert!(
+                d <= 1e-6,
+                "{kind}: AdamW update of {} differs by {d:e}",
+                p.name
+            );
         }
         assert_eq!(m2.params, base_before, "{kind}: the base must stay frozen");
     }
@@ -189,7 +205,9 @@ fn adapters_save_load_and_merge() {
         engine::logits(&model, &f.xf, n)
     };
     let b = {
-        let f = Engine::cpu(&merged).forward(&merged, &rows[0][..n]).unwrap();
+        let f = Engine::cpu(&merged)
+            .forward(&merged, &rows[0][..n])
+            .unwrap();
         engine::logits(&merged, &f.xf, n)
     };
     let rel = max_diff(&a, &b) / max_abs(&a);
@@ -198,7 +216,11 @@ fn adapters_save_load_and_merge() {
     let llama = Model::load(&fixture("llama").join("model")).unwrap();
     let err = Lora::load(&llama, &tmp).unwrap_err().to_string();
     assert!(err.contains("adapter tensor"), "{err}");
-    std::fs::write(tmp.join("adapter_config.json"), "{\"r\": 4, \"use_dora\": true}").unwrap();
+    std::fs::write(
+        tmp.join("adapter_config.json"),
+        "{\"r\": 4, \"use_dora\": true}",
+    )
+    .unwrap();
     let err = Lora::load(&model, &tmp).unwrap_err().to_string();
     assert!(err.contains("DoRA"), "{err}");
     std::fs::remove_dir_all(&tmp).unwrap();
