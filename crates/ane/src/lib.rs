@@ -9,6 +9,9 @@
 
 use std::fmt;
 
+pub mod apple;
+pub use apple::AneDevice;
+
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 use mil::rules::{self, RuleSet};
@@ -56,6 +59,54 @@ pub trait Device {
     ) -> Result<()>;
     /// Programs compiled so far in this process.
     fn compiles(&self) -> usize;
+}
+
+/// What every device checks before compiling: the text parses and
+/// type-checks, breaks none of the enabled ANE rules, and its `main` takes
+/// exactly one fp16 input and produces one fp16 output (the rules
+/// `single-input`/`fp16-io` may be switched off, but a device still binds
+/// one fp16 buffer each way).
+pub fn check_program(text: &str, rules: &RuleSet) -> Result<mil::Program> {
+    let p = mil::parse_and_validate(text).map_err(|e| DeviceError(format!("MIL rejected: {e}")))?;
+    let broken = rules::check(&p, rules);
+    if let Some(b) = broken.first() {
+        return Err(DeviceError(format!(
+            "MIL breaks ANE rule {b} ({} finding(s) in all)",
+            broken.len()
+        )));
+    }
+    let f = p
+        .main()
+        .ok_or_else(|| DeviceError("the program has no main function".into()))?;
+    let outs: Vec<&mil::Ty> = f.outputs.iter().filter_map(|o| f.var_type(o)).collect();
+    if f.inputs.len() != 1
+        || outs.len() != 1
+        || f.inputs[0].ty.dtype != DType::Fp16
+        || outs[0].dtype != DType::Fp16
+    {
+        return Err(DeviceError(
+            "a device program needs exactly one fp16 input and one fp16 output".into(),
+        ));
+    }
+    Ok(p)
+}
+
+/// Refuses a compile beyond the per-process budget.
+pub fn check_budget(compiles: usize, budget: usize) -> Result<()> {
+    if compiles >= budget {
+        return Err(DeviceError(format!(
+            "compile budget exhausted: {compiles} programs compiled (the ANE compiler fails after about {budget} per process); \
+             reuse compiled kernels instead of recompiling"
+        )));
+    }
+    Ok(())
+}
+
+/// Elements of `main`'s input and output of a program [`check_program`] accepted.
+pub fn io_elems(p: &mil::Program) -> (usize, usize) {
+    let f = p.main().expect("checked programs have main");
+    let out = f.var_type(&f.outputs[0]).expect("checked outputs have types");
+    (f.inputs[0].ty.elems(), out.elems())
 }
 
 /// The real compiler reportedly stops working after about 119 in-process
@@ -119,39 +170,14 @@ impl Device for SimDevice {
     }
 
     fn compile(&mut self, text: &str, blobs: &[(String, Vec<u8>)]) -> Result<SimProgram> {
-        if self.compiles >= self.budget {
-            return Err(DeviceError(format!(
-                "compile budget exhausted: {} programs compiled (the ANE compiler fails after about {} per process); \
-                 reuse compiled kernels instead of recompiling",
-                self.compiles, self.budget
-            )));
-        }
-        let p =
-            mil::parse_and_validate(text).map_err(|e| DeviceError(format!("MIL rejected: {e}")))?;
-        let broken = rules::check(&p, &self.rules);
-        if let Some(b) = broken.first() {
-            return Err(DeviceError(format!(
-                "MIL breaks ANE rule {b} ({} finding(s) in all)",
-                broken.len()
-            )));
-        }
+        check_budget(self.compiles, self.budget)?;
+        let p = check_program(text, &self.rules)?;
         let f = p
             .main()
             .ok_or_else(|| DeviceError("the program has no main function".into()))?;
         let exe = Executable::with_blobs(f, blobs).map_err(|e| DeviceError(e.to_string()))?;
         let ins = exe.input_types();
         let outs = exe.output_types();
-        // single-input/fp16-io may be switched off; the device itself still
-        // needs one fp16 input and one fp16 output buffer.
-        if ins.len() != 1
-            || outs.len() != 1
-            || ins[0].1.dtype != DType::Fp16
-            || outs[0].1.dtype != DType::Fp16
-        {
-            return Err(DeviceError(
-                "a device program needs exactly one fp16 input and one fp16 output".into(),
-            ));
-        }
         self.compiles += 1;
         Ok(SimProgram {
             input_shape: ins[0].1.dims().to_vec(),

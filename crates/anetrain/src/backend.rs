@@ -29,18 +29,16 @@ impl Backend {
     }
 }
 
-/// Whether the private-API Neural Engine device can be used in this build.
+/// Whether the private-API Neural Engine device opens here.
 pub fn ane_available() -> bool {
-    false
+    ane::AneDevice::available()
 }
 
-/// The error for `--backend ane` where the device cannot be used.
-pub fn ane_unavailable() -> Result<()> {
-    if cfg!(target_os = "macos") {
-        bail!("--backend ane: the macOS Neural Engine device is not part of this build yet; use --backend ane-sim (the same MIL programs, simulated) or cpu")
+/// Opens the Neural Engine for `--backend ane`, or says in one line why it
+/// cannot be used and what to use instead.
+pub fn open_ane() -> Result<ane::AneDevice> {
+    match ane::AneDevice::open() {
+        Ok(d) => Ok(d),
+        Err(e) => bail!("--backend ane: {e}; use --backend ane-sim (the same MIL programs, simulated) or cpu"),
     }
-    bail!(
-        "--backend ane: ANE not available on this platform ({}); use --backend ane-sim or cpu",
-        std::env::consts::OS
-    )
 }

@@ -87,8 +87,8 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
         Backend::Cpu => run(a, model, Engine::cpu),
         Backend::AneSim => run(a, model, |m| Engine::neural(m, ane::SimDevice::new())),
         Backend::Ane => {
-            backend::ane_unavailable()?;
-            bail!("the ane backend is not available")
+            let device = backend::open_ane()?;
+            run(a, model, move |m| Engine::neural(m, device))
         }
     }
 }
@@ -96,7 +96,7 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
 fn run<R: KernelRunner>(
     a: &BenchArgs,
     mut model: Model,
-    make: impl Fn(&Model) -> Engine<R>,
+    make: impl FnOnce(&Model) -> Engine<R>,
 ) -> Result<serde_json::Value> {
     let mut eng = make(&model);
     let mut opt = AdamW::new(&model, AdamWConfig::default());

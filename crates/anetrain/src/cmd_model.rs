@@ -7,10 +7,8 @@ use anetrain::backend::{self, Backend};
 use anetrain::data::{self, TokenDtype};
 use anetrain::engine::{self, Engine, KernelRunner};
 use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
-use anetrain::kernels::KernelOptions;
 use anetrain::lora::Lora;
 use anetrain::model::Model;
-use anetrain::neural::NeuralKernels;
 use anetrain::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 
@@ -111,7 +109,12 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             &rows,
             keep,
         )?,
-        Backend::Ane => return backend::ane_unavailable(),
+        Backend::Ane => eval_rows(
+            Engine::neural(&model, backend::open_ane()?),
+            &model,
+            &rows,
+            keep,
+        )?,
     };
     if let Some(out) = &a.logits_out {
         let n = rows[0].len() - 1;
@@ -180,9 +183,10 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     if !(a.top_p > 0.0 && a.top_p <= 1.0) {
         bail!("--top-p must be in (0, 1]");
     }
-    if a.backend == Backend::Ane {
-        backend::ane_unavailable()?;
-    }
+    let ane_device = match a.backend {
+        Backend::Ane => Some(backend::open_ane()?),
+        _ => None,
+    };
     // The CPU decoder reads plain weights: fold the adapter in (f32); the
     // Neural Engine path keeps it as kernel regions.
     let model = load_model(&a.model, a.adapter.as_deref(), a.backend == Backend::Cpu)?;
@@ -221,18 +225,22 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         stop: &stops,
     };
-    if a.backend == Backend::Cpu {
-        generate(&model, &prompt, &options, emit)?;
-    } else {
-        // The compiled kernels cover the whole (prompt + new tokens) length.
-        let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
-        let opts = KernelOptions::for_model(&model);
-        let eng = Engine {
-            runner: NeuralKernels::new(ane::SimDevice::new(), opts.clone()).with_fixed_seq(total),
-            opts,
-            dropout_key: None,
-        };
-        generate_with_engine(eng, &model, &prompt, &options, emit)?;
+    // The compiled kernels cover the whole (prompt + new tokens) length.
+    let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
+    match (a.backend, ane_device) {
+        (Backend::Cpu, _) => {
+            generate(&model, &prompt, &options, emit)?;
+        }
+        (Backend::Ane, Some(device)) => {
+            let mut eng = Engine::neural(&model, device);
+            eng.runner.set_fixed_seq(total);
+            generate_with_engine(eng, &model, &prompt, &options, emit)?;
+        }
+        _ => {
+            let mut eng = Engine::neural(&model, ane::SimDevice::new());
+            eng.runner.set_fixed_seq(total);
+            generate_with_engine(eng, &model, &prompt, &options, emit)?;
+        }
     }
     writeln!(out)?;
     Ok(())

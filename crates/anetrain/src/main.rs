@@ -283,8 +283,12 @@ fn info() {
         std::env::consts::ARCH
     );
     println!("cpu threads: {}", mil::linalg::threads());
-    match anetrain::backend::ane_unavailable() {
-        Ok(()) => println!("neural engine: available"),
+    match ane::AneDevice::open() {
+        Ok(_) => println!(
+            "neural engine: the ANE framework loads (AppleNeuralEngine.framework, private API); \
+             compile budget {} programs per process",
+            ane::DEFAULT_COMPILE_BUDGET
+        ),
         Err(e) => println!("neural engine: unavailable — {e}"),
     }
     println!(

@@ -108,8 +108,13 @@ impl<D: Device> NeuralKernels<D> {
 
     /// Compile every kernel for `seq` (padded) regardless of call lengths.
     pub fn with_fixed_seq(mut self, seq: usize) -> NeuralKernels<D> {
-        self.fixed_seq = Some(seq.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE);
+        self.set_fixed_seq(seq);
         self
+    }
+
+    /// See [`NeuralKernels::with_fixed_seq`].
+    pub fn set_fixed_seq(&mut self, seq: usize) {
+        self.fixed_seq = Some(seq.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE);
     }
 
     fn padded(&self, seq: usize) -> Result<usize> {

@@ -305,9 +305,11 @@ pub fn train(r: TrainRequest) -> Result<f64> {
     install_stop_handler();
     let s = r.settings.clone();
     validate(&s, &r)?;
-    if s.backend == Backend::Ane {
-        backend::ane_unavailable()?;
-    }
+    // Open the device before any work, so an unusable one fails first.
+    let ane_device = match s.backend {
+        Backend::Ane => Some(backend::open_ane()?),
+        _ => None,
+    };
     let out = r.out.clone();
     let resuming = r.resume && checkpoint::state_path(&out).is_file();
     if !r.resume && checkpoint::state_path(&out).exists() {
@@ -408,8 +410,14 @@ pub fn train(r: TrainRequest) -> Result<f64> {
         resuming,
         corpus: &corpus,
     };
-    match s.backend {
-        Backend::AneSim => run.go(
+    match (s.backend, ane_device) {
+        (Backend::Ane, Some(device)) => run.go(
+            Engine::neural(&model, device),
+            &mut model,
+            &mut opt,
+            &mut state,
+        ),
+        (Backend::AneSim, _) => run.go(
             Engine::neural(&model, ane::SimDevice::new()),
             &mut model,
             &mut opt,
