@@ -105,7 +105,9 @@ pub fn check_budget(compiles: usize, budget: usize) -> Result<()> {
 /// Elements of `main`'s input and output of a program [`check_program`] accepted.
 pub fn io_elems(p: &mil::Program) -> (usize, usize) {
     let f = p.main().expect("checked programs have main");
-    let out = f.var_type(&f.outputs[0]).expect("checked outputs have types");
+    let out = f
+        .var_type(&f.outputs[0])
+        .expect("checked outputs have types");
     (f.inputs[0].ty.elems(), out.elems())
 }
 

@@ -39,6 +39,8 @@ pub fn ane_available() -> bool {
 pub fn open_ane() -> Result<ane::AneDevice> {
     match ane::AneDevice::open() {
         Ok(d) => Ok(d),
-        Err(e) => bail!("--backend ane: {e}; use --backend ane-sim (the same MIL programs, simulated) or cpu"),
+        Err(e) => bail!(
+            "--backend ane: {e}; use --backend ane-sim (the same MIL programs, simulated) or cpu"
+        ),
     }
 }

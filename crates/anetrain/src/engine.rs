@@ -29,6 +29,34 @@ pub trait KernelRunner {
         shape: &Shape,
         acts: &Inputs,
     ) -> Result<Tensors>;
+
+    /// Whether kernels run off the host CPU, so the engine computes weight
+    /// gradients on a worker thread while they run.
+    fn overlaps_host(&self) -> bool {
+        false
+    }
+}
+
+/// Runs `job` (weight gradients) on a worker thread beside `kernel` (device
+/// work) when `overlap` is set, else one after the other; both have
+/// finished when this returns.
+fn overlapped<T>(
+    overlap: bool,
+    job: impl FnOnce() + Send,
+    kernel: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    if !overlap {
+        job();
+        return kernel();
+    }
+    std::thread::scope(|s| {
+        let worker = s.spawn(job);
+        let out = kernel();
+        if let Err(panic) = worker.join() {
+            std::panic::resume_unwind(panic);
+        }
+        out
+    })
 }
 
 /// The weights a kernel reads, by region name.
@@ -277,7 +305,10 @@ fn accumulate_weight_grad(
         inp,
         true,
     );
-    WEIGHT_GRAD_SECS.with(|c| c.set(c.get() + t.elapsed().as_secs_f64()));
+    WEIGHT_GRAD_NANOS.fetch_add(
+        t.elapsed().as_nanos() as u64,
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
 fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
@@ -293,14 +324,13 @@ pub struct Engine<R: KernelRunner> {
     pub dropout_key: Option<u64>,
 }
 
-thread_local! {
-    /// Seconds spent in weight-gradient gemms (for `bench` breakdowns).
-    static WEIGHT_GRAD_SECS: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
-}
+/// Nanoseconds spent in weight-gradient gemms, on any thread (for `bench`
+/// breakdowns).
+static WEIGHT_GRAD_NANOS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Takes and resets the time spent in weight-gradient gemms on this thread.
+/// Takes and resets the time spent in weight-gradient gemms.
 pub fn take_weight_grad_secs() -> f64 {
-    WEIGHT_GRAD_SECS.with(|c| c.replace(0.0))
+    WEIGHT_GRAD_NANOS.swap(0, std::sync::atomic::Ordering::Relaxed) as f64 * 1e-9
 }
 
 impl Engine<CpuKernels> {
@@ -454,6 +484,7 @@ impl<R: KernelRunner> Engine<R> {
         let (cos, sin) = self.opts.rope_tables(seq, hd);
         let w = |id: usize| model.params[id].data.as_slice();
         let mut scratch = Vec::new();
+        let overlap = self.runner.overlaps_host();
         // xf = rmsnorm(x)·w_final
         let mut dx = cpu::head_rms_norm_backward(
             &fwd.x_last,
@@ -469,43 +500,60 @@ impl<R: KernelRunner> Engine<R> {
             let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
             let m = &a.masks;
             let mask = |t: Target| m[t.index()].as_deref();
-            let dgate = self.run_one(
-                model,
-                i,
-                KernelKind::FfnBackwardW2,
-                &shape,
-                &[("dffn", dffn.as_slice())],
-                m,
-                "dgate",
+            // Each group of weight gradients runs beside the kernel that
+            // needs the same upstream gradient (on a worker thread when the
+            // kernels run on a device).
+            let dgate = overlapped(
+                overlap,
+                || {
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Target::Down,
+                        &dffn,
+                        &a.gate,
+                        mask(Target::Down),
+                    )
+                },
+                || {
+                    self.run_one(
+                        model,
+                        i,
+                        KernelKind::FfnBackwardW2,
+                        &shape,
+                        &[("dffn", dffn.as_slice())],
+                        m,
+                        "dgate",
+                    )
+                },
             )?;
-            projection_grad(
-                model,
-                grads,
-                i,
-                Target::Down,
-                &dffn,
-                &a.gate,
-                mask(Target::Down),
-            );
             let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
-            projection_grad(
-                model,
-                grads,
-                i,
-                Target::Gate,
-                &dh1,
-                &a.x2n,
-                mask(Target::Gate),
-            );
-            projection_grad(model, grads, i, Target::Up, &dh3, &a.x2n, mask(Target::Up));
-            let dx2n = self.run_one(
-                model,
-                i,
-                KernelKind::FfnBackwardW13,
-                &shape,
-                &[("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())],
-                m,
-                "dx",
+            let dx2n = overlapped(
+                overlap,
+                || {
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Target::Gate,
+                        &dh1,
+                        &a.x2n,
+                        mask(Target::Gate),
+                    );
+                    projection_grad(model, grads, i, Target::Up, &dh3, &a.x2n, mask(Target::Up));
+                },
+                || {
+                    self.run_one(
+                        model,
+                        i,
+                        KernelKind::FfnBackwardW13,
+                        &shape,
+                        &[("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())],
+                        m,
+                        "dx",
+                    )
+                },
             )?;
             let dnorm = cpu::head_rms_norm_backward(
                 &a.x2,
@@ -519,15 +567,20 @@ impl<R: KernelRunner> Engine<R> {
             add_scaled(&mut dx, &dnorm, 1.0);
             // x2 = x + α·Wo·attn:  dx = dx2,  do = α·dx2
             let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-            projection_grad(model, grads, i, Target::O, &dout, &a.attn, mask(Target::O));
-            let da = self.run_one(
-                model,
-                i,
-                KernelKind::WoBackward,
-                &shape,
-                &[("dy", dout.as_slice())],
-                m,
-                "da",
+            let da = overlapped(
+                overlap,
+                || projection_grad(model, grads, i, Target::O, &dout, &a.attn, mask(Target::O)),
+                || {
+                    self.run_one(
+                        model,
+                        i,
+                        KernelKind::WoBackward,
+                        &shape,
+                        &[("dy", dout.as_slice())],
+                        m,
+                        "da",
+                    )
+                },
             )?;
             let mut b1 = self.runner.run(
                 model,
@@ -579,26 +632,34 @@ impl<R: KernelRunner> Engine<R> {
                 let gk = base_grad(model, grads, kn, &mut scratch);
                 dk = cpu::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
             }
-            projection_grad(model, grads, i, Target::Q, &dq, &a.xn, mask(Target::Q));
-            projection_grad(model, grads, i, Target::K, &dk, &a.xn, mask(Target::K));
-            projection_grad(model, grads, i, Target::V, &dv, &a.xn, mask(Target::V));
-            let mut dxn = self.run_one(
-                model,
-                i,
-                KernelKind::QBackward,
-                &shape,
-                &[("dq", dq.as_slice())],
-                m,
-                "dx",
-            )?;
-            let dxkv = self.run_one(
-                model,
-                i,
-                KernelKind::KvBackward,
-                &shape,
-                &[("dk", dk.as_slice()), ("dv", dv.as_slice())],
-                m,
-                "dx",
+            let (mut dxn, dxkv) = overlapped(
+                overlap,
+                || {
+                    projection_grad(model, grads, i, Target::Q, &dq, &a.xn, mask(Target::Q));
+                    projection_grad(model, grads, i, Target::K, &dk, &a.xn, mask(Target::K));
+                    projection_grad(model, grads, i, Target::V, &dv, &a.xn, mask(Target::V));
+                },
+                || {
+                    let dxq = self.run_one(
+                        model,
+                        i,
+                        KernelKind::QBackward,
+                        &shape,
+                        &[("dq", dq.as_slice())],
+                        m,
+                        "dx",
+                    )?;
+                    let dxkv = self.run_one(
+                        model,
+                        i,
+                        KernelKind::KvBackward,
+                        &shape,
+                        &[("dk", dk.as_slice()), ("dv", dv.as_slice())],
+                        m,
+                        "dx",
+                    )?;
+                    Ok((dxq, dxkv))
+                },
             )?;
             add_scaled(&mut dxn, &dxkv, 1.0);
             let dnorm = cpu::head_rms_norm_backward(
@@ -734,4 +795,31 @@ pub fn loss_and_grads<R: KernelRunner>(
         }
     }
     Ok((total / n_targets as f64, n_targets))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapped_runs_the_job_on_a_worker_and_joins_it() {
+        let main = std::thread::current().id();
+        let mut job_thread = None;
+        let out = overlapped(
+            true,
+            || job_thread = Some(std::thread::current().id()),
+            || Ok(std::thread::current().id()),
+        )
+        .unwrap();
+        assert_eq!(out, main, "the kernel runs on the calling thread");
+        assert!(
+            job_thread.is_some_and(|t| t != main),
+            "the job ran on a worker"
+        );
+        let mut ran = false;
+        overlapped(false, || ran = true, || Ok(())).unwrap();
+        assert!(ran);
+        let e = overlapped(true, || (), || -> Result<()> { bail!("device failed") });
+        assert_eq!(e.unwrap_err().to_string(), "device failed");
+    }
 }

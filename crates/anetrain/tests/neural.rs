@@ -4,7 +4,9 @@
 
 use std::path::PathBuf;
 
-use anetrain::engine::{self, zero_grads, Engine};
+use anetrain::engine::{self, zero_grads, CpuKernels, Engine, KernelRunner};
+use anetrain::kernels::cpu::{Inputs, Tensors};
+use anetrain::kernels::{KernelKind, Shape};
 use anetrain::model::Model;
 
 fn fixture(kind: &str) -> PathBuf {
@@ -82,4 +84,49 @@ fn ane_sim_gradients_track_the_cpu_engine_and_restage_after_updates() {
     let fc = cpu.forward(&model, &rows[0][..19]).unwrap();
     let fs = sim.forward(&model, &rows[0][..19]).unwrap();
     assert!(rel(&fs.xf, &fc.xf) < 3e-2);
+}
+
+/// The CPU twins behind a runner that claims to run off the host, so the
+/// engine takes its overlapped path (weight gradients on a worker thread).
+struct OffHost(CpuKernels, std::collections::HashSet<std::thread::ThreadId>);
+
+impl KernelRunner for OffHost {
+    fn run(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        kind: KernelKind,
+        shape: &Shape,
+        acts: &Inputs,
+    ) -> anyhow::Result<Tensors> {
+        self.1.insert(std::thread::current().id());
+        self.0.run(model, layer, kind, shape, acts)
+    }
+
+    fn overlaps_host(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn overlapped_weight_gradients_are_bit_identical() {
+    for kind in ["qwen3", "llama"] {
+        let model = Model::load(&fixture(kind).join("model")).unwrap();
+        let row: Vec<u32> = (0..17).map(|i| (i * 29 % 90) as u32).collect();
+        let rows = vec![row];
+        let mut plain = Engine::cpu(&model);
+        let opts = plain.opts.clone();
+        let mut off = Engine {
+            runner: OffHost(CpuKernels { opts: opts.clone() }, Default::default()),
+            opts,
+            dropout_key: None,
+        };
+        let mut ga = zero_grads(&model);
+        let mut gb = zero_grads(&model);
+        engine::loss_and_grads(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
+        engine::loss_and_grads(&mut off, &model, &rows, Some(&mut gb)).unwrap();
+        assert_eq!(ga, gb, "{kind}");
+        // Kernels stayed on the calling thread (a device is driven from one).
+        assert_eq!(off.runner.1.len(), 1);
+    }
 }

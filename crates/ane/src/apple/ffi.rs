@@ -14,7 +14,8 @@ pub type Sel = *mut c_void;
 pub type CfRef = *const c_void;
 
 pub const OBJC: &str = "/usr/lib/libobjc.A.dylib";
-pub const CORE_FOUNDATION: &str = "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation";
+pub const CORE_FOUNDATION: &str =
+    "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation";
 pub const FOUNDATION: &str = "/System/Library/Frameworks/Foundation.framework/Foundation";
 pub const IOSURFACE: &str = "/System/Library/Frameworks/IOSurface.framework/IOSurface";
 pub const ANE_FRAMEWORK: &str =
@@ -198,4 +199,3 @@ pub mod msg {
     /// `BOOL (id, SEL, unsigned int qos, NSError **)`
     pub type QosError = unsafe extern "C" fn(Id, Sel, u32, *mut Id) -> u8;
 }
-

@@ -334,8 +334,7 @@ impl AneDevice {
                 std::env::consts::OS
             )));
         }
-        let rt = Runtime::load()
-            .map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
+        let rt = Runtime::load().map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
         Ok(AneDevice {
             rt: Rc::new(rt),
             rules: RuleSet::default(),
@@ -469,12 +468,16 @@ impl Device for AneDevice {
                 }
                 let model = send1(rt.class(1), rt.sel(S::Model), desc);
                 if model.is_null() {
-                    return Err(DeviceError("the ANE framework refused to create a model".into()));
+                    return Err(DeviceError(
+                        "the ANE framework refused to create a model".into(),
+                    ));
                 }
                 let hex = rt.text(send0(model, rt.sel(S::HexId)) as CfRef);
                 let tmp = rt.text((api.NSTemporaryDirectory)() as CfRef);
                 if hex.is_empty() || tmp.is_empty() {
-                    return Err(DeviceError("the ANE model has no temporary directory".into()));
+                    return Err(DeviceError(
+                        "the ANE model has no temporary directory".into(),
+                    ));
                 }
                 let dir = Path::new(&tmp).join(&hex);
                 let write = |rel: &Path, bytes: &[u8]| -> Result<()> {
@@ -571,9 +574,7 @@ impl Device for AneDevice {
                     data.len()
                 ))
             })?;
-        self.with_surface(buf, false, |v| {
-            v[offset..end].convert_from_f32_slice(data)
-        })
+        self.with_surface(buf, false, |v| v[offset..end].convert_from_f32_slice(data))
     }
 
     fn read(&self, buf: &AneBuffer, offset: usize, out: &mut [f32]) -> Result<()> {
@@ -632,8 +633,14 @@ impl Device for AneDevice {
                 if request.is_null() {
                     return Err(DeviceError("the ANE framework refused the request".into()));
                 }
-                if evaluate(p.model, rt.sel(S::Evaluate), QOS, options.p as Id, request, &mut err)
-                    == 0
+                if evaluate(
+                    p.model,
+                    rt.sel(S::Evaluate),
+                    QOS,
+                    options.p as Id,
+                    request,
+                    &mut err,
+                ) == 0
                 {
                     return Err(DeviceError(format!(
                         "ANE evaluation failed: {}",
