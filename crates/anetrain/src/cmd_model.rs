@@ -146,11 +146,10 @@ fn eval_rows<R: KernelRunner>(
     for row in rows {
         let n = row.len() - 1;
         let fwd = eng.forward(model, &row[..n])?;
-        let mut lg = engine::logits(model, &fwd.xf, n);
         if keep {
-            all.extend_from_slice(&lg);
+            all.extend_from_slice(&engine::logits(model, &fwd.xf, n));
         }
-        total += engine::cross_entropy(&mut lg, &row[1..], model.cfg.vocab_size, 0.0);
+        total += engine::head_loss(model, &fwd.xf, &row[1..], 0.0, None)?.0;
         count += n;
     }
     Ok((total, count, all))

@@ -702,34 +702,73 @@ pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
     out
 }
 
-/// Cross-entropy of `logits [S, V]` against `targets`; returns the summed
-/// loss and turns `logits` into dL/dlogits scaled by `grad_scale`
-/// (softmax − onehot).
-pub fn cross_entropy(logits: &mut [f32], targets: &[u32], vocab: usize, grad_scale: f32) -> f64 {
+/// Cross-entropy over transposed logits `lt [V, S]` (column s holds
+/// position s's logits) against `targets`; returns the summed loss and turns
+/// `lt` into dL/dlogitsᵀ scaled by `grad_scale` (softmax − onehot):
+///   loss_s = max_s + ln Σ_v exp(z_vs − max_s) − z_{t_s, s}
+/// The vocabulary is streamed in fixed blocks of rows, in parallel: column
+/// maxima, then exp(z − max) in place with per-block column sums (f64,
+/// added in block order, so the result does not depend on the thread
+/// count), then one scaling pass. One exp per logit.
+pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale: f32) -> f64 {
     use rayon::prelude::*;
-    // One row per position, in parallel; the sum is taken in position order.
-    let losses: Vec<f64> = logits
-        .par_chunks_mut(vocab)
-        .zip(targets.par_iter())
-        .map(|(row, &t)| row_cross_entropy(row, t, grad_scale))
+    let seq = targets.len();
+    assert_eq!(lt.len(), vocab * seq);
+    const ROWS: usize = 512;
+    let block = ROWS * seq;
+    let max: Vec<f32> = lt
+        .par_chunks(block)
+        .map(|b| {
+            let mut m = vec![f32::NEG_INFINITY; seq];
+            for row in b.chunks(seq) {
+                m.iter_mut().zip(row).for_each(|(m, &z)| *m = m.max(z));
+            }
+            m
+        })
+        .reduce(
+            || vec![f32::NEG_INFINITY; seq],
+            |a, b| a.iter().zip(&b).map(|(x, y)| x.max(*y)).collect(),
+        );
+    let target_logit: Vec<f32> = targets
+        .iter()
+        .enumerate()
+        .map(|(s, &t)| lt[t as usize * seq + s])
         .collect();
-    losses.iter().sum()
-}
-
-/// −log softmax(row)[t]; turns `row` into (softmax − onehot(t))·grad_scale.
-fn row_cross_entropy(row: &mut [f32], t: u32, grad_scale: f32) -> f64 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let sum: f64 = row.iter().map(|&z| ((z - max) as f64).exp()).sum();
-    let loss = max as f64 + sum.ln() - row[t as usize] as f64;
-    for z in row.iter_mut() {
-        *z = (((*z - max) as f64).exp() / sum) as f32 * grad_scale;
+    let partial: Vec<Vec<f64>> = lt
+        .par_chunks_mut(block)
+        .map(|b| {
+            let mut sum = vec![0f64; seq];
+            for row in b.chunks_mut(seq) {
+                for ((z, m), acc) in row.iter_mut().zip(&max).zip(sum.iter_mut()) {
+                    *z = (*z - m).exp();
+                    *acc += *z as f64;
+                }
+            }
+            sum
+        })
+        .collect();
+    let mut sum = vec![0f64; seq];
+    for p in &partial {
+        sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
     }
-    row[t as usize] -= grad_scale;
+    let scale: Vec<f32> = sum.iter().map(|&s| (grad_scale as f64 / s) as f32).collect();
+    lt.par_chunks_mut(block).for_each(|b| {
+        for row in b.chunks_mut(seq) {
+            row.iter_mut().zip(&scale).for_each(|(z, c)| *z *= c);
+        }
+    });
+    let mut loss = 0f64;
+    for (s, &t) in targets.iter().enumerate() {
+        lt[t as usize * seq + s] -= grad_scale;
+        loss += max[s] as f64 + sum[s].ln() - target_logit[s] as f64;
+    }
     loss
 }
 
 /// Loss over one sequence's head, plus (when `grads` is given) the gradient
 /// of `grad_scale · loss_sum` into the LM head and the returned `dxf`.
+/// Logits are computed transposed, `[V, S]`, the layout all three head
+/// products multiply fastest in.
 pub fn head_loss(
     model: &Model,
     xf: &[f32],
@@ -741,8 +780,17 @@ pub fn head_loss(
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!("target token id {t} is outside the vocabulary ({v} ids)");
     }
-    let mut lg = logits(model, xf, seq);
-    let loss = cross_entropy(&mut lg, targets, v, grad_scale);
+    // logitsᵀ [V, S] = head [V, D] · xf [D, S]
+    let mut lt = vec![0f32; v * seq];
+    sgemm(
+        MatRef::row_major(model.lm_head(), 0, v, d),
+        MatRef::row_major(xf, 0, d, seq),
+        &mut lt,
+        0,
+        seq,
+        false,
+    );
+    let loss = cross_entropy_t(&mut lt, targets, v, grad_scale);
     let Some(grads) = grads else {
         return Ok((loss, vec![]));
     };
@@ -750,7 +798,7 @@ pub fn head_loss(
     let mut dxf = vec![0f32; d * seq];
     sgemm(
         MatRef::row_major(model.lm_head(), 0, v, d).t(),
-        MatRef::row_major(&lg, 0, seq, v).t(),
+        MatRef::row_major(&lt, 0, v, seq),
         &mut dxf,
         0,
         seq,
@@ -762,7 +810,7 @@ pub fn head_loss(
     // dhead [V, D] += dlogitsᵀ [V, S] · xfᵀ [S, D]
     let head = model.lm_head.unwrap_or(model.embed);
     sgemm(
-        MatRef::row_major(&lg, 0, seq, v).t(),
+        MatRef::row_major(&lt, 0, v, seq),
         MatRef::row_major(xf, 0, d, seq).t(),
         &mut grads[head],
         0,

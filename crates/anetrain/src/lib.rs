@@ -15,6 +15,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod kernels;
 pub mod lora;
+pub mod mem;
 pub mod model;
 pub mod neural;
 pub mod optim;

@@ -455,6 +455,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    anetrain::mem::keep_freed_memory();
     // A panic is a bug in anetrain, never the user's fault: report it in one
     // line, without a backtrace, and exit with a distinct status.
     std::panic::set_hook(Box::new(|info| {
