@@ -110,7 +110,7 @@ fn run<R: KernelRunner>(
             .map(|_| (0..=a.seq).map(|_| rng.below(v) as u32).collect())
             .collect();
         let t0 = Instant::now();
-        grads.iter_mut().for_each(|g| g.fill(0.0));
+        optim::zero(&mut grads);
         let (mut tf, mut tb, mut tl) = (0.0, 0.0, 0.0);
         engine::take_weight_grad_secs();
         let scale = 1.0 / (a.batch * a.seq) as f32;
@@ -127,8 +127,8 @@ fn run<R: KernelRunner>(
         }
         let w = engine::take_weight_grad_secs();
         let o0 = Instant::now();
-        optim::clip_grad_norm(&mut grads, 1.0);
-        opt.update(&mut model, &grads, 1e-4);
+        let coef = optim::clip_coef(optim::grad_norm(&grads), 1.0);
+        opt.update_scaled(&mut model, &grads, 1e-4, coef);
         let to = o0.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
         eprintln!(

@@ -58,6 +58,13 @@ impl AdamW {
     ///   p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
     ///   p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)
     pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64) {
+        self.update_scaled(model, grads, lr, 1.0);
+    }
+
+    /// [`AdamW::update`] with every gradient multiplied by `grad_scale`
+    /// first (clipping and loss-scale removal fused into the one pass over
+    /// the parameters; with a scale of 1 the result is the same bit for bit).
+    pub fn update_scaled(&mut self, model: &mut Model, grads: &Grads, lr: f64, grad_scale: f32) {
         self.step += 1;
         let t = self.step as i32;
         let c = &self.cfg;
@@ -82,6 +89,7 @@ impl AdamW {
                 .zip(grads[i].par_chunks(CHUNK))
                 .for_each(|(((p, m), v), g)| {
                     for (((p, m), v), &g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                        let g = g * grad_scale;
                         *p *= decay;
                         *m = *m * b1 + g * (1.0 - b1);
                         *v = *v * b2 + g * g * (1.0 - b2);
@@ -95,16 +103,37 @@ impl AdamW {
 
 /// The global L2 norm of all gradients (accumulated in f64).
 pub fn grad_norm(grads: &Grads) -> f64 {
-    // Partial sums per fixed-size chunk, added in order: the result does not
-    // depend on the number of threads.
+    // Partial sums per fixed-size chunk, added in order, each over eight
+    // interleaved accumulators (independent add chains the compiler can
+    // vectorise): the result does not depend on the number of threads.
     let partial: Vec<f64> = grads
         .iter()
         .flat_map(|g| g.chunks(1 << 16))
         .collect::<Vec<_>>()
         .par_iter()
-        .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
+        .map(|c| {
+            let mut acc = [0f64; 8];
+            let mut blocks = c.chunks_exact(8);
+            for b in &mut blocks {
+                for (a, &x) in acc.iter_mut().zip(b) {
+                    *a += (x as f64) * (x as f64);
+                }
+            }
+            for (a, &x) in acc.iter_mut().zip(blocks.remainder()) {
+                *a += (x as f64) * (x as f64);
+            }
+            acc.iter().sum::<f64>()
+        })
         .collect();
     partial.iter().sum::<f64>().sqrt()
+}
+
+/// Sets every gradient to zero, in parallel, reusing the buffers (fresh
+/// memory is costly to fault in).
+pub fn zero(grads: &mut Grads) {
+    grads
+        .iter_mut()
+        .for_each(|g| g.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0)));
 }
 
 /// Scales gradients so their global norm is at most `max_norm` (PyTorch's
@@ -112,16 +141,25 @@ pub fn grad_norm(grads: &Grads) -> f64 {
 /// Returns the norm before clipping.
 pub fn clip_grad_norm(grads: &mut Grads, max_norm: f64) -> f64 {
     let norm = grad_norm(grads);
-    if max_norm > 0.0 {
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for g in grads.iter_mut() {
-                g.par_chunks_mut(1 << 16)
-                    .for_each(|c| c.iter_mut().for_each(|x| *x *= coef as f32));
-            }
+    let coef = clip_coef(norm, max_norm);
+    if coef != 1.0 {
+        for g in grads.iter_mut() {
+            g.par_chunks_mut(1 << 16)
+                .for_each(|c| c.iter_mut().for_each(|x| *x *= coef));
         }
     }
     norm
+}
+
+/// The factor [`clip_grad_norm`] scales gradients of global norm `norm` by
+/// (1 when no clipping applies).
+pub fn clip_coef(norm: f64, max_norm: f64) -> f32 {
+    let coef = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coef < 1.0 {
+        coef as f32
+    } else {
+        1.0
+    }
 }
 
 /// Linear warmup over `warmup` steps, then cosine decay from `peak` to

@@ -486,6 +486,8 @@ impl Run<'_> {
         let start_step = state.step;
         let mut last_loss = f64::NAN;
         let mut consecutive_skips = 0;
+        // One gradient buffer for the whole run, zeroed each step.
+        let mut grads = zero_grads(model);
         while state.step < r.steps {
             let step = state.step;
             let t0 = Instant::now();
@@ -496,7 +498,7 @@ impl Run<'_> {
                 s.lr,
                 s.min_lr_frac,
             );
-            let mut grads = zero_grads(model);
+            optim::zero(&mut grads);
             let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
             let mut loss_sum = 0f64;
             let n_targets = (s.batch * s.accum * s.seq) as f32;
@@ -537,17 +539,15 @@ impl Run<'_> {
             }
             let loss = loss_sum / n_targets as f64;
             let t_opt = Instant::now();
-            if loss_scale != 1.0 {
-                let inv = (1.0 / loss_scale) as f32;
-                grads
-                    .iter_mut()
-                    .for_each(|g| g.iter_mut().for_each(|x| *x *= inv));
-            }
-            let gnorm = optim::clip_grad_norm(&mut grads, s.clip);
+            // The gradients still carry the loss scale (a power of two, so
+            // dividing it out of the norm and the update is exact); removing
+            // it and clipping both happen inside the AdamW pass.
+            let gnorm = optim::grad_norm(&grads) / loss_scale;
+            let coef = optim::clip_coef(gnorm, s.clip);
             let finite = loss.is_finite() && gnorm.is_finite();
             state.scaler.update(finite);
             if finite {
-                opt.update(model, &grads, lr);
+                opt.update_scaled(model, &grads, lr, (coef as f64 / loss_scale) as f32);
                 consecutive_skips = 0;
                 last_loss = loss;
             } else {
