@@ -776,21 +776,44 @@ pub fn head_loss(
     grad_scale: f32,
     grads: Option<&mut Grads>,
 ) -> Result<(f64, Vec<f32>)> {
-    let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
+    let (v, seq) = (model.cfg.vocab_size, targets.len());
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!("target token id {t} is outside the vocabulary ({v} ids)");
     }
-    // logitsᵀ [V, S] = head [V, D] · xf [D, S]
-    let mut lt = vec![0f32; v * seq];
+    // logitsᵀ [V, S] = head [V, D] · xf [D, S], into a buffer kept between
+    // calls: at Qwen3's vocabulary it is 155 MB for 256 positions, and fresh
+    // pages of that size cost a page fault and a TLB shootdown each.
+    let mut lt = LOGITS.with(|b| std::mem::take(&mut *b.borrow_mut()));
+    lt.resize(v * seq, 0.0);
+    let out = head_products(model, xf, targets, grad_scale, grads, &mut lt);
+    LOGITS.with(|b| *b.borrow_mut() = lt);
+    out
+}
+
+thread_local! {
+    /// The transposed logits buffer [`head_loss`] reuses.
+    static LOGITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// [`head_loss`] on the buffer `lt` (`[V, S]`).
+fn head_products(
+    model: &Model,
+    xf: &[f32],
+    targets: &[u32],
+    grad_scale: f32,
+    grads: Option<&mut Grads>,
+    lt: &mut [f32],
+) -> Result<(f64, Vec<f32>)> {
+    let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
     sgemm(
         MatRef::row_major(model.lm_head(), 0, v, d),
         MatRef::row_major(xf, 0, d, seq),
-        &mut lt,
+        lt,
         0,
         seq,
         false,
     );
-    let loss = cross_entropy_t(&mut lt, targets, v, grad_scale);
+    let loss = cross_entropy_t(lt, targets, v, grad_scale);
     let Some(grads) = grads else {
         return Ok((loss, vec![]));
     };
@@ -798,7 +821,7 @@ pub fn head_loss(
     let mut dxf = vec![0f32; d * seq];
     sgemm(
         MatRef::row_major(model.lm_head(), 0, v, d).t(),
-        MatRef::row_major(&lt, 0, v, seq),
+        MatRef::row_major(lt, 0, v, seq),
         &mut dxf,
         0,
         seq,
@@ -810,7 +833,7 @@ pub fn head_loss(
     // dhead [V, D] += dlogitsᵀ [V, S] · xfᵀ [S, D]
     let head = model.lm_head.unwrap_or(model.embed);
     sgemm(
-        MatRef::row_major(&lt, 0, v, seq),
+        MatRef::row_major(lt, 0, v, seq),
         MatRef::row_major(xf, 0, d, seq).t(),
         &mut grads[head],
         0,
