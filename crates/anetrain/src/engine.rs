@@ -751,7 +751,10 @@ pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale
     for p in &partial {
         sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
     }
-    let scale: Vec<f32> = sum.iter().map(|&s| (grad_scale as f64 / s) as f32).collect();
+    let scale: Vec<f32> = sum
+        .iter()
+        .map(|&s| (grad_scale as f64 / s) as f32)
+        .collect();
     lt.par_chunks_mut(block).for_each(|b| {
         for row in b.chunks_mut(seq) {
             row.iter_mut().zip(&scale).for_each(|(z, c)| *z *= c);

@@ -283,6 +283,7 @@ fn info() {
         std::env::consts::ARCH
     );
     println!("cpu threads: {}", mil::linalg::threads());
+    println!("matrix multiply: {}", mil::linalg::library());
     match ane::AneDevice::open() {
         Ok(_) => println!(
             "neural engine: the ANE framework loads (AppleNeuralEngine.framework, private API); \
