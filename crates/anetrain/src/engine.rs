@@ -167,7 +167,7 @@ pub fn zero_grads(model: &Model) -> Grads {
     model
         .trainable()
         .iter()
-        .map(|p| vec![0f32; p.data.len()])
+        .map(|p| crate::mem::zeroed_huge(p.data.len()))
         .collect()
 }
 

@@ -44,12 +44,12 @@ impl AdamW {
             m: model
                 .trainable()
                 .iter()
-                .map(|p| vec![0f32; p.data.len()])
+                .map(|p| crate::mem::zeroed_huge(p.data.len()))
                 .collect(),
             v: model
                 .trainable()
                 .iter()
-                .map(|p| vec![0f32; p.data.len()])
+                .map(|p| crate::mem::zeroed_huge(p.data.len()))
                 .collect(),
         }
     }
