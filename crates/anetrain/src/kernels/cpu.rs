@@ -110,25 +110,43 @@ fn add_adapter(
 
 /// Per-head RMSNorm over `HD` at every position of `x [heads·HD, S]`:
 /// y = x · rsqrt(mean(x²) + eps) · w.
+/// Rows are walked contiguously (per-position sums over channels kept in a
+/// vector), heads in parallel.
 pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
+    use rayon::prelude::*;
     let mut y = vec![0f32; x.len()];
-    for h in 0..x.len() / (hd * seq) {
-        for s in 0..seq {
-            let at = |d: usize| (h * hd + d) * seq + s;
-            let ms = (0..hd).map(|d| (x[at(d)] as f64).powi(2)).sum::<f64>() / hd as f64;
-            let r = (1.0 / (ms + eps as f64).sqrt()) as f32;
+    y.par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .for_each(|(yh, xh)| {
+            let r = inv_rms(xh, hd, seq, eps);
             for d in 0..hd {
-                y[at(d)] = x[at(d)] * r * w[d];
+                let (xr, yr) = (&xh[d * seq..][..seq], &mut yh[d * seq..][..seq]);
+                for ((y, &x), &r) in yr.iter_mut().zip(xr).zip(&r) {
+                    *y = x * r as f32 * w[d];
+                }
             }
+        });
+    y
+}
+
+/// rsqrt(mean over the `hd` rows of `x [hd, S]` squared + eps), per position
+/// (f64).
+fn inv_rms(x: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f64> {
+    let mut ms = vec![0f64; seq];
+    for d in 0..hd {
+        for (m, &v) in ms.iter_mut().zip(&x[d * seq..][..seq]) {
+            *m += (v as f64).powi(2);
         }
     }
-    y
+    ms.iter()
+        .map(|&m| 1.0 / (m / hd as f64 + eps as f64).sqrt())
+        .collect()
 }
 
 /// Backward of [`head_rms_norm`]: with r = rsqrt(mean(x²) + eps) per head
 /// and position,
 ///   dx_d = r·w_d·dy_d − x_d · r³/HD · Σ_e w_e·dy_e·x_e,   dw_d = Σ dy_d·x_d·r.
-/// `dw` is accumulated.
+/// `dw` is accumulated (per-head partial sums added in head order).
 pub fn head_rms_norm_backward(
     x: &[f32],
     w: &[f32],
@@ -138,18 +156,41 @@ pub fn head_rms_norm_backward(
     eps: f32,
     dw: &mut [f32],
 ) -> Vec<f32> {
+    use rayon::prelude::*;
     let mut dx = vec![0f32; x.len()];
-    for h in 0..x.len() / (hd * seq) {
-        for s in 0..seq {
-            let at = |d: usize| (h * hd + d) * seq + s;
-            let ms = (0..hd).map(|d| (x[at(d)] as f64).powi(2)).sum::<f64>() / hd as f64;
-            let r = 1.0 / (ms + eps as f64).sqrt();
-            let dot: f64 = (0..hd).map(|d| (w[d] * dy[at(d)] * x[at(d)]) as f64).sum();
-            let c = r * r * r / hd as f64 * dot;
+    let partial: Vec<Vec<f64>> = dx
+        .par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .zip(dy.par_chunks(hd * seq))
+        .map(|((dxh, xh), dyh)| {
+            let r = inv_rms(xh, hd, seq, eps);
+            let mut dot = vec![0f64; seq];
             for d in 0..hd {
-                dx[at(d)] = (r * (w[d] * dy[at(d)]) as f64 - x[at(d)] as f64 * c) as f32;
-                dw[d] += (dy[at(d)] as f64 * x[at(d)] as f64 * r) as f32;
+                let (xr, dyr) = (&xh[d * seq..][..seq], &dyh[d * seq..][..seq]);
+                for ((t, &x), &g) in dot.iter_mut().zip(xr).zip(dyr) {
+                    *t += (w[d] * g * x) as f64;
+                }
             }
+            let c: Vec<f64> = r
+                .iter()
+                .zip(&dot)
+                .map(|(&r, &t)| r * r * r / hd as f64 * t)
+                .collect();
+            let mut dwh = vec![0f64; hd];
+            for d in 0..hd {
+                let (xr, dyr) = (&xh[d * seq..][..seq], &dyh[d * seq..][..seq]);
+                let out = &mut dxh[d * seq..][..seq];
+                for s in 0..seq {
+                    out[s] = (r[s] * (w[d] * dyr[s]) as f64 - xr[s] as f64 * c[s]) as f32;
+                    dwh[d] += dyr[s] as f64 * xr[s] as f64 * r[s];
+                }
+            }
+            dwh
+        })
+        .collect();
+    for dwh in &partial {
+        for (a, &b) in dw.iter_mut().zip(dwh) {
+            *a += b as f32;
         }
     }
     dx
@@ -169,7 +210,7 @@ pub fn swiglu_backward(h1: &[f32], h3: &[f32], dgate: &[f32]) -> (Vec<f32>, Vec<
 }
 
 /// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
-/// which is RoPE's backward).
+/// which is RoPE's backward). `cos`, `sin` are `[S, HD]`.
 pub fn apply_rope(
     x: &[f32],
     hd: usize,
@@ -179,23 +220,27 @@ pub fn apply_rope(
     rope: Rope,
     sign: f32,
 ) -> Vec<f32> {
+    use rayon::prelude::*;
     let mut y = vec![0f32; x.len()];
     let half = hd / 2;
-    for h in 0..x.len() / (hd * seq) {
-        for s in 0..seq {
-            let at = |d: usize| (h * hd + d) * seq + s;
+    y.par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .for_each(|(yh, xh)| {
             for d in 0..hd {
-                // partner index and the sign of its term in rotate(x)
+                // partner row and the sign of its term in rotate(x)
                 let (p, rs) = match rope {
                     Rope::HalfSplit if d < half => (d + half, -1.0),
                     Rope::HalfSplit => (d - half, 1.0),
                     Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
                     Rope::Interleaved => (d - 1, 1.0),
                 };
-                y[at(d)] = x[at(d)] * cos[s * hd + d] + sign * rs * x[at(p)] * sin[s * hd + d];
+                let (xr, xp) = (&xh[d * seq..][..seq], &xh[p * seq..][..seq]);
+                let out = &mut yh[d * seq..][..seq];
+                for s in 0..seq {
+                    out[s] = xr[s] * cos[s * hd + d] + sign * rs * xp[s] * sin[s * hd + d];
+                }
             }
-        }
-    }
+        });
     y
 }
 
