@@ -39,6 +39,65 @@ pub fn peak_rss_mb() -> Option<f64> {
     Some(kb / 1024.0)
 }
 
+/// The best throughput (GFLOP/s) the matrix-multiply library reaches on
+/// this model's three largest products at `tokens` columns: the FFN
+/// projection, its weight gradient, and the LM head. Each is timed twice
+/// after a warm-up call; the best time counts.
+pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
+    use mil::linalg::{sgemm, MatRef};
+    let (d, h, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let fill =
+        |n: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919) % 997) as f32 * 1e-3).collect() };
+    let x = fill(d * tokens);
+    let mut best = 0f64;
+    let mut time = |flops: f64, f: &mut dyn FnMut()| {
+        f();
+        for _ in 0..2 {
+            let t = Instant::now();
+            f();
+            best = best.max(flops / t.elapsed().as_secs_f64() / 1e9);
+        }
+    };
+    let w = fill(h * d);
+    let mut y = vec![0f32; h * tokens];
+    let flops = 2.0 * (h * d * tokens) as f64;
+    time(flops, &mut || {
+        sgemm(
+            MatRef::row_major(&w, 0, h, d),
+            MatRef::row_major(&x, 0, d, tokens),
+            &mut y,
+            0,
+            tokens,
+            false,
+        )
+    });
+    let mut dw = vec![0f32; h * d];
+    time(flops, &mut || {
+        sgemm(
+            MatRef::row_major(&y, 0, h, tokens),
+            MatRef::row_major(&x, 0, d, tokens).t(),
+            &mut dw,
+            0,
+            d,
+            false,
+        )
+    });
+    drop((w, dw));
+    let head = fill(v * d);
+    let mut lt = vec![0f32; v * tokens];
+    time(2.0 * (v * d * tokens) as f64, &mut || {
+        sgemm(
+            MatRef::row_major(&head, 0, v, d),
+            MatRef::row_major(&x, 0, d, tokens),
+            &mut lt,
+            0,
+            tokens,
+            false,
+        )
+    });
+    best
+}
+
 pub struct BenchArgs {
     pub model: String,
     pub seq: usize,
@@ -161,6 +220,7 @@ fn run<R: KernelRunner>(
         )
     };
     let med = median(&mut steps.clone());
+    let matmul = matmul_reference(&model.cfg, a.seq * a.batch);
     let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
     Ok(json!({
         "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
@@ -168,6 +228,8 @@ fn run<R: KernelRunner>(
         "median_step_s": med, "min_step_s": min,
         "tokens_per_s": (a.seq * a.batch) as f64 / med,
         "flop_per_step": flops, "gflops": flops / med / 1e9,
+        "matmul_library": mil::linalg::library(), "matmul_gflops": matmul,
+        "fraction_of_matmul": flops / med / 1e9 / matmul,
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
         "peak_rss_mb": peak_rss_mb(),

@@ -219,14 +219,7 @@ fn projection_grad(
     };
     let r = lora.cfg.rank;
     let s = lora.cfg.scale() as f32;
-    let xm: Vec<f32>;
-    let x = match mask {
-        Some(m) => {
-            xm = x.iter().zip(m).map(|(a, b)| a * b).collect();
-            &xm[..]
-        }
-        None => x,
-    };
+    let x = &cpu::masked(x, mask)[..];
     let (a, b) = (&lora.params[ids.a].data, &lora.params[ids.b].data);
     let mut bt_dy = cpu::wt_x(b, dy, out, r, seq);
     bt_dy.iter_mut().for_each(|v| *v *= s);

@@ -37,7 +37,11 @@ pub fn zeroed_huge(n: usize) -> Vec<f32> {
             // SAFETY: advice on whole pages inside the vector's own
             // allocation; it changes how pages are backed, never contents.
             unsafe {
-                libc::madvise(aligned as *mut libc::c_void, end - aligned, libc::MADV_HUGEPAGE);
+                libc::madvise(
+                    aligned as *mut libc::c_void,
+                    end - aligned,
+                    libc::MADV_HUGEPAGE,
+                );
             }
         }
     }

@@ -4,47 +4,14 @@
 //! largest entry), one AdamW step on the adapters (1e-6 absolute); the same
 //! through the simulated Neural Engine in fp16 (3e-2); save/load and merge.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, floats, max_abs, max_diff, tokens};
 
 use anetrain::engine::{self, zero_grads, Engine, KernelRunner};
 use anetrain::lora::Lora;
 use anetrain::model::Model;
 use anetrain::optim::{AdamW, AdamWConfig};
-
-fn fixture(kind: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(kind)
-}
-
-fn tokens(dir: &Path) -> Vec<Vec<u32>> {
-    let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
-    let mil::npy::NpyData::Int(v) = a.data else {
-        panic!("tokens not int")
-    };
-    v.chunks(a.shape[1])
-        .map(|r| r.iter().map(|&t| t as u32).collect())
-        .collect()
-}
-
-fn floats(p: &Path) -> Vec<f32> {
-    let mil::npy::NpyData::Float(v) = mil::npy::read(p).unwrap().data else {
-        panic!("{} not float", p.display())
-    };
-    v
-}
-
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0f32, |m, x| m.max(x.abs()))
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-}
 
 /// The fixture's base model with its starting adapter attached.
 fn adapted(kind: &str) -> Model {

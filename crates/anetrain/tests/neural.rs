@@ -2,30 +2,14 @@
 //! `transformers` fixtures (fp16: within 3e-2 relative), gradients against
 //! the CPU engine, weight staging, and padding of odd sequence lengths.
 
-use std::path::PathBuf;
+mod common;
+
+use common::{fixture, rel};
 
 use anetrain::engine::{self, zero_grads, CpuKernels, Engine, KernelRunner};
 use anetrain::kernels::cpu::{Inputs, Tensors};
 use anetrain::kernels::{KernelKind, Shape};
 use anetrain::model::Model;
-
-fn fixture(kind: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(kind)
-}
-
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0f32, |m, x| m.max(x.abs()))
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
-        / max_abs(b)
-}
 
 #[test]
 fn ane_sim_logits_match_transformers_in_fp16() {

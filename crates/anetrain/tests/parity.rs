@@ -3,42 +3,18 @@
 //! parameter gradient (1e-4 of its largest entry), one AdamW step (1e-6
 //! absolute), and loading errors.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, max_abs, max_diff, tokens};
+
+use std::path::Path;
 
 use anetrain::engine::{self, zero_grads, Engine};
 use anetrain::model::Model;
 use anetrain::optim::{AdamW, AdamWConfig};
 
-fn fixture(kind: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(kind)
-}
-
-fn tokens(dir: &Path) -> Vec<Vec<u32>> {
-    let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
-    let mil::npy::NpyData::Int(v) = a.data else {
-        panic!("tokens not int")
-    };
-    v.chunks(a.shape[1])
-        .map(|r| r.iter().map(|&t| t as u32).collect())
-        .collect()
-}
-
 fn json(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("fixture.json")).unwrap()).unwrap()
-}
-
-fn max_abs(v: &[f32]) -> f32 {
-    v.iter().fold(0f32, |m, x| m.max(x.abs()))
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max)
 }
 
 #[test]

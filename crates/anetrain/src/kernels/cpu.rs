@@ -56,6 +56,14 @@ pub fn wt_x(w: &[f32], x: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
     out
 }
 
+/// `x ⊙ mask`, or `x` itself without a mask.
+pub fn masked<'a>(x: &'a [f32], mask: Option<&[f32]>) -> std::borrow::Cow<'a, [f32]> {
+    match mask {
+        Some(m) => x.iter().zip(m).map(|(a, b)| a * b).collect(),
+        None => std::borrow::Cow::Borrowed(x),
+    }
+}
+
 /// Adds weight region `w`'s LoRA branch, when it has an adapter, to `y`:
 ///   forward   y [out, S] += s·B·(A·(m⊙x))
 ///   backward dx [in, S]  += m⊙(s·Aᵀ·(Bᵀ·dy))
@@ -82,15 +90,8 @@ fn add_adapter(
     let scale = o.constant(scale);
     match product {
         Product::Forward | Product::ForwardRows => {
-            let xm: Vec<f32>;
-            let x = match mask {
-                Some(m) => {
-                    xm = x.iter().zip(m).map(|(a, b)| a * b).collect();
-                    &xm[..]
-                }
-                None => x,
-            };
-            let xa = w_x(a, x, r, inp, seq);
+            let x = masked(x, mask);
+            let xa = w_x(a, &x, r, inp, seq);
             let low = w_x(b, &xa, out, r, seq);
             y.iter_mut().zip(&low).for_each(|(y, l)| *y += scale * l);
         }

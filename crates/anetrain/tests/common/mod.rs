@@ -1,0 +1,47 @@
+//! Helpers shared by the fixture-based tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+/// `tests/fixtures/<kind>` (written by `scripts/make_fixtures.py`).
+pub fn fixture(kind: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(kind)
+}
+
+/// The fixture's token rows (`tokens.npy`, `[batch, n+1]`).
+pub fn tokens(dir: &Path) -> Vec<Vec<u32>> {
+    let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
+    let mil::npy::NpyData::Int(v) = a.data else {
+        panic!("tokens not int")
+    };
+    v.chunks(a.shape[1])
+        .map(|r| r.iter().map(|&t| t as u32).collect())
+        .collect()
+}
+
+/// A float `.npy` file's values.
+pub fn floats(p: &Path) -> Vec<f32> {
+    let mil::npy::NpyData::Float(v) = mil::npy::read(p).unwrap().data else {
+        panic!("{} not float", p.display())
+    };
+    v
+}
+
+pub fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |m, x| m.max(x.abs()))
+}
+
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
+/// Largest difference relative to `b`'s largest magnitude.
+pub fn rel(a: &[f32], b: &[f32]) -> f32 {
+    max_diff(a, b) / max_abs(b)
+}
