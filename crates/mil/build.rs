@@ -21,14 +21,18 @@ fn main() {
     if std::env::var("ANETRAIN_BLAS").is_ok_and(|v| v == "none") && !forced {
         return;
     }
+    // Re-run when this script or the library found changes (a path that
+    // does not exist would make Cargo re-run the script, and rebuild this
+    // crate, on every build: after installing OpenBLAS, `cargo clean -p mil`).
+    println!("cargo:rerun-if-changed=build.rs");
     let mut found = None;
-    for dir in DIRS {
+    'search: for dir in DIRS {
         for file in ["libopenblas.so", "libopenblas.dylib"] {
             let p = Path::new(dir).join(file);
-            // Re-run when the library appears or changes.
-            println!("cargo:rerun-if-changed={}", p.display());
-            if found.is_none() && p.exists() {
+            if p.exists() {
+                println!("cargo:rerun-if-changed={}", p.display());
                 found = Some(dir);
+                break 'search;
             }
         }
     }
