@@ -99,8 +99,7 @@ pub fn kernel_weights<'a>(model: &'a Model, layer: usize, kind: KernelKind) -> I
         KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {}
     }
     if let Some(lora) = &model.lora {
-        for &(region, _) in kind.projections() {
-            let t = Target::from_region(region).expect("projection regions name targets");
+        for &(t, _) in kind.projections() {
             if let Some((a, b)) = lora.adapter(layer, t) {
                 let (an, bn) = t.adapter_regions();
                 w.insert(an, a);
@@ -271,8 +270,7 @@ fn with_masks<'a>(
     masks: &'a [Option<Vec<f32>>; 7],
 ) -> Inputs<'a> {
     let mut all: Inputs = acts.iter().copied().collect();
-    for &(region, _) in kind.projections() {
-        let t = Target::from_region(region).expect("projection regions name targets");
+    for &(t, _) in kind.projections() {
         if let Some(m) = &masks[t.index()] {
             all.insert(t.mask_input(), m.as_slice());
         }

@@ -160,10 +160,6 @@ impl Target {
         }
     }
 
-    pub fn from_region(name: &str) -> Option<Target> {
-        Target::ALL.into_iter().find(|t| t.region() == name)
-    }
-
     pub fn from_module(name: &str) -> Option<Target> {
         Target::ALL.into_iter().find(|t| t.module() == name)
     }

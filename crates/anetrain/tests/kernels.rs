@@ -166,7 +166,7 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
             let k = build(kind, &s, &o).unwrap();
             assert_eq!(k.layout.in_spatial % 16, 0, "{kind:?}");
             for &(w, _) in kind.projections() {
-                let (a, b) = Target::from_region(w).unwrap().adapter_regions();
+                let (a, b) = w.adapter_regions();
                 let (out, inp) = s.projection(w);
                 assert_eq!(k.layout.region(a).tensor_shape(), [4, inp], "{kind:?} {a}");
                 assert_eq!(k.layout.region(b).tensor_shape(), [out, 4], "{kind:?} {b}");

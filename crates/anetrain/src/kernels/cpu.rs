@@ -64,7 +64,7 @@ pub fn masked<'a>(x: &'a [f32], mask: Option<&[f32]>) -> std::borrow::Cow<'a, [f
     }
 }
 
-/// Adds weight region `w`'s LoRA branch, when it has an adapter, to `y`:
+/// Adds projection `target`'s LoRA branch, when it has an adapter, to `y`:
 ///   forward   y [out, S] += s·B·(A·(m⊙x))
 ///   backward dx [in, S]  += m⊙(s·Aᵀ·(Bᵀ·dy))
 /// with `A [r, in]`, `B [out, r]` and m the optional dropout mask input
@@ -74,18 +74,17 @@ fn add_adapter(
     t: &Inputs,
     o: &KernelOptions,
     s: &Shape,
-    w: &str,
+    target: Target,
     x: &[f32],
     product: Product,
 ) {
-    let Some((r, scale)) = o.adapter(w) else {
+    let Some((r, scale)) = o.adapter(target) else {
         return;
     };
-    let target = Target::from_region(w).expect("projection regions name targets");
     let (an, bn) = target.adapter_regions();
     let (a, b) = (get(t, an), get(t, bn));
     let mask = t.get(target.mask_input()).copied();
-    let (out, inp) = s.projection(w);
+    let (out, inp) = s.projection(target);
     let seq = s.seq;
     let scale = o.constant(scale);
     match product {
@@ -297,11 +296,11 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
         KernelKind::SdpaForward => {
             let x = get(t, "xnorm");
             let mut q_raw = w_x(get(t, "wq"), x, q, d, seq);
-            add_adapter(&mut q_raw, t, o, s, "wq", x, Product::Forward);
+            add_adapter(&mut q_raw, t, o, s, Target::Q, x, Product::Forward);
             let mut k_raw = w_x(get(t, "wk"), x, kv, d, seq);
-            add_adapter(&mut k_raw, t, o, s, "wk", x, Product::Forward);
+            add_adapter(&mut k_raw, t, o, s, Target::K, x, Product::Forward);
             let mut v = w_x(get(t, "wv"), x, kv, d, seq);
-            add_adapter(&mut v, t, o, s, "wv", x, Product::Forward);
+            add_adapter(&mut v, t, o, s, Target::V, x, Product::Forward);
             let (qn, kn) = if o.qk_norm {
                 (
                     head_rms_norm(&q_raw, get(t, "q_norm"), hd, seq, eps),
@@ -342,22 +341,22 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
         KernelKind::WoForward => {
             let x = get(t, "attn");
             let mut y = w_x(get(t, "wo"), x, d, q, seq);
-            add_adapter(&mut y, t, o, s, "wo", x, Product::Forward);
+            add_adapter(&mut y, t, o, s, Target::O, x, Product::Forward);
             put("o", y);
         }
         KernelKind::FfnForward => {
             let x = get(t, "x2norm");
             let mut h1 = w_x(get(t, "w1"), x, hid, d, seq);
-            add_adapter(&mut h1, t, o, s, "w1", x, Product::Forward);
+            add_adapter(&mut h1, t, o, s, Target::Gate, x, Product::Forward);
             let mut h3 = w_x(get(t, "w3"), x, hid, d, seq);
-            add_adapter(&mut h3, t, o, s, "w3", x, Product::Forward);
+            add_adapter(&mut h3, t, o, s, Target::Up, x, Product::Forward);
             let gate: Vec<f32> = h1
                 .iter()
                 .zip(&h3)
                 .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
                 .collect();
             let mut ffn = w_x(get(t, "w2"), &gate, d, hid, seq);
-            add_adapter(&mut ffn, t, o, s, "w2", &gate, Product::ForwardRows);
+            add_adapter(&mut ffn, t, o, s, Target::Down, &gate, Product::ForwardRows);
             let alpha = o.constant(o.residual_scale);
             let x_next = get(t, "x2")
                 .iter()
@@ -386,7 +385,7 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             for (&(w, product), act) in kind.projections().iter().zip(acts) {
                 let (rows, cols) = s.projection(w);
                 let dy = get(t, act);
-                let mut y = wt_x(get(t, w), dy, rows, cols, seq);
+                let mut y = wt_x(get(t, w.region()), dy, rows, cols, seq);
                 add_adapter(&mut y, t, o, s, w, dy, product);
                 if dx.is_empty() {
                     dx = y;

@@ -118,21 +118,21 @@ impl<'a> Gen<'a> {
         self.matmul(out, act_t, &w2, false, false)
     }
 
-    /// Adds weight region `w`'s LoRA branch, if it has one, to the
+    /// Adds projection `t`'s LoRA branch, if it has one, to the
     /// projection `y [1, 1, S, N]` of `act_t [1, 1, S, C]`:
     /// forward y + s·(x·Aᵀ)·Bᵀ, backward y + s·(dy·B)·A.
     fn with_adapter(
         &mut self,
         y: Value,
         act_t: &Value,
-        w: &str,
+        t: Target,
         product: Product,
         o: &KernelOptions,
     ) -> Result<Value> {
-        let Some((_, scale)) = o.adapter(w) else {
+        let Some((_, scale)) = o.adapter(t) else {
             return Ok(y);
         };
-        let t = Target::from_region(w).expect("projection regions name targets");
+        let w = t.region();
         let (a, b) = t.adapter_regions();
         let low = match product {
             // A and B stored transposed: [in, r] and [r, out].
@@ -284,11 +284,11 @@ pub fn generate(
         KernelKind::SdpaForward => {
             let xt = g.act_rows("xnorm")?;
             let qm = g.project("q_mm", &xt, "wq")?;
-            let qm = g.with_adapter(qm, &xt, "wq", Product::Forward, o)?;
+            let qm = g.with_adapter(qm, &xt, Target::Q, Product::Forward, o)?;
             let km = g.project("k_mm", &xt, "wk")?;
-            let km = g.with_adapter(km, &xt, "wk", Product::Forward, o)?;
+            let km = g.with_adapter(km, &xt, Target::K, Product::Forward, o)?;
             let vm = g.project("v_mm", &xt, "wv")?;
-            let vm = g.with_adapter(vm, &xt, "wv", Product::Forward, o)?;
+            let vm = g.with_adapter(vm, &xt, Target::V, Product::Forward, o)?;
             let mut q = g.rows_to_heads("q", &qm, s.heads)?;
             let mut k = g.rows_to_heads("k", &km, kvh)?;
             let v = g.rows_to_heads("v", &vm, kvh)?;
@@ -323,15 +323,15 @@ pub fn generate(
         KernelKind::WoForward => {
             let at = g.act_rows("attn")?;
             let y = g.project("o_mm", &at, "wo")?;
-            let y = g.with_adapter(y, &at, "wo", Product::Forward, o)?;
+            let y = g.with_adapter(y, &at, Target::O, Product::Forward, o)?;
             g.rows_to_channels("o", &y)?
         }
         KernelKind::FfnForward => {
             let xt = g.act_rows("x2norm")?;
             let h1m = g.project("h1_mm", &xt, "w1")?;
-            let h1m = g.with_adapter(h1m, &xt, "w1", Product::Forward, o)?;
+            let h1m = g.with_adapter(h1m, &xt, Target::Gate, Product::Forward, o)?;
             let h3m = g.project("h3_mm", &xt, "w3")?;
-            let h3m = g.with_adapter(h3m, &xt, "w3", Product::Forward, o)?;
+            let h3m = g.with_adapter(h3m, &xt, Target::Up, Product::Forward, o)?;
             let h1 = g.rows_to_channels("h1", &h1m)?;
             let h3 = g.rows_to_channels("h3", &h3m)?;
             // silu(h1)·h3 with silu = h1·sigmoid(h1)
@@ -344,7 +344,7 @@ pub fn generate(
             let w2 = g.region("w2")?;
             let w22 = g.reshape("w2_2d", &w2, &[1, 1, s.dim, hid])?;
             let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
-            let fm = g.with_adapter(fm, &gt, "w2", Product::ForwardRows, o)?;
+            let fm = g.with_adapter(fm, &gt, Target::Down, Product::ForwardRows, o)?;
             let ffn = g.rows_to_channels("ffn", &fm)?;
             let x2 = g.region("x2")?;
             let branch = if o.residual_scale == 1.0 {
@@ -358,25 +358,25 @@ pub fn generate(
         }
         KernelKind::FfnBackwardW2 | KernelKind::WoBackward | KernelKind::QBackward => {
             let (act, w, out) = match kind {
-                KernelKind::FfnBackwardW2 => ("dffn", "w2", "dgate"),
-                KernelKind::WoBackward => ("dy", "wo", "da"),
-                _ => ("dq", "wq", "dx"),
+                KernelKind::FfnBackwardW2 => ("dffn", Target::Down, "dgate"),
+                KernelKind::WoBackward => ("dy", Target::O, "da"),
+                _ => ("dq", Target::Q, "dx"),
             };
             let at = g.act_rows(act)?;
-            let y = g.project(&format!("{out}_mm"), &at, w)?;
+            let y = g.project(&format!("{out}_mm"), &at, w.region())?;
             let y = g.with_adapter(y, &at, w, Product::Backward, o)?;
             g.rows_to_channels(out, &y)?
         }
         KernelKind::FfnBackwardW13 | KernelKind::KvBackward => {
             let (a1, a2, w1, w2) = match kind {
-                KernelKind::FfnBackwardW13 => ("dh1", "dh3", "w1", "w3"),
-                _ => ("dk", "dv", "wk", "wv"),
+                KernelKind::FfnBackwardW13 => ("dh1", "dh3", Target::Gate, Target::Up),
+                _ => ("dk", "dv", Target::K, Target::V),
             };
             let t1 = g.act_rows(a1)?;
             let t2 = g.act_rows(a2)?;
-            let y1 = g.project(&format!("{a1}_mm"), &t1, w1)?;
+            let y1 = g.project(&format!("{a1}_mm"), &t1, w1.region())?;
             let y1 = g.with_adapter(y1, &t1, w1, Product::Backward, o)?;
-            let y2 = g.project(&format!("{a2}_mm"), &t2, w2)?;
+            let y2 = g.project(&format!("{a2}_mm"), &t2, w2.region())?;
             let y2 = g.with_adapter(y2, &t2, w2, Product::Backward, o)?;
             let y = g.b.add("dx_mm", &y1, &y2)?;
             g.rows_to_channels("dx", &y)?

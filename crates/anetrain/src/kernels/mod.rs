@@ -158,18 +158,19 @@ pub enum Product {
 }
 
 impl KernelKind {
-    /// The weight projections this kernel applies, by region name.
-    pub fn projections(self) -> &'static [(&'static str, Product)] {
+    /// The weight projections this kernel applies, and how.
+    pub fn projections(self) -> &'static [(Target, Product)] {
         use Product::*;
+        use Target::*;
         match self {
-            KernelKind::SdpaForward => &[("wq", Forward), ("wk", Forward), ("wv", Forward)],
-            KernelKind::WoForward => &[("wo", Forward)],
-            KernelKind::FfnForward => &[("w1", Forward), ("w3", Forward), ("w2", ForwardRows)],
-            KernelKind::FfnBackwardW2 => &[("w2", Backward)],
-            KernelKind::FfnBackwardW13 => &[("w1", Backward), ("w3", Backward)],
-            KernelKind::WoBackward => &[("wo", Backward)],
-            KernelKind::QBackward => &[("wq", Backward)],
-            KernelKind::KvBackward => &[("wk", Backward), ("wv", Backward)],
+            KernelKind::SdpaForward => &[(Q, Forward), (K, Forward), (V, Forward)],
+            KernelKind::WoForward => &[(O, Forward)],
+            KernelKind::FfnForward => &[(Gate, Forward), (Up, Forward), (Down, ForwardRows)],
+            KernelKind::FfnBackwardW2 => &[(Down, Backward)],
+            KernelKind::FfnBackwardW13 => &[(Gate, Backward), (Up, Backward)],
+            KernelKind::WoBackward => &[(O, Backward)],
+            KernelKind::QBackward => &[(Q, Backward)],
+            KernelKind::KvBackward => &[(K, Backward), (V, Backward)],
             KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => &[],
         }
     }
@@ -201,10 +202,9 @@ impl KernelOptions {
         o
     }
 
-    /// The adapter (rank, scale) of weight region `w`, if it has one.
-    pub fn adapter(&self, w: &str) -> Option<(usize, f64)> {
+    /// The adapter (rank, scale) of projection `t`, if it has one.
+    pub fn adapter(&self, t: Target) -> Option<(usize, f64)> {
         let l = self.lora.as_ref()?;
-        let t = Target::from_region(w)?;
         l.targets.contains(&t).then_some((l.rank, l.scale))
     }
 
@@ -255,15 +255,15 @@ impl Shape {
         self.kv_heads * self.head_dim
     }
 
-    /// `[out, in]` of the projection stored in weight region `w`.
-    pub fn projection(&self, w: &str) -> (usize, usize) {
+    /// `[out, in]` of projection `t`.
+    pub fn projection(&self, t: Target) -> (usize, usize) {
         let (d, h, q, kv) = (self.dim, self.hidden, self.q_dim(), self.kv_dim());
-        match w {
-            "wq" => (q, d),
-            "wk" | "wv" => (kv, d),
-            "wo" => (d, q),
-            "w1" | "w3" => (h, d),
-            _ => (d, h),
+        match t {
+            Target::Q => (q, d),
+            Target::K | Target::V => (kv, d),
+            Target::O => (d, q),
+            Target::Gate | Target::Up => (h, d),
+            Target::Down => (d, h),
         }
     }
 
@@ -392,11 +392,10 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
         }
     }
     let mut adapted = false;
-    for &(w, product) in kind.projections() {
-        let Some((r, _)) = o.adapter(w) else { continue };
-        let t = Target::from_region(w).expect("projection regions name targets");
+    for &(t, product) in kind.projections() {
+        let Some((r, _)) = o.adapter(t) else { continue };
         let (a, bn) = t.adapter_regions();
-        let (out, inp) = s.projection(w);
+        let (out, inp) = s.projection(t);
         match product {
             Product::Forward => b
                 .columns(a, inp, r, Transposed)
