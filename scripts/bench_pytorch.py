@@ -34,6 +34,16 @@ PRESETS = {
 }
 
 
+def cpu_steal():
+    """(steal, total) jiffies over all CPUs from /proc/stat, or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[7], sum(fields[:8])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="stories110m", choices=sorted(PRESETS))
@@ -51,7 +61,10 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=a.fused)
     steps, phases = [], {"forward": [], "backward": [], "optimizer": []}
+    timed_from = None
     for i in range(a.warmup + a.steps):
+        if i == a.warmup:
+            timed_from = cpu_steal()
         x = torch.randint(0, cfg.vocab_size, (a.batch, a.seq + 1))
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -69,12 +82,17 @@ def main():
             phases["backward"].append(t2 - t1)
             phases["optimizer"].append(t3 - t2)
     med = lambda v: sorted(v)[len(v) // 2]
+    end = cpu_steal()
+    steal = None
+    if timed_from and end and end[1] > timed_from[1]:
+        steal = (end[0] - timed_from[0]) / (end[1] - timed_from[1])
     print(json.dumps({
         "model": a.model, "engine": "pytorch " + torch.__version__ + (" fused-adamw" if a.fused else ""),
         "seq": a.seq, "batch": a.batch, "threads": a.threads,
         "median_step_s": med(steps), "min_step_s": min(steps),
         "tokens_per_s": a.seq * a.batch / med(steps),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "host_steal_fraction": steal,
         "phases_median_s": {k: med(v) for k, v in phases.items()},
     }))
 

@@ -109,6 +109,26 @@ pub struct BenchArgs {
     pub lora_rank: Option<usize>,
 }
 
+/// Jiffies the hypervisor gave to other guests ("steal") and all jiffies,
+/// summed over CPUs, from `/proc/stat` (Linux); `None` elsewhere.
+fn cpu_steal() -> Option<(u64, u64)> {
+    let s = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = s
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    Some((*fields.get(7)?, fields.iter().take(8).sum()))
+}
+
+/// The share of CPU time the host took between two `cpu_steal` readings.
+fn steal_fraction(before: Option<(u64, u64)>, after: Option<(u64, u64)>) -> Option<f64> {
+    let ((s0, t0), (s1, t1)) = (before?, after?);
+    (t1 > t0).then(|| (s1 - s0) as f64 / (t1 - t0) as f64)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -164,11 +184,15 @@ fn run<R: KernelRunner>(
     let mut grads = zero_grads(&model);
     let (mut steps, mut fwd, mut bwd, mut loss_t, mut wg, mut opt_t) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut timed_from = None;
     for i in 0..a.warmup + a.steps {
         let rows: Vec<Vec<u32>> = (0..a.batch)
             .map(|_| (0..=a.seq).map(|_| rng.below(v) as u32).collect())
             .collect();
-        let t0 = Instant::now();
+        if i == a.warmup {
+            timed_from = cpu_steal();
+        }
+        let (t0, steal0) = (Instant::now(), cpu_steal());
         optim::zero(&mut grads);
         let (mut tf, mut tb, mut tl) = (0.0, 0.0, 0.0);
         engine::take_weight_grad_secs();
@@ -190,8 +214,15 @@ fn run<R: KernelRunner>(
         opt.update_scaled(&mut model, &grads, 1e-4, coef);
         let to = o0.elapsed().as_secs_f64();
         let total = t0.elapsed().as_secs_f64();
+        let stolen = match steal_fraction(steal0, cpu_steal()) {
+            Some(f) if f >= 0.02 => format!(
+                " (the host took {:.0}% of this machine's CPU time)",
+                f * 100.0
+            ),
+            _ => String::new(),
+        };
         eprintln!(
-            "step {}{}: {:.3} s",
+            "step {}{}: {:.3} s{stolen}",
             i + 1,
             if i < a.warmup { " (warm-up)" } else { "" },
             total
@@ -207,6 +238,14 @@ fn run<R: KernelRunner>(
     }
     // Without weight gradients (LoRA) a step does two of the three matmul
     // passes; the rank-r adapter products are left out of the count.
+    let steal = steal_fraction(timed_from, cpu_steal());
+    if let Some(f) = steal.filter(|&f| f >= 0.05) {
+        eprintln!(
+            "note: the host (hypervisor) took {:.0}% of this machine's CPU time during the timed \
+             steps; times are inflated by it — compare runs made back to back",
+            f * 100.0
+        );
+    }
     let full = step_flops(&model.cfg, a.seq, a.batch);
     let (flops, flop_count) = if model.lora.is_some() {
         (
@@ -232,7 +271,7 @@ fn run<R: KernelRunner>(
         "fraction_of_matmul": flops / med / 1e9 / matmul,
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mb(), "host_steal_fraction": steal,
         "phases_median_s": {
             "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),
             "loss": median(&mut loss_t), "optimizer": median(&mut opt_t),

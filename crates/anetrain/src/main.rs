@@ -473,7 +473,19 @@ fn main() -> ExitCode {
         eprintln!("internal error: {msg}{at} (this is a bug in anetrain; please report it)");
     }));
     let cli = Cli::parse();
-    match std::panic::catch_unwind(|| dispatch(cli)) {
+    if let Err(e) = mil::linalg::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(1);
+    }
+    // Run the command on a worker of the thread pool the matrix multiply
+    // and the elementwise passes share: each parallel region then starts by
+    // handing work to an already-awake sibling, not by waking the pool from
+    // outside and sleeping until it is done (thousands of times per step).
+    // Worker stacks match the main thread's.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .stack_size(8 << 20)
+        .build_global();
+    match std::panic::catch_unwind(|| rayon::scope(|_| dispatch(cli))) {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(e)) => {
             let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();

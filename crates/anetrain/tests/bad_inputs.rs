@@ -296,3 +296,27 @@ fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
         &["state.json", "corrupt"],
     );
 }
+
+#[test]
+fn a_bad_matmul_override_is_one_line() {
+    let out = bin()
+        .args(["info"])
+        .env("ANETRAIN_MATMUL", "blas9000")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("ANETRAIN_MATMUL=blas9000") && err.contains("avx512, openblas, gemm"),
+        "{err}"
+    );
+    // The fallback always exists and is reported by `info`.
+    let out = bin()
+        .args(["info"])
+        .env("ANETRAIN_MATMUL", "gemm")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("gemm crate (pure Rust)"));
+}

@@ -5,7 +5,8 @@
 
 use std::collections::BTreeMap;
 
-use mil::linalg::{sgemm, MatRef};
+use mil::linalg::{sgemm, sgemm_local, MatRef};
+use rayon::prelude::*;
 
 use super::{KernelKind, KernelOptions, Product, Rope, Shape};
 use crate::lora::Target;
@@ -113,7 +114,6 @@ fn add_adapter(
 /// Rows are walked contiguously (per-position sums over channels kept in a
 /// vector), heads in parallel.
 pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
-    use rayon::prelude::*;
     let mut y = vec![0f32; x.len()];
     y.par_chunks_mut(hd * seq)
         .zip(x.par_chunks(hd * seq))
@@ -156,7 +156,6 @@ pub fn head_rms_norm_backward(
     eps: f32,
     dw: &mut [f32],
 ) -> Vec<f32> {
-    use rayon::prelude::*;
     let mut dx = vec![0f32; x.len()];
     let partial: Vec<Vec<f64>> = dx
         .par_chunks_mut(hd * seq)
@@ -220,7 +219,6 @@ pub fn apply_rope(
     rope: Rope,
     sign: f32,
 ) -> Vec<f32> {
-    use rayon::prelude::*;
     let mut y = vec![0f32; x.len()];
     let half = hd / 2;
     y.par_chunks_mut(hd * seq)
@@ -244,22 +242,13 @@ pub fn apply_rope(
     y
 }
 
-/// Causal softmax(qᵀk/√HD) for one query head: `q, k` are `[HD, S]` row
-/// blocks at the given offsets; returns `P [S, S]`.
-fn head_probs(
-    q: &[f32],
-    qo: usize,
-    k: &[f32],
-    ko: usize,
-    hd: usize,
-    seq: usize,
-    scale: f32,
-) -> Vec<f32> {
-    let mut p = vec![0f32; seq * seq];
-    sgemm(
-        MatRef::row_major(q, qo, hd, seq).t(),
-        MatRef::row_major(k, ko, hd, seq),
-        &mut p,
+/// Causal softmax(qᵀk/√HD) for one query head, on the calling thread:
+/// `q_h, k_g` are `[HD, S]`; writes `P [S, S]` into `p`.
+fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p: &mut [f32]) {
+    sgemm_local(
+        MatRef::row_major(q_h, 0, hd, seq).t(),
+        MatRef::row_major(k_g, 0, hd, seq),
+        p,
         0,
         seq,
         false,
@@ -279,7 +268,6 @@ fn head_probs(
         row[..=i].iter_mut().for_each(|v| *v /= sum);
         row[i + 1..].fill(0.0);
     }
-    p
 }
 
 /// Runs kernel `kind` natively.
@@ -312,20 +300,34 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             let (cos, sin) = o.rope_tables(seq, hd);
             let q_rope = apply_rope(&qn, hd, seq, &cos, &sin, o.rope, 1.0);
             let k_rope = apply_rope(&kn, hd, seq, &cos, &sin, o.rope, 1.0);
+            // The heads of one KV group share K and V; groups run in
+            // parallel, each product on its own thread.
             let mut attn = vec![0f32; q * seq];
-            for h in 0..s.heads {
-                let g = h / r;
-                let p = head_probs(&q_rope, h * hd * seq, &k_rope, g * hd * seq, hd, seq, scale);
-                // attn_h [HD, S] = V_g [HD, S] · Pᵀ
-                sgemm(
-                    MatRef::row_major(&v, g * hd * seq, hd, seq),
-                    MatRef::row_major(&p, 0, seq, seq).t(),
-                    &mut attn,
-                    h * hd * seq,
-                    seq,
-                    false,
-                );
-            }
+            attn.par_chunks_mut(r * hd * seq)
+                .enumerate()
+                .for_each(|(g, attn_g)| {
+                    let mut p = vec![0f32; seq * seq];
+                    for j in 0..r {
+                        let h = g * r + j;
+                        head_probs(
+                            &q_rope[h * hd * seq..][..hd * seq],
+                            &k_rope[g * hd * seq..][..hd * seq],
+                            hd,
+                            seq,
+                            scale,
+                            &mut p,
+                        );
+                        // attn_h [HD, S] = V_g [HD, S] · Pᵀ
+                        sgemm_local(
+                            MatRef::row_major(&v, g * hd * seq, hd, seq),
+                            MatRef::row_major(&p, 0, seq, seq).t(),
+                            attn_g,
+                            j * hd * seq,
+                            seq,
+                            false,
+                        );
+                    }
+                });
             put("attn", attn);
             put("q_rope", q_rope);
             put("k_rope", k_rope);
@@ -405,29 +407,44 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             let mut dv = vec![0f32; kv * seq];
             let mut probs = vec![0f32; s.heads * seq * seq];
             let mut dp = vec![0f32; s.heads * seq * seq];
-            for h in 0..s.heads {
-                let g = h / r;
-                let p = head_probs(qr, h * hd * seq, kr, g * hd * seq, hd, seq, scale);
-                // dV_g [HD, S] += dA_h [HD, S] · P
-                sgemm(
-                    MatRef::row_major(da, h * hd * seq, hd, seq),
-                    MatRef::row_major(&p, 0, seq, seq),
-                    &mut dv,
-                    g * hd * seq,
-                    seq,
-                    true,
-                );
-                // dP_h [S, S] = dA_hᵀ · V_g
-                sgemm(
-                    MatRef::row_major(da, h * hd * seq, hd, seq).t(),
-                    MatRef::row_major(v, g * hd * seq, hd, seq),
-                    &mut dp,
-                    h * seq * seq,
-                    seq,
-                    false,
-                );
-                probs[h * seq * seq..(h + 1) * seq * seq].copy_from_slice(&p);
-            }
+            // One KV group per task, its heads in order (so dV sums in the
+            // same order whatever the thread count).
+            dv.par_chunks_mut(hd * seq)
+                .zip(probs.par_chunks_mut(r * seq * seq))
+                .zip(dp.par_chunks_mut(r * seq * seq))
+                .enumerate()
+                .for_each(|(g, ((dv_g, probs_g), dp_g))| {
+                    for j in 0..r {
+                        let h = g * r + j;
+                        let p = &mut probs_g[j * seq * seq..(j + 1) * seq * seq];
+                        head_probs(
+                            &qr[h * hd * seq..][..hd * seq],
+                            &kr[g * hd * seq..][..hd * seq],
+                            hd,
+                            seq,
+                            scale,
+                            p,
+                        );
+                        // dV_g [HD, S] += dA_h [HD, S] · P
+                        sgemm_local(
+                            MatRef::row_major(da, h * hd * seq, hd, seq),
+                            MatRef::row_major(p, 0, seq, seq),
+                            dv_g,
+                            0,
+                            seq,
+                            true,
+                        );
+                        // dP_h [S, S] = dA_hᵀ · V_g
+                        sgemm_local(
+                            MatRef::row_major(da, h * hd * seq, hd, seq).t(),
+                            MatRef::row_major(v, g * hd * seq, hd, seq),
+                            dp_g,
+                            j * seq * seq,
+                            seq,
+                            false,
+                        );
+                    }
+                });
             put("dv", dv);
             put("probs", probs);
             put("dp", dp);
@@ -441,35 +458,44 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             );
             let mut dq = vec![0f32; q * seq];
             let mut dk = vec![0f32; kv * seq];
-            let mut ds = vec![0f32; seq * seq];
-            for h in 0..s.heads {
-                let g = h / r;
-                let base = h * seq * seq;
-                for i in 0..seq {
-                    let row = base + i * seq;
-                    let dot: f32 = (0..seq).map(|j| p[row + j] * dp[row + j]).sum();
-                    for j in 0..seq {
-                        ds[i * seq + j] = p[row + j] * (dp[row + j] - dot) * scale;
+            dq.par_chunks_mut(r * hd * seq)
+                .zip(dk.par_chunks_mut(hd * seq))
+                .enumerate()
+                .for_each(|(g, (dq_g, dk_g))| {
+                    let mut ds = vec![0f32; seq * seq];
+                    for j in 0..r {
+                        let h = g * r + j;
+                        let base = h * seq * seq;
+                        // dS = P ∘ (dP − rowsum(P ∘ dP)) · scale (over whole
+                        // rows, as the kernel does, whatever P holds).
+                        for i in 0..seq {
+                            let (p, dp) =
+                                (&p[base + i * seq..][..seq], &dp[base + i * seq..][..seq]);
+                            let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
+                            let row = &mut ds[i * seq..(i + 1) * seq];
+                            for ((d, &p), &dp) in row.iter_mut().zip(p).zip(dp) {
+                                *d = p * (dp - dot) * scale;
+                            }
+                        }
+                        // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
+                        sgemm_local(
+                            MatRef::row_major(kr, g * hd * seq, hd, seq),
+                            MatRef::row_major(&ds, 0, seq, seq).t(),
+                            dq_g,
+                            j * hd * seq,
+                            seq,
+                            false,
+                        );
+                        sgemm_local(
+                            MatRef::row_major(qr, h * hd * seq, hd, seq),
+                            MatRef::row_major(&ds, 0, seq, seq),
+                            dk_g,
+                            0,
+                            seq,
+                            true,
+                        );
                     }
-                }
-                // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
-                sgemm(
-                    MatRef::row_major(kr, g * hd * seq, hd, seq),
-                    MatRef::row_major(&ds, 0, seq, seq).t(),
-                    &mut dq,
-                    h * hd * seq,
-                    seq,
-                    false,
-                );
-                sgemm(
-                    MatRef::row_major(qr, h * hd * seq, hd, seq),
-                    MatRef::row_major(&ds, 0, seq, seq),
-                    &mut dk,
-                    g * hd * seq,
-                    seq,
-                    true,
-                );
-            }
+                });
             put("dq", dq);
             put("dk", dk);
         }
