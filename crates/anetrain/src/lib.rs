@@ -22,5 +22,6 @@ pub mod optim;
 pub mod plot;
 pub mod rng;
 pub mod safetensors;
+mod simd;
 pub mod tokenizer;
 pub mod train;

@@ -4,12 +4,15 @@
 //! ```text
 //! for each NC-wide column block of B
 //!   for each KC-deep slice of the inner dimension
-//!     pack B[KC × NC] into NR-wide panels          (panel: KC·NR floats, L1)
+//!     pack B[KC × NC] into NR-wide panels          (block: KC·NC floats, L2)
 //!     for each MC-tall row block of A
-//!       pack A[MC × KC] into MR-tall panels        (block: MC·KC floats, L2)
-//!       for each B panel, for each A panel:
+//!       pack A[MC × KC] into MR-tall panels        (panel: MR·KC floats, L1)
+//!       for each A panel, for each B panel:
 //!         C[MR × NR] (+)= A panel · B panel        (the micro-kernel)
 //! ```
+//!
+//! (A is the broadcast operand and stays in L1 for a sweep over the B
+//! block; B is the vector operand and streams from L2, prefetched.)
 //!
 //! The micro-kernel keeps a 14 × 32 tile of C in 28 of the 32 vector
 //! registers and, per step of the inner dimension, loads two vectors of B
@@ -31,8 +34,8 @@ use std::cell::RefCell;
 const MR: usize = 14;
 /// Columns of C one micro-kernel call produces (two 16-lane vectors).
 const NR: usize = 32;
-/// Depth of a packed slice: one KC × NR panel of B is 32 KB, held in L1
-/// while the kernel sweeps the A panels past it.
+/// Depth of a packed slice: one MR × KC panel of A is 14 KB, held in L1
+/// while it sweeps the B block.
 const KC: usize = 256;
 /// Rows of A packed together (MC × KC floats = 336 KB).
 const MC: usize = MR * 24;
