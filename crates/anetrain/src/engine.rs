@@ -730,10 +730,7 @@ pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale
         .map(|b| {
             let mut sum = vec![0f64; seq];
             for row in b.chunks_mut(seq) {
-                for ((z, m), acc) in row.iter_mut().zip(&max).zip(sum.iter_mut()) {
-                    *z = (*z - m).exp();
-                    *acc += *z as f64;
-                }
+                crate::simd::exp_shifted_accumulate(row, &max, &mut sum);
             }
             sum
         })

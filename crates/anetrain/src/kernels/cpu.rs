@@ -10,6 +10,7 @@ use rayon::prelude::*;
 
 use super::{KernelKind, KernelOptions, Product, Rope, Shape};
 use crate::lora::Target;
+use crate::simd::{exp, vectorized};
 
 /// Named tensors, row-major in their logical shapes.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
@@ -200,12 +201,32 @@ pub fn head_rms_norm_backward(
 pub fn swiglu_backward(h1: &[f32], h3: &[f32], dgate: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let mut dh1 = vec![0f32; h1.len()];
     let mut dh3 = vec![0f32; h1.len()];
-    for i in 0..h1.len() {
-        let sg = 1.0 / (1.0 + (-h1[i]).exp());
-        dh1[i] = dgate[i] * h3[i] * sg * (1.0 + h1[i] * (1.0 - sg));
-        dh3[i] = dgate[i] * h1[i] * sg;
-    }
+    swiglu_backward_into(h1, h3, dgate, &mut dh1, &mut dh3);
     (dh1, dh3)
+}
+
+vectorized! {
+    /// [`swiglu_backward`] into given buffers.
+    fn swiglu_backward_into(h1: &[f32], h3: &[f32], dgate: &[f32], dh1: &mut [f32], dh3: &mut [f32]) {
+        let n = h1.len();
+        let (h3, dgate, dh1, dh3) = (&h3[..n], &dgate[..n], &mut dh1[..n], &mut dh3[..n]);
+        for i in 0..n {
+            let sg = 1.0 / (1.0 + exp(-h1[i]));
+            dh1[i] = dgate[i] * h3[i] * sg * (1.0 + h1[i] * (1.0 - sg));
+            dh3[i] = dgate[i] * h1[i] * sg;
+        }
+    }
+}
+
+vectorized! {
+    /// `gate = silu(h1)·h3 = h1·σ(h1)·h3`, σ(a) = 1/(1 + e⁻ᵃ).
+    fn swiglu_forward(h1: &[f32], h3: &[f32], gate: &mut [f32]) {
+        let n = h1.len();
+        let (h3, gate) = (&h3[..n], &mut gate[..n]);
+        for i in 0..n {
+            gate[i] = h1[i] / (1.0 + exp(-h1[i])) * h3[i];
+        }
+    }
 }
 
 /// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
@@ -254,19 +275,9 @@ fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p: &m
         false,
     );
     for i in 0..seq {
-        let row = &mut p[i * seq..(i + 1) * seq];
-        let mut max = f32::NEG_INFINITY;
-        for v in row[..=i].iter_mut() {
-            *v *= scale;
-            max = max.max(*v);
-        }
-        let mut sum = 0f32;
-        for v in row[..=i].iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
-        row[..=i].iter_mut().for_each(|v| *v /= sum);
-        row[i + 1..].fill(0.0);
+        let (live, masked) = p[i * seq..(i + 1) * seq].split_at_mut(i + 1);
+        crate::simd::softmax_scaled(live, scale);
+        masked.fill(0.0);
     }
 }
 
@@ -352,11 +363,8 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
             add_adapter(&mut h1, t, o, s, Target::Gate, x, Product::Forward);
             let mut h3 = w_x(get(t, "w3"), x, hid, d, seq);
             add_adapter(&mut h3, t, o, s, Target::Up, x, Product::Forward);
-            let gate: Vec<f32> = h1
-                .iter()
-                .zip(&h3)
-                .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
-                .collect();
+            let mut gate = vec![0f32; h1.len()];
+            swiglu_forward(&h1, &h3, &mut gate);
             let mut ffn = w_x(get(t, "w2"), &gate, d, hid, seq);
             add_adapter(&mut ffn, t, o, s, Target::Down, &gate, Product::ForwardRows);
             let alpha = o.constant(o.residual_scale);
