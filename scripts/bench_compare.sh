@@ -34,7 +34,8 @@ for i, (o, t, f) in enumerate(rows, 1):
     vf.append(f["median_step_s"] / o["median_step_s"])
     print(f"round {i}: anetrain {o['median_step_s']:.3f} s (steal {steal(o)}), pytorch {t['median_step_s']:.3f} s "
           f"(steal {steal(t)}), fused {f['median_step_s']:.3f} s (steal {steal(f)}): "
-          f"{vs[-1]:.2f}x / {vf[-1]:.2f}x")
+          f"{vs[-1]:.2f}x / {vf[-1]:.2f}x; best matmul {o['matmul_gflops']:.0f} vs torch "
+          f"{t['matmul_gflops']:.0f} GFLOP/s")
 print(f"median over {len(rows)} rounds: {statistics.median(vs):.2f}x vs pytorch, "
       f"{statistics.median(vf):.2f}x vs pytorch fused AdamW (>1 means anetrain is faster)")
 PY

@@ -44,6 +44,35 @@ def cpu_steal():
         return None
 
 
+def matmul_reference(cfg, tokens):
+    """Best GFLOP/s of torch.matmul (MKL on x86 builds) on the products
+    `anetrain bench` times for its `matmul_gflops`: the FFN projection, its
+    weight gradient and the LM head at `tokens` columns, each timed twice
+    after a warm-up call, best time counting."""
+    d, h, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    x = torch.rand(d, tokens)
+    best = 0.0
+
+    def time_it(flops, f):
+        nonlocal best
+        f()
+        for _ in range(2):
+            t = time.perf_counter()
+            f()
+            best = max(best, flops / (time.perf_counter() - t) / 1e9)
+
+    w = torch.rand(h, d)
+    y = torch.empty(h, tokens)
+    dw = torch.empty(h, d)
+    time_it(2.0 * h * d * tokens, lambda: torch.matmul(w, x, out=y))
+    time_it(2.0 * h * d * tokens, lambda: torch.matmul(y, x.t(), out=dw))
+    del w, dw
+    head = torch.rand(v, d)
+    lt = torch.empty(v, tokens)
+    time_it(2.0 * v * d * tokens, lambda: torch.matmul(head, x, out=lt))
+    return best
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="stories110m", choices=sorted(PRESETS))
@@ -83,6 +112,8 @@ def main():
             phases["optimizer"].append(t3 - t2)
     med = lambda v: sorted(v)[len(v) // 2]
     end = cpu_steal()
+    with torch.no_grad():
+        matmul = matmul_reference(cfg, a.seq * a.batch)
     steal = None
     if timed_from and end and end[1] > timed_from[1]:
         steal = (end[0] - timed_from[0]) / (end[1] - timed_from[1])
@@ -93,6 +124,7 @@ def main():
         "tokens_per_s": a.seq * a.batch / med(steps),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "host_steal_fraction": steal,
+        "matmul_gflops": matmul,
         "phases_median_s": {k: med(v) for k, v in phases.items()},
     }))
 

@@ -308,7 +308,7 @@ fn a_bad_matmul_override_is_one_line() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
-        err.contains("ANETRAIN_MATMUL=blas9000") && err.contains("avx512, openblas, gemm"),
+        err.contains("ANETRAIN_MATMUL=blas9000") && err.contains("mkl, avx512, openblas, gemm"),
         "{err}"
     );
     // The fallback always exists and is reported by `info`.
@@ -319,4 +319,26 @@ fn a_bad_matmul_override_is_one_line() {
         .unwrap();
     assert!(out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("gemm crate (pure Rust)"));
+}
+
+#[test]
+fn an_unloadable_mkl_path_is_one_line() {
+    let dir = tmp("mkl");
+    let fake = dir.join("libmkl_rt.so.3");
+    std::fs::write(&fake, b"not a shared library").unwrap();
+    for path in [fake, dir.join("missing.so")] {
+        let out = bin()
+            .args(["info"])
+            .env("ANETRAIN_MKL", &path)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(
+            err.contains(&format!("ANETRAIN_MKL={}", path.display()))
+                && err.contains("cannot be loaded"),
+            "{err}"
+        );
+    }
 }

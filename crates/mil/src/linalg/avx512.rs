@@ -77,71 +77,12 @@ pub unsafe fn sgemm(
     } else {
         1
     };
-    let c = SendPtr(c);
-    if threads == 1 {
-        // SAFETY: forwarded from the caller.
-        unsafe { serial(a, b, c.0, ldc, accumulate) };
-        return;
-    }
-    // Split the dimension with more micro-tiles; each part is a whole
-    // number of tiles so no tile straddles two threads.
-    let split_cols = n.div_ceil(NR) >= m.div_ceil(MR);
-    let (tiles, tile) = if split_cols {
-        (n.div_ceil(NR), NR)
-    } else {
-        (m.div_ceil(MR), MR)
+    // SAFETY: forwarded from the caller; each part is a sub-block of it.
+    unsafe {
+        super::in_parts(a, b, c, ldc, threads, MR, NR, |a, b, c| {
+            serial(a, b, c, ldc, accumulate)
+        })
     };
-    let parts = threads.min(tiles);
-    rayon::scope(|s| {
-        for part in 0..parts {
-            let lo = (tiles * part / parts * tile).min(if split_cols { n } else { m });
-            let hi = (tiles * (part + 1) / parts * tile).min(if split_cols { n } else { m });
-            if lo == hi {
-                continue;
-            }
-            let run = move || {
-                let c = c;
-                // SAFETY: parts cover disjoint column (or row) ranges of C,
-                // and each sub-view lies inside the caller's checked view.
-                unsafe {
-                    if split_cols {
-                        serial(a, b.cols_range(lo, hi), c.0.add(lo), ldc, accumulate)
-                    } else {
-                        serial(a.rows_range(lo, hi), b, c.0.add(lo * ldc), ldc, accumulate)
-                    }
-                }
-            };
-            if part + 1 == parts {
-                run();
-            } else {
-                s.spawn(move |_| run());
-            }
-        }
-    });
-}
-
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: threads only write disjoint parts of the destination.
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl MatRef<'_> {
-    fn rows_range(self, lo: usize, hi: usize) -> Self {
-        MatRef {
-            offset: self.offset + lo * self.row_stride,
-            rows: hi - lo,
-            ..self
-        }
-    }
-
-    fn cols_range(self, lo: usize, hi: usize) -> Self {
-        MatRef {
-            offset: self.offset + lo * self.col_stride,
-            cols: hi - lo,
-            ..self
-        }
-    }
 }
 
 thread_local! {

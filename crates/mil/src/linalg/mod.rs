@@ -1,20 +1,25 @@
 //! Dense f32 matrix multiply: the one place the crate multiplies matrices.
-//! Three implementations sit behind [`sgemm`], chosen once per process:
+//! Four implementations sit behind [`sgemm`], chosen once per process in
+//! this order of preference (docs/benchmarks.md has the measurements):
 //!
+//! * [`Library::Mkl`]: Intel MKL's `cblas_sgemm`, when it can be loaded at
+//!   run time (`mkl.rs`; `ANETRAIN_MKL` or the loader's search path) — the
+//!   fastest measured at a training step's shapes;
 //! * [`Library::Avx512`]: our own packed, cache-blocked kernel
-//!   (`avx512.rs`), used on CPUs with AVX-512 — faster than OpenBLAS at the
-//!   shapes a training step uses (docs/benchmarks.md);
+//!   (`avx512.rs`), on CPUs with AVX-512 — level with OpenBLAS;
 //! * [`Library::OpenBlas`]: the system OpenBLAS's `cblas_sgemm`, when the
 //!   build found it (`build.rs`);
 //! * [`Library::GemmCrate`]: the pure-Rust `gemm` crate, always built.
 //!
-//! `ANETRAIN_MATMUL=avx512|openblas|gemm` overrides the choice (for
+//! `ANETRAIN_MATMUL=mkl|avx512|openblas|gemm` overrides the choice (for
 //! measurements); [`check_env`] validates it. Matrices are described by a
 //! pointer-free view (slice, offset, row and column strides) so transposed
 //! operands cost nothing.
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+mod mkl;
 
 use std::sync::OnceLock;
 
@@ -66,6 +71,7 @@ impl<'a> MatRef<'a> {
 /// A matrix-multiply implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Library {
+    Mkl,
     Avx512,
     OpenBlas,
     GemmCrate,
@@ -73,11 +79,17 @@ pub enum Library {
 
 impl Library {
     /// Every implementation, in order of preference.
-    pub const ALL: [Library; 3] = [Library::Avx512, Library::OpenBlas, Library::GemmCrate];
+    pub const ALL: [Library; 4] = [
+        Library::Mkl,
+        Library::Avx512,
+        Library::OpenBlas,
+        Library::GemmCrate,
+    ];
 
     /// The name `ANETRAIN_MATMUL` accepts.
     pub fn key(self) -> &'static str {
         match self {
+            Library::Mkl => "mkl",
             Library::Avx512 => "avx512",
             Library::OpenBlas => "openblas",
             Library::GemmCrate => "gemm",
@@ -87,6 +99,7 @@ impl Library {
     /// A human-readable description.
     pub fn describe(self) -> &'static str {
         match self {
+            Library::Mkl => "Intel MKL (loaded at run time, sequential, one call per thread)",
             Library::Avx512 => "anetrain AVX-512 kernel (packed, cache-blocked)",
             Library::OpenBlas => "OpenBLAS (system library)",
             Library::GemmCrate => "gemm crate (pure Rust)",
@@ -96,6 +109,10 @@ impl Library {
     /// Whether this build, on this CPU, can use it.
     pub fn available(self) -> bool {
         match self {
+            #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+            Library::Mkl => mkl::sgemm().is_some(),
+            #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+            Library::Mkl => false,
             #[cfg(target_arch = "x86_64")]
             Library::Avx512 => avx512::available(),
             #[cfg(not(target_arch = "x86_64"))]
@@ -145,9 +162,14 @@ pub fn selected() -> Library {
     })
 }
 
-/// Validates `ANETRAIN_MATMUL`: a one-line error if it names an unknown or
-/// unavailable library.
+/// Validates `ANETRAIN_MATMUL` and `ANETRAIN_MKL`: a one-line error if the
+/// first names an unknown or unavailable library or the second a library
+/// that cannot be loaded.
 pub fn check_env() -> Result<(), String> {
+    #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+    if let Some(e) = mkl::env_error() {
+        return Err(e);
+    }
     choose().map(|_| ())
 }
 
@@ -256,12 +278,42 @@ fn multiply(
         }
         return;
     }
-    #[cfg(openblas)]
-    if threaded
-        && library != Library::GemmCrate
-        && blas::sgemm(&a, &b, dst, dst_offset, dst_rs, accumulate)
-    {
-        return;
+    if dst_rs >= n {
+        let c = dst[dst_offset..].as_mut_ptr();
+        // MKL's sequential library on each part, split like our kernel.
+        #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+        if library == Library::Mkl {
+            if let Some(f) = mkl::sgemm() {
+                let threads = if threaded && m * n * k >= 1 << 21 {
+                    threads()
+                } else {
+                    1
+                };
+                let done = std::sync::atomic::AtomicBool::new(true);
+                // SAFETY: the asserts above prove both views and the m × n
+                // block of `dst` lie inside their slices; `dst` is a unique
+                // borrow; each part writes only its own block.
+                unsafe {
+                    in_parts(a, b, c, dst_rs, threads, 16, 16, |a, b, c| {
+                        if !call_cblas(f, &a, &b, c, dst_rs, accumulate) {
+                            done.store(false, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    })
+                };
+                // Every part has the same operand layout: all or none ran.
+                if done.into_inner() {
+                    return;
+                }
+            }
+        }
+        // SAFETY: as above.
+        #[cfg(openblas)]
+        if threaded
+            && library != Library::GemmCrate
+            && unsafe { call_cblas(openblas_sgemm, &a, &b, c, dst_rs, accumulate) }
+        {
+            return;
+        }
     }
     let flops = 2 * m * n * k;
     let par = if threaded && flops >= 1 << 24 {
@@ -297,36 +349,45 @@ fn multiply(
     }
 }
 
-#[cfg(openblas)]
-mod blas {
-    use super::MatRef;
+/// The `cblas_sgemm` signature (row-major order, transpose flags, sizes,
+/// alpha, A, lda, B, ldb, beta, C, ldc).
+type CblasSgemm = unsafe extern "C" fn(
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    i32,
+    f32,
+    *const f32,
+    i32,
+    *const f32,
+    i32,
+    f32,
+    *mut f32,
+    i32,
+);
 
+/// Calls a `cblas_sgemm` for `c (row stride ldc) = (accumulate ? c : 0) +
+/// a·b` when both views are BLAS-shaped (one stride 1) and every size fits
+/// an `i32`; returns false (nothing done) otherwise.
+///
+/// # Safety
+/// Both views lie inside their slices and `c` points at an `m × n` block
+/// with row stride `ldc` that nothing else reads or writes during the call.
+unsafe fn call_cblas(
+    f: CblasSgemm,
+    a: &MatRef<'_>,
+    b: &MatRef<'_>,
+    c: *mut f32,
+    ldc: usize,
+    accumulate: bool,
+) -> bool {
     const ROW_MAJOR: i32 = 101;
     const NO_TRANS: i32 = 111;
     const TRANS: i32 = 112;
-
-    extern "C" {
-        fn cblas_sgemm(
-            order: i32,
-            trans_a: i32,
-            trans_b: i32,
-            m: i32,
-            n: i32,
-            k: i32,
-            alpha: f32,
-            a: *const f32,
-            lda: i32,
-            b: *const f32,
-            ldb: i32,
-            beta: f32,
-            c: *mut f32,
-            ldc: i32,
-        );
-    }
-
-    /// A view as a BLAS operand: (transpose flag, leading dimension), if
-    /// one of its strides is 1.
-    fn operand(v: &MatRef<'_>) -> Option<(i32, usize)> {
+    // A view as an operand: (transpose flag, leading dimension).
+    let operand = |v: &MatRef<'_>| {
         if v.col_stride == 1 && v.row_stride >= v.cols.max(1) {
             Some((NO_TRANS, v.row_stride))
         } else if v.row_stride == 1 && v.col_stride >= v.rows.max(1) {
@@ -334,49 +395,142 @@ mod blas {
         } else {
             None
         }
+    };
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    let (Some((ta, lda)), Some((tb, ldb))) = (operand(a), operand(b)) else {
+        return false;
+    };
+    let fits = |v: usize| i32::try_from(v).is_ok();
+    if ![m, n, k, lda, ldb, ldc].into_iter().all(fits) || ldc < n {
+        return false;
+    }
+    // SAFETY: the caller's contract covers exactly these sizes and strides.
+    unsafe {
+        f(
+            ROW_MAJOR,
+            ta,
+            tb,
+            m as i32,
+            n as i32,
+            k as i32,
+            1.0,
+            a.data.as_ptr().add(a.offset),
+            lda as i32,
+            b.data.as_ptr().add(b.offset),
+            ldb as i32,
+            if accumulate { 1.0 } else { 0.0 },
+            c,
+            ldc as i32,
+        )
+    };
+    true
+}
+
+#[cfg(openblas)]
+extern "C" {
+    /// The system OpenBLAS (linked when `build.rs` found it).
+    #[link_name = "cblas_sgemm"]
+    fn openblas_sgemm(
+        order: i32,
+        trans_a: i32,
+        trans_b: i32,
+        m: i32,
+        n: i32,
+        k: i32,
+        alpha: f32,
+        a: *const f32,
+        lda: i32,
+        b: *const f32,
+        ldb: i32,
+        beta: f32,
+        c: *mut f32,
+        ldc: i32,
+    );
+}
+
+/// Runs `part(a_part, b_part, c_part)` over disjoint parts of `c = a·b`
+/// (`m × n`, row stride `ldc`) on up to `threads` threads of the pool: the
+/// dimension with more `tile_m × tile_n` tiles is split, in whole tiles, so
+/// no tile straddles two parts and each part is a complete product (its
+/// result does not depend on the number of parts).
+///
+/// # Safety
+/// `c` points at an `m × n` block with row stride `ldc` that nothing else
+/// reads or writes during the call, and `part` writes only the block it is
+/// given.
+#[allow(clippy::too_many_arguments)]
+unsafe fn in_parts(
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: *mut f32,
+    ldc: usize,
+    threads: usize,
+    tile_m: usize,
+    tile_n: usize,
+    part: impl Fn(MatRef<'_>, MatRef<'_>, *mut f32) + Sync,
+) {
+    let (m, n) = (a.rows, b.cols);
+    if threads <= 1 {
+        part(a, b, c);
+        return;
+    }
+    let split_cols = n.div_ceil(tile_n) >= m.div_ceil(tile_m);
+    let (tiles, tile, len) = if split_cols {
+        (n.div_ceil(tile_n), tile_n, n)
+    } else {
+        (m.div_ceil(tile_m), tile_m, m)
+    };
+    let parts = threads.min(tiles);
+    let c = SendPtr(c);
+    let part = &part;
+    rayon::scope(|s| {
+        for p in 0..parts {
+            let lo = (tiles * p / parts * tile).min(len);
+            let hi = (tiles * (p + 1) / parts * tile).min(len);
+            if lo == hi {
+                continue;
+            }
+            let run = move || {
+                let c = c;
+                // SAFETY: parts cover disjoint column (or row) ranges of C.
+                unsafe {
+                    if split_cols {
+                        part(a, b.cols_range(lo, hi), c.0.add(lo))
+                    } else {
+                        part(a.rows_range(lo, hi), b, c.0.add(lo * ldc))
+                    }
+                }
+            };
+            if p + 1 == parts {
+                run();
+            } else {
+                s.spawn(move |_| run());
+            }
+        }
+    });
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: threads only write disjoint parts of the destination.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl MatRef<'_> {
+    fn rows_range(self, lo: usize, hi: usize) -> Self {
+        MatRef {
+            offset: self.offset + lo * self.row_stride,
+            rows: hi - lo,
+            ..self
+        }
     }
 
-    /// `cblas_sgemm` when both views are BLAS-shaped and every size fits an
-    /// `i32`; returns false (nothing done) otherwise. The caller has checked
-    /// every view lies inside its slice.
-    pub fn sgemm(
-        a: &MatRef<'_>,
-        b: &MatRef<'_>,
-        dst: &mut [f32],
-        dst_offset: usize,
-        dst_rs: usize,
-        accumulate: bool,
-    ) -> bool {
-        let (m, k, n) = (a.rows, a.cols, b.cols);
-        let (Some((ta, lda)), Some((tb, ldb))) = (operand(a), operand(b)) else {
-            return false;
-        };
-        let fits = |v: usize| i32::try_from(v).is_ok();
-        if ![m, n, k, lda, ldb, dst_rs].into_iter().all(fits) || dst_rs < n {
-            return false;
+    fn cols_range(self, lo: usize, hi: usize) -> Self {
+        MatRef {
+            offset: self.offset + lo * self.col_stride,
+            cols: hi - lo,
+            ..self
         }
-        // SAFETY: the views and the destination were bounds-checked by the
-        // caller for exactly these sizes and strides; `dst` is a unique
-        // borrow, so it cannot alias `a` or `b`.
-        unsafe {
-            cblas_sgemm(
-                ROW_MAJOR,
-                ta,
-                tb,
-                m as i32,
-                n as i32,
-                k as i32,
-                1.0,
-                a.data.as_ptr().add(a.offset),
-                lda as i32,
-                b.data.as_ptr().add(b.offset),
-                ldb as i32,
-                if accumulate { 1.0 } else { 0.0 },
-                dst.as_mut_ptr().add(dst_offset),
-                dst_rs as i32,
-            )
-        }
-        true
     }
 }
 
