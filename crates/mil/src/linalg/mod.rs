@@ -517,7 +517,8 @@ unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 impl MatRef<'_> {
-    fn rows_range(self, lo: usize, hi: usize) -> Self {
+    /// Rows `lo..hi` of this view.
+    pub fn rows_range(self, lo: usize, hi: usize) -> Self {
         MatRef {
             offset: self.offset + lo * self.row_stride,
             rows: hi - lo,
@@ -525,7 +526,8 @@ impl MatRef<'_> {
         }
     }
 
-    fn cols_range(self, lo: usize, hi: usize) -> Self {
+    /// Columns `lo..hi` of this view.
+    pub fn cols_range(self, lo: usize, hi: usize) -> Self {
         MatRef {
             offset: self.offset + lo * self.col_stride,
             cols: hi - lo,
