@@ -297,16 +297,19 @@ fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
     );
 }
 
+/// `anetrain info` with one environment variable set must fail with exit
+/// status 1 and a single line naming it; returns that line.
+fn info_fails_in_one_line(var: &str, value: &std::ffi::OsStr) -> String {
+    let out = bin().args(["info"]).env(var, value).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    err
+}
+
 #[test]
 fn a_bad_matmul_override_is_one_line() {
-    let out = bin()
-        .args(["info"])
-        .env("ANETRAIN_MATMUL", "blas9000")
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(err.lines().count(), 1, "{err}");
+    let err = info_fails_in_one_line("ANETRAIN_MATMUL", "blas9000".as_ref());
     assert!(
         err.contains("ANETRAIN_MATMUL=blas9000") && err.contains("mkl, avx512, openblas, gemm"),
         "{err}"
@@ -327,14 +330,7 @@ fn an_unloadable_mkl_path_is_one_line() {
     let fake = dir.join("libmkl_rt.so.3");
     std::fs::write(&fake, b"not a shared library").unwrap();
     for path in [fake, dir.join("missing.so")] {
-        let out = bin()
-            .args(["info"])
-            .env("ANETRAIN_MKL", &path)
-            .output()
-            .unwrap();
-        assert_eq!(out.status.code(), Some(1));
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(err.lines().count(), 1, "{err}");
+        let err = info_fails_in_one_line("ANETRAIN_MKL", path.as_os_str());
         assert!(
             err.contains(&format!("ANETRAIN_MKL={}", path.display()))
                 && err.contains("cannot be loaded"),

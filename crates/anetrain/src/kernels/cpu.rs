@@ -242,6 +242,14 @@ pub fn apply_rope(
 ) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     let half = hd / 2;
+    // The tables transposed to [HD, S], so the loop below reads them
+    // contiguously (and vectorises) instead of striding by HD.
+    let transposed = |t: &[f32]| -> Vec<f32> {
+        (0..hd)
+            .flat_map(|d| (0..seq).map(move |s| t[s * hd + d]))
+            .collect()
+    };
+    let (cos, sin) = (transposed(cos), transposed(sin));
     y.par_chunks_mut(hd * seq)
         .zip(x.par_chunks(hd * seq))
         .for_each(|(yh, xh)| {
@@ -254,9 +262,10 @@ pub fn apply_rope(
                     Rope::Interleaved => (d - 1, 1.0),
                 };
                 let (xr, xp) = (&xh[d * seq..][..seq], &xh[p * seq..][..seq]);
+                let (c, sn) = (&cos[d * seq..][..seq], &sin[d * seq..][..seq]);
                 let out = &mut yh[d * seq..][..seq];
                 for s in 0..seq {
-                    out[s] = xr[s] * cos[s * hd + d] + sign * rs * xp[s] * sin[s * hd + d];
+                    out[s] = xr[s] * c[s] + sign * rs * xp[s] * sn[s];
                 }
             }
         });
