@@ -46,10 +46,6 @@ const NC: usize = NR * 32;
 /// How far ahead (in floats of packed B) the micro-kernel prefetches.
 const B_AHEAD: usize = NR * 8;
 
-/// Below this many multiply-adds a product runs on the calling thread:
-/// splitting it would cost more than it saves.
-const PARALLEL_MIN_MACS: usize = 1 << 21;
-
 /// Whether this CPU can run the kernel.
 pub fn available() -> bool {
     is_x86_feature_detected!("avx512f")
@@ -72,11 +68,7 @@ pub unsafe fn sgemm(
     threaded: bool,
 ) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
-    let threads = if threaded && m * n * k >= PARALLEL_MIN_MACS {
-        rayon::current_num_threads().max(1)
-    } else {
-        1
-    };
+    let threads = super::part_count(threaded, m, n, k);
     // SAFETY: forwarded from the caller; each part is a sub-block of it.
     unsafe {
         super::in_parts(a, b, c, ldc, threads, MR, NR, |a, b, c| {

@@ -123,11 +123,18 @@ impl Library {
     }
 }
 
+/// The first available implementation in order of preference.
+fn default_library() -> Library {
+    Library::ALL
+        .into_iter()
+        .find(|l| l.available())
+        .unwrap_or(Library::GemmCrate)
+}
+
 /// The implementation `ANETRAIN_MATMUL` asks for, or the first available
 /// one; an error names the variable and the accepted values.
 fn choose() -> Result<Library, String> {
-    let default = Library::ALL.into_iter().find(|l| l.available());
-    let default = default.unwrap_or(Library::GemmCrate);
+    let default = default_library();
     let Ok(wanted) = std::env::var("ANETRAIN_MATMUL") else {
         return Ok(default);
     };
@@ -152,14 +159,7 @@ static SELECTED: OnceLock<Library> = OnceLock::new();
 /// The implementation [`sgemm`] uses (an invalid `ANETRAIN_MATMUL` falls
 /// back to the default; call [`check_env`] first to report it).
 pub fn selected() -> Library {
-    *SELECTED.get_or_init(|| {
-        choose().unwrap_or_else(|_| {
-            Library::ALL
-                .into_iter()
-                .find(|l| l.available())
-                .unwrap_or(Library::GemmCrate)
-        })
-    })
+    *SELECTED.get_or_init(|| choose().unwrap_or_else(|_| default_library()))
 }
 
 /// Validates `ANETRAIN_MATMUL` and `ANETRAIN_MKL`: a one-line error if the
@@ -284,11 +284,7 @@ fn multiply(
         #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
         if library == Library::Mkl {
             if let Some(f) = mkl::sgemm() {
-                let threads = if threaded && m * n * k >= 1 << 21 {
-                    threads()
-                } else {
-                    1
-                };
+                let threads = part_count(threaded, m, n, k);
                 let done = std::sync::atomic::AtomicBool::new(true);
                 // SAFETY: the asserts above prove both views and the m × n
                 // block of `dst` lie inside their slices; `dst` is a unique
@@ -446,6 +442,21 @@ extern "C" {
         c: *mut f32,
         ldc: i32,
     );
+}
+
+/// Below this many multiply-adds a product runs on the calling thread:
+/// splitting it would cost more than it saves.
+const PARALLEL_MIN_MACS: usize = 1 << 21;
+
+/// How many parts [`in_parts`] should split an `m × k · k × n` product
+/// into: every thread of the pool when `threaded` and the product is large
+/// enough, else one.
+fn part_count(threaded: bool, m: usize, n: usize, k: usize) -> usize {
+    if threaded && m * n * k >= PARALLEL_MIN_MACS {
+        rayon::current_num_threads().max(1)
+    } else {
+        1
+    }
 }
 
 /// Runs `part(a_part, b_part, c_part)` over disjoint parts of `c = a·b`
