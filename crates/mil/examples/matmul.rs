@@ -5,7 +5,8 @@
 //! ```bash
 //! cargo run --release -p mil --example matmul -- [TOKENS] [HIDDEN] [FFN] [VOCAB]
 //! ```
-//! Defaults are Qwen3-0.6B's shapes at 256 tokens.
+//! Defaults are Qwen3-0.6B's shapes at 256 tokens; `MATMUL_LIBS=amx,mkl`
+//! limits the comparison to those libraries.
 
 use mil::linalg::{sgemm_with, Library, MatRef};
 use std::time::Instant;
@@ -38,12 +39,18 @@ fn main() {
         vec![0.0; d * s],
         vec![0.0; v * s],
     );
-    let libs: Vec<Library> = Library::ALL.into_iter().filter(|l| l.available()).collect();
+    // `MATMUL_LIBS=amx,mkl` limits the comparison to those libraries.
+    let wanted = std::env::var("MATMUL_LIBS").unwrap_or_default();
+    let libs: Vec<Library> = Library::ALL
+        .into_iter()
+        .filter(|l| l.available())
+        .filter(|l| wanted.is_empty() || wanted.split(',').any(|w| w == l.key()))
+        .collect();
     println!(
         "{:<44}{}",
         "product [M×K · K×N]",
         libs.iter()
-            .map(|l| format!("{:>10}", l.key()))
+            .map(|l| format!("{:>11}", l.key()))
             .collect::<String>()
     );
     type Case<'a> = (String, usize, Box<dyn FnMut(Library) + 'a>);
@@ -181,7 +188,7 @@ fn main() {
             }
         }
         for t in best {
-            print!("{:>10.0}", 2.0 * macs as f64 / t / 1e9);
+            print!("{:>11.0}", 2.0 * macs as f64 / t / 1e9);
         }
         print!("   per CPU-second:");
         for t in best_cpu {

@@ -11,11 +11,21 @@
 //!   build found it (`build.rs`);
 //! * [`Library::GemmCrate`]: the pure-Rust `gemm` crate, always built.
 //!
-//! `ANETRAIN_MATMUL=mkl|avx512|openblas|gemm` overrides the choice (for
-//! measurements); [`check_env`] validates it. Matrices are described by a
-//! pointer-free view (slice, offset, row and column strides) so transposed
-//! operands cost nothing.
+//! Two more are only used when asked for: our Intel AMX kernel (`amx.rs`),
+//! which multiplies f32 matrices as sums of bf16 tile products, either to
+//! f32 working precision ([`Library::Amx`]) or with about 16 bits per
+//! operand ([`Library::AmxBf16x3`], which changes results at the 1e-5
+//! level). Neither was faster than MKL in a whole training step on the
+//! 2-vCPU machine we measured (where two threads of tile products ran no
+//! faster than one), so neither is a default.
+//!
+//! `ANETRAIN_MATMUL=mkl|avx512|openblas|gemm|amx|amx-bf16x3` overrides the
+//! choice (for measurements); [`check_env`] validates it. Matrices are
+//! described by a pointer-free view (slice, offset, row and column strides)
+//! so transposed operands cost nothing.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
@@ -71,6 +81,8 @@ impl<'a> MatRef<'a> {
 /// A matrix-multiply implementation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Library {
+    Amx,
+    AmxBf16x3,
     Mkl,
     Avx512,
     OpenBlas,
@@ -79,16 +91,20 @@ pub enum Library {
 
 impl Library {
     /// Every implementation, in order of preference.
-    pub const ALL: [Library; 4] = [
+    pub const ALL: [Library; 6] = [
         Library::Mkl,
         Library::Avx512,
         Library::OpenBlas,
         Library::GemmCrate,
+        Library::Amx,
+        Library::AmxBf16x3,
     ];
 
     /// The name `ANETRAIN_MATMUL` accepts.
     pub fn key(self) -> &'static str {
         match self {
+            Library::Amx => "amx",
+            Library::AmxBf16x3 => "amx-bf16x3",
             Library::Mkl => "mkl",
             Library::Avx512 => "avx512",
             Library::OpenBlas => "openblas",
@@ -99,6 +115,10 @@ impl Library {
     /// A human-readable description.
     pub fn describe(self) -> &'static str {
         match self {
+            Library::Amx => "anetrain AMX kernel (f32 as three bf16 pieces, six tile products)",
+            Library::AmxBf16x3 => {
+                "anetrain AMX kernel (two bf16 pieces, three tile products: about 16 bits)"
+            }
             Library::Mkl => "Intel MKL (loaded at run time, sequential, one call per thread)",
             Library::Avx512 => "anetrain AVX-512 kernel (packed, cache-blocked)",
             Library::OpenBlas => "OpenBLAS (system library)",
@@ -113,6 +133,10 @@ impl Library {
             Library::Mkl => mkl::sgemm().is_some(),
             #[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
             Library::Mkl => false,
+            #[cfg(target_arch = "x86_64")]
+            Library::Amx | Library::AmxBf16x3 => amx::available(),
+            #[cfg(not(target_arch = "x86_64"))]
+            Library::Amx | Library::AmxBf16x3 => false,
             #[cfg(target_arch = "x86_64")]
             Library::Avx512 => avx512::available(),
             #[cfg(not(target_arch = "x86_64"))]
@@ -258,6 +282,28 @@ fn multiply(
             for r in 0..m {
                 dst[dst_offset + r * dst_rs..][..n].fill(0.0);
             }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if matches!(library, Library::Amx | Library::AmxBf16x3) && amx::available() && dst_rs >= n {
+        let pieces = if library == Library::Amx {
+            amx::Pieces::Three
+        } else {
+            amx::Pieces::Two
+        };
+        // SAFETY: as for the AVX-512 kernel below; the CPU and kernel
+        // support were just checked.
+        unsafe {
+            amx::sgemm(
+                pieces,
+                a,
+                b,
+                dst.as_mut_ptr().add(dst_offset),
+                dst_rs,
+                accumulate,
+                threaded,
+            );
         }
         return;
     }
@@ -581,6 +627,30 @@ mod tests {
     /// Tolerance: f32 sums of up to 700 products of values in [-1, 1]
     /// carry a rounding error far below 1e-4 relative to the sum of |terms|.
     #[test]
+    fn non_finite_inputs_give_non_finite_outputs() {
+        // The trainer skips a step whose loss or gradients are not finite:
+        // every implementation must carry NaN and ±∞ through a product.
+        let (m, k, n) = (40, 70, 36);
+        for lib in Library::ALL.into_iter().filter(|l| l.available()) {
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut a = vec![0.5f32; m * k];
+                a[7 * k + 3] = bad;
+                let b = vec![0.25f32; k * n];
+                let mut out = vec![0.0f32; m * n];
+                let (av, bv) = (
+                    MatRef::row_major(&a, 0, m, k),
+                    MatRef::row_major(&b, 0, k, n),
+                );
+                sgemm_with(lib, av, bv, &mut out, 0, n, false);
+                for (r, row) in out.chunks(n).enumerate() {
+                    let finite = row.iter().all(|x| x.is_finite());
+                    assert_eq!(finite, r != 7, "{lib:?} with {bad} at row 7: row {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn every_library_matches_naive_on_awkward_shapes() {
         let shapes = [
             (1, 1, 1),
@@ -652,8 +722,13 @@ mod tests {
                     want += init[idx] as f64;
                 }
                 let got = out[idx] as f64;
+                let tol = if lib == Some(Library::AmxBf16x3) {
+                    1e-4
+                } else {
+                    1e-5
+                };
                 assert!(
-                    (got - want).abs() <= 1e-5 * scale,
+                    (got - want).abs() <= tol * scale,
                     "{lib:?} {m}x{k}x{n} ta={ta} tb={tb} acc={accumulate}: [{i},{j}] {got} vs {want}"
                 );
             }
