@@ -193,7 +193,7 @@ fn run<R: KernelRunner>(
             timed_from = cpu_steal();
         }
         let (t0, steal0) = (Instant::now(), cpu_steal());
-        optim::zero(&mut grads);
+        grads.reset();
         let (mut tf, mut tb, mut tl) = (0.0, 0.0, 0.0);
         engine::take_weight_grad_secs();
         let scale = 1.0 / (a.batch * a.seq) as f32;
@@ -210,6 +210,7 @@ fn run<R: KernelRunner>(
         }
         let w = engine::take_weight_grad_secs();
         let o0 = Instant::now();
+        grads.finish();
         let coef = optim::clip_coef(optim::grad_norm(&grads), 1.0);
         opt.update_scaled(&mut model, &grads, 1e-4, coef);
         let to = o0.elapsed().as_secs_f64();

@@ -159,15 +159,118 @@ pub struct Forward {
     pub xf: Vec<f32>,
 }
 
-/// Gradients parallel to `Model::params`.
-pub type Grads = Vec<Vec<f32>>;
+/// Gradients parallel to `Model::trainable()`, reused from step to step.
+///
+/// [`Grads::reset`] starts a step without touching memory: the first
+/// writer of each buffer in the step overwrites it (a product with β = 0)
+/// and later writers accumulate, so a step neither zeroes 4 bytes per
+/// parameter nor reads them back in its weight-gradient products.
+/// [`Grads::finish`] zeroes whatever nothing wrote; reading a buffer
+/// before that is a bug and panics.
+#[derive(Debug, PartialEq)]
+pub struct Grads {
+    bufs: Vec<Vec<f32>>,
+    /// Whether each buffer holds this step's gradient so far.
+    written: Vec<bool>,
+}
 
+/// All-zero gradients for `model` (every buffer counts as written).
 pub fn zero_grads(model: &Model) -> Grads {
-    model
+    let bufs: Vec<Vec<f32>> = model
         .trainable()
         .iter()
         .map(|p| crate::mem::zeroed_huge(p.data.len()))
-        .collect()
+        .collect();
+    Grads::from(bufs)
+}
+
+impl Grads {
+    /// Starts a step: every buffer is stale until written.
+    pub fn reset(&mut self) {
+        self.written.fill(false);
+    }
+
+    /// The buffer a product writes parameter `id`'s gradient into, and
+    /// whether it must accumulate (something already wrote it this step).
+    pub fn product_target(&mut self, id: usize) -> (&mut [f32], bool) {
+        let accumulate = std::mem::replace(&mut self.written[id], true);
+        (&mut self.bufs[id], accumulate)
+    }
+
+    /// Parameter `id`'s buffer for element-wise `+=`, zeroed first when
+    /// nothing wrote it this step.
+    pub fn accumulator(&mut self, id: usize) -> &mut [f32] {
+        if !std::mem::replace(&mut self.written[id], true) {
+            use rayon::prelude::*;
+            self.bufs[id]
+                .par_chunks_mut(1 << 16)
+                .for_each(|c| c.fill(0.0));
+        }
+        &mut self.bufs[id]
+    }
+
+    /// Ends a step's writes: zeroes every buffer nothing wrote.
+    pub fn finish(&mut self) {
+        for id in 0..self.bufs.len() {
+            self.accumulator(id);
+        }
+    }
+
+    fn check_finished(&self) {
+        assert!(
+            self.written.iter().all(|&w| w),
+            "gradients read before Grads::finish"
+        );
+    }
+
+    /// Every gradient (after [`Grads::finish`]).
+    pub fn iter(&self) -> std::slice::Iter<'_, Vec<f32>> {
+        self.check_finished();
+        self.bufs.iter()
+    }
+
+    /// Every gradient, mutably (after [`Grads::finish`]).
+    pub fn iter_mut(&mut self) -> std::slice::IterMut<'_, Vec<f32>> {
+        self.check_finished();
+        self.bufs.iter_mut()
+    }
+
+    pub fn len(&self) -> usize {
+        self.bufs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.bufs.is_empty()
+    }
+}
+
+impl From<Vec<Vec<f32>>> for Grads {
+    /// Given gradients (every buffer counts as written).
+    fn from(bufs: Vec<Vec<f32>>) -> Self {
+        Grads {
+            written: vec![true; bufs.len()],
+            bufs,
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Grads {
+    type Item = &'a Vec<f32>;
+    type IntoIter = std::slice::Iter<'a, Vec<f32>>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl std::ops::Index<usize> for Grads {
+    type Output = Vec<f32>;
+
+    /// Parameter `id`'s gradient (written this step, or after `finish`).
+    fn index(&self, id: usize) -> &Vec<f32> {
+        assert!(self.written[id], "gradient {id} read before Grads::finish");
+        &self.bufs[id]
+    }
 }
 
 /// Where a base parameter's gradient accumulates: its slot in `grads`, or
@@ -183,7 +286,7 @@ fn base_grad<'a>(
         scratch.resize(model.params[id].data.len(), 0.0);
         scratch
     } else {
-        &mut grads[id]
+        grads.accumulator(id)
     }
 }
 
@@ -203,14 +306,8 @@ fn projection_grad(
     let base = &model.params[t.base(&model.layers[layer])];
     let (out, inp, seq) = (base.shape[0], base.shape[1], x.len() / base.shape[1]);
     let Some(lora) = &model.lora else {
-        accumulate_weight_grad(
-            &mut grads[t.base(&model.layers[layer])],
-            dy,
-            x,
-            out,
-            inp,
-            seq,
-        );
+        let target = grads.product_target(t.base(&model.layers[layer]));
+        weight_grad(target, dy, x, out, inp, seq);
         return;
     };
     let Some(ids) = lora.slots[layer][t.index()] else {
@@ -224,8 +321,8 @@ fn projection_grad(
     bt_dy.iter_mut().for_each(|v| *v *= s);
     let mut ax = cpu::w_x(a, x, r, inp, seq);
     ax.iter_mut().for_each(|v| *v *= s);
-    accumulate_weight_grad(&mut grads[ids.a], &bt_dy, x, r, inp, seq);
-    accumulate_weight_grad(&mut grads[ids.b], dy, &ax, out, r, seq);
+    weight_grad(grads.product_target(ids.a), &bt_dy, x, r, inp, seq);
+    weight_grad(grads.product_target(ids.b), dy, &ax, out, r, seq);
 }
 
 /// Dropout masks for every adapted target of `layer` (keep with
@@ -278,9 +375,10 @@ fn with_masks<'a>(
     all
 }
 
-/// `dW [out, in] += dY [out, S] · X [in, S]ᵀ`
-fn accumulate_weight_grad(
-    dw: &mut [f32],
+/// `dW [out, in] (+)= dY [out, S] · X [in, S]ᵀ` into a
+/// [`Grads::product_target`].
+fn weight_grad(
+    (dw, accumulate): (&mut [f32], bool),
     dy: &[f32],
     x: &[f32],
     out: usize,
@@ -294,7 +392,7 @@ fn accumulate_weight_grad(
         dw,
         0,
         inp,
-        true,
+        accumulate,
     );
     WEIGHT_GRAD_NANOS.fetch_add(
         t.elapsed().as_nanos() as u64,
@@ -668,7 +766,7 @@ impl<R: KernelRunner> Engine<R> {
             return Ok(()); // the embedding is frozen
         }
         // x[c, s] = E[token_s, c]
-        let de = &mut grads[model.embed];
+        let de = grads.accumulator(model.embed);
         for (s, &t) in fwd.tokens.iter().enumerate() {
             for c in 0..d {
                 de[t as usize * d + c] += dx[c * seq + s];
@@ -821,15 +919,15 @@ fn head_products(
     if model.lora.is_some() {
         return Ok((loss, dxf)); // the head is frozen
     }
-    // dhead [V, D] += dlogitsᵀ [V, S] · xfᵀ [S, D]
-    let head = model.lm_head.unwrap_or(model.embed);
+    // dhead [V, D] (+)= dlogitsᵀ [V, S] · xfᵀ [S, D]
+    let (dhead, accumulate) = grads.product_target(model.lm_head.unwrap_or(model.embed));
     sgemm(
         MatRef::row_major(lt, 0, v, seq),
         MatRef::row_major(xf, 0, d, seq).t(),
-        &mut grads[head],
+        dhead,
         0,
         d,
-        true,
+        accumulate,
     );
     Ok((loss, dxf))
 }
@@ -856,12 +954,32 @@ pub fn loss_and_grads<R: KernelRunner>(
             engine.backward(model, &fwd, &dxf, g)?;
         }
     }
+    if let Some(g) = grads {
+        g.finish();
+    }
     Ok((total / n_targets as f64, n_targets))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grads_overwrite_first_then_accumulate_and_refuse_stale_reads() {
+        let mut g = Grads::from(vec![vec![5.0f32; 3], vec![7.0f32; 2], vec![9.0f32; 4]]);
+        g.reset();
+        let (buf, accumulate) = g.product_target(0);
+        assert!(!accumulate);
+        buf.fill(1.0);
+        assert!(g.product_target(0).1, "a second product accumulates");
+        g.accumulator(1)[0] += 2.0;
+        assert_eq!(g[1], vec![2.0, 0.0], "an accumulator starts from zero");
+        let stale = std::panic::catch_unwind(|| g[2].clone());
+        assert!(stale.is_err(), "reading an unwritten gradient is refused");
+        g.finish();
+        assert_eq!(g[0], vec![1.0; 3]);
+        assert_eq!(g[2], vec![0.0; 4], "finish zeroes what nothing wrote");
+    }
 
     #[test]
     fn overlapped_runs_the_job_on_a_worker_and_joins_it() {

@@ -167,14 +167,6 @@ pub fn grad_norm(grads: &Grads) -> f64 {
     partial.iter().sum::<f64>().sqrt()
 }
 
-/// Sets every gradient to zero, in parallel, reusing the buffers (fresh
-/// memory is costly to fault in).
-pub fn zero(grads: &mut Grads) {
-    grads
-        .iter_mut()
-        .for_each(|g| g.par_chunks_mut(1 << 16).for_each(|c| c.fill(0.0)));
-}
-
 /// Scales gradients so their global norm is at most `max_norm` (PyTorch's
 /// `clip_grad_norm_`: factor max_norm / (norm + 1e-6), only when < 1).
 /// Returns the norm before clipping.
@@ -229,10 +221,10 @@ mod tests {
 
     #[test]
     fn clipping_scales_to_max_norm() {
-        let mut g = vec![vec![3.0f32, 4.0]];
+        let mut g = Grads::from(vec![vec![3.0f32, 4.0]]);
         assert_eq!(clip_grad_norm(&mut g, 1.0), 5.0);
         assert!((grad_norm(&g) - 1.0).abs() < 1e-5);
-        let mut g = vec![vec![0.3f32, 0.4]];
+        let mut g = Grads::from(vec![vec![0.3f32, 0.4]]);
         clip_grad_norm(&mut g, 1.0);
         assert_eq!(g[0], vec![0.3, 0.4]);
     }

@@ -486,7 +486,7 @@ impl Run<'_> {
         let start_step = state.step;
         let mut last_loss = f64::NAN;
         let mut consecutive_skips = 0;
-        // One gradient buffer for the whole run, zeroed each step.
+        // One gradient buffer for the whole run, overwritten each step.
         let mut grads = zero_grads(model);
         while state.step < r.steps {
             let step = state.step;
@@ -498,7 +498,7 @@ impl Run<'_> {
                 s.lr,
                 s.min_lr_frac,
             );
-            optim::zero(&mut grads);
+            grads.reset();
             let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
             let mut loss_sum = 0f64;
             let n_targets = (s.batch * s.accum * s.seq) as f32;
@@ -539,6 +539,7 @@ impl Run<'_> {
             }
             let loss = loss_sum / n_targets as f64;
             let t_opt = Instant::now();
+            grads.finish();
             // The gradients still carry the loss scale (a power of two, so
             // dividing it out of the norm and the update is exact); removing
             // it and clipping both happen inside the AdamW pass.

@@ -100,7 +100,7 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
         let mut m2 = model.clone();
         let base_before = m2.params.clone();
         let mut opt = AdamW::new(&m2, cfg);
-        opt.update(&mut m2, &peft_grads, j["lr"].as_f64().unwrap());
+        opt.update(&mut m2, &peft_grads.into(), j["lr"].as_f64().unwrap());
         let after = anetrain::safetensors::read(&dir.join("lora/adamw.safetensors")).unwrap();
         for p in &m2.lora.as_ref().unwrap().params {
             let d = max_diff(&p.data, &after[&p.name].data);

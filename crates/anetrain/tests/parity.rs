@@ -74,13 +74,45 @@ fn logits_loss_and_gradients_match_transformers() {
             .collect();
         let mut m2 = model.clone();
         let mut opt = AdamW::new(&m2, cfg);
-        opt.update(&mut m2, &hf_grads, j["lr"].as_f64().unwrap());
+        opt.update(&mut m2, &hf_grads.into(), j["lr"].as_f64().unwrap());
         let after = anetrain::safetensors::read(&dir.join("adamw.safetensors")).unwrap();
         for p in &m2.params {
             let d = max_diff(&p.data, &after[&p.name].data);
             assert!(
                 d <= 1e-6,
                 "{kind}: AdamW update of {} differs by {d:e}",
+                p.name
+            );
+        }
+    }
+}
+
+/// A training step reuses one gradient buffer: after `reset` the first
+/// product into each gradient overwrites it instead of accumulating onto
+/// zeros. Stale values from an earlier step must not leak into any
+/// gradient (tied and untied heads, a two-row batch that accumulates).
+#[test]
+fn reused_gradient_buffers_match_fresh_ones() {
+    for kind in ["qwen3", "llama"] {
+        let dir = fixture(kind);
+        let model = Model::load(&dir.join("model")).unwrap();
+        let rows = tokens(&dir);
+        let other: Vec<Vec<u32>> = rows
+            .iter()
+            .map(|r| r.iter().rev().copied().collect())
+            .collect();
+        let mut eng = Engine::cpu(&model);
+        let mut fresh = zero_grads(&model);
+        engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut fresh)).unwrap();
+        let mut reused = zero_grads(&model);
+        engine::loss_and_grads(&mut eng, &model, &other, Some(&mut reused)).unwrap();
+        reused.reset();
+        engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut reused)).unwrap();
+        for (p, (a, b)) in model.params.iter().zip(fresh.iter().zip(&reused)) {
+            let d = max_diff(a, b);
+            assert!(
+                d <= 1e-6 * max_abs(a),
+                "{kind}: {} differs by {d} after reuse",
                 p.name
             );
         }
