@@ -284,6 +284,17 @@ fn info() {
     );
     println!("cpu threads: {}", mil::linalg::threads());
     println!("matrix multiply: {}", mil::linalg::library());
+    let others: Vec<&str> = mil::linalg::Library::ALL
+        .into_iter()
+        .filter(|l| l.available() && *l != mil::linalg::selected())
+        .map(|l| l.key())
+        .collect();
+    if !others.is_empty() {
+        println!(
+            "  also available (ANETRAIN_MATMUL=NAME): {}",
+            others.join(", ")
+        );
+    }
     match ane::AneDevice::open() {
         Ok(_) => println!(
             "neural engine: the ANE framework loads (AppleNeuralEngine.framework, private API); \
