@@ -121,41 +121,33 @@ fn request_tile_state() -> bool {
     false
 }
 
-/// `c[m×n] (row stride ldc) = (accumulate ? c : 0) + a·b`, on the pool's
-/// threads when `threaded` and the product is large enough.
+/// The C tile a thread's part is made of (`linalg::in_parts` splits in
+/// whole tiles).
+pub const PART_TILE: (usize, usize) = (BLOCK, BLOCK);
+
+/// `c[m×n] (row stride ldc) = (accumulate ? c : 0) + a·b` on the calling
+/// thread.
 ///
 /// # Safety
 /// The caller has checked that [`available`] is true, that every element
 /// the views describe lies inside their slices, and that `c` points at an
 /// `m × n` block with row stride `ldc ≥ n` that nothing else reads or
 /// writes during the call.
-pub unsafe fn sgemm(
+pub unsafe fn serial(
     pieces: Pieces,
     a: MatRef<'_>,
     b: MatRef<'_>,
     c: *mut f32,
     ldc: usize,
     accumulate: bool,
-    threaded: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    let threads = super::part_count(threaded, m, n, k);
-    // SAFETY: forwarded from the caller; each part is a sub-block of it.
+    // SAFETY: forwarded from the caller.
     unsafe {
-        super::in_parts(
-            a,
-            b,
-            c,
-            ldc,
-            threads,
-            BLOCK,
-            BLOCK,
-            |a, b, c| match pieces {
-                Pieces::Three => serial::<3>(&PRODUCTS_THREE, a, b, c, ldc, accumulate),
-                Pieces::Two => serial::<2>(&PRODUCTS_TWO, a, b, c, ldc, accumulate),
-            },
-        )
-    };
+        match pieces {
+            Pieces::Three => split_serial::<3>(&PRODUCTS_THREE, a, b, c, ldc, accumulate),
+            Pieces::Two => split_serial::<2>(&PRODUCTS_TWO, a, b, c, ldc, accumulate),
+        }
+    }
 }
 
 /// One cache line of bf16 values: packed panels are built from these so
@@ -188,7 +180,7 @@ const fn step_len<const P: usize>() -> usize {
 
 /// One thread's multiply: blocked and packed as in the module comment.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn serial<const P: usize>(
+unsafe fn split_serial<const P: usize>(
     products: &[(usize, usize)],
     a: MatRef<'_>,
     b: MatRef<'_>,

@@ -51,39 +51,24 @@ pub fn available() -> bool {
     is_x86_feature_detected!("avx512f")
 }
 
-/// `c[m×n] (row stride ldc) = (accumulate ? c : 0) + a·b`, on the pool's
-/// threads when `threaded` and the product is large enough.
-///
-/// # Safety
-/// The caller has checked that [`available`] is true, that every element
-/// the views describe lies inside their slices, and that `c` points at an
-/// `m × n` block with row stride `ldc ≥ n` that nothing else reads or
-/// writes during the call.
-pub unsafe fn sgemm(
-    a: MatRef<'_>,
-    b: MatRef<'_>,
-    c: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-    threaded: bool,
-) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    let threads = super::part_count(threaded, m, n, k);
-    // SAFETY: forwarded from the caller; each part is a sub-block of it.
-    unsafe {
-        super::in_parts(a, b, c, ldc, threads, MR, NR, |a, b, c| {
-            serial(a, b, c, ldc, accumulate)
-        })
-    };
-}
+/// The C tile a thread's part is made of (`linalg::in_parts` splits in
+/// whole tiles).
+pub const PART_TILE: (usize, usize) = (MR, NR);
 
 thread_local! {
     /// Packing buffers (A block, B block), kept per thread between calls.
     static BUFFERS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
-/// One thread's multiply, blocked and packed as in the module comment.
-unsafe fn serial(a: MatRef<'_>, b: MatRef<'_>, c: *mut f32, ldc: usize, accumulate: bool) {
+/// `c[m×n] (row stride ldc) = (accumulate ? c : 0) + a·b` on the calling
+/// thread, blocked and packed as in the module comment.
+///
+/// # Safety
+/// The caller has checked that [`available`] is true, that every element
+/// the views describe lies inside their slices, and that `c` points at an
+/// `m × n` block with row stride `ldc ≥ n` that nothing else reads or
+/// writes during the call.
+pub unsafe fn serial(a: MatRef<'_>, b: MatRef<'_>, c: *mut f32, ldc: usize, accumulate: bool) {
     let run = |bufs: &mut (Vec<f32>, Vec<f32>)| {
         let (apack, bpack) = bufs;
         let (m, k, n) = (a.rows, a.cols, b.cols);

@@ -147,6 +147,19 @@ impl Library {
     }
 }
 
+impl Library {
+    /// How many bf16 pieces the AMX kernel splits operands into, for the
+    /// two AMX libraries.
+    #[cfg(target_arch = "x86_64")]
+    fn amx_pieces(self) -> Option<amx::Pieces> {
+        match self {
+            Library::Amx => Some(amx::Pieces::Three),
+            Library::AmxBf16x3 => Some(amx::Pieces::Two),
+            _ => None,
+        }
+    }
+}
+
 /// The first available implementation in order of preference.
 fn default_library() -> Library {
     Library::ALL
@@ -285,52 +298,38 @@ fn multiply(
         }
         return;
     }
-    #[cfg(target_arch = "x86_64")]
-    if matches!(library, Library::Amx | Library::AmxBf16x3) && amx::available() && dst_rs >= n {
-        let pieces = if library == Library::Amx {
-            amx::Pieces::Three
-        } else {
-            amx::Pieces::Two
-        };
-        // SAFETY: as for the AVX-512 kernel below; the CPU and kernel
-        // support were just checked.
-        unsafe {
-            amx::sgemm(
-                pieces,
-                a,
-                b,
-                dst.as_mut_ptr().add(dst_offset),
-                dst_rs,
-                accumulate,
-                threaded,
-            );
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if library == Library::Avx512 && avx512::available() && dst_rs >= n {
-        // SAFETY: the asserts above prove both views and the m × n block of
-        // `dst` lie inside their slices; `dst` is a unique borrow, so it
-        // cannot alias `a` or `b`; the CPU check was just made.
-        unsafe {
-            avx512::sgemm(
-                a,
-                b,
-                dst.as_mut_ptr().add(dst_offset),
-                dst_rs,
-                accumulate,
-                threaded,
-            );
-        }
-        return;
-    }
     if dst_rs >= n {
         let c = dst[dst_offset..].as_mut_ptr();
+        let threads = part_count(threaded, m, n, k);
+        // Our kernels: each thread of the pool multiplies its part of C.
+        // SAFETY (both): the asserts above prove both views and the m × n
+        // block of `dst` lie inside their slices; `dst` is a unique borrow,
+        // so it cannot alias `a` or `b`; each part writes only its own
+        // block; the CPU (and, for AMX, kernel) support was just checked.
+        #[cfg(target_arch = "x86_64")]
+        if let (Some(pieces), true) = (library.amx_pieces(), amx::available()) {
+            let (tm, tn) = amx::PART_TILE;
+            unsafe {
+                in_parts(a, b, c, dst_rs, threads, tm, tn, |a, b, c| {
+                    amx::serial(pieces, a, b, c, dst_rs, accumulate)
+                })
+            };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if library == Library::Avx512 && avx512::available() {
+            let (tm, tn) = avx512::PART_TILE;
+            unsafe {
+                in_parts(a, b, c, dst_rs, threads, tm, tn, |a, b, c| {
+                    avx512::serial(a, b, c, dst_rs, accumulate)
+                })
+            };
+            return;
+        }
         // MKL's sequential library on each part, split like our kernel.
         #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
         if library == Library::Mkl {
             if let Some(f) = mkl::sgemm() {
-                let threads = part_count(threaded, m, n, k);
                 let done = std::sync::atomic::AtomicBool::new(true);
                 // SAFETY: the asserts above prove both views and the m × n
                 // block of `dst` lie inside their slices; `dst` is a unique
