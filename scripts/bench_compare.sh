@@ -36,6 +36,10 @@ for i, (o, t, f) in enumerate(rows, 1):
           f"(steal {steal(t)}), fused {f['median_step_s']:.3f} s (steal {steal(f)}): "
           f"{vs[-1]:.2f}x / {vf[-1]:.2f}x; best matmul {o['matmul_gflops']:.0f} vs torch "
           f"{t['matmul_gflops']:.0f} GFLOP/s")
+    if o.get("products_only_s"):
+        print(f"  anetrain's matrix products alone take {o['products_only_s']:.3f} s "
+              f"(step = {o['step_over_products']:.2f}x that); 1.6x / 1.4x fused AdamW "
+              f"would need a {f['median_step_s'] / 1.6:.3f} / {f['median_step_s'] / 1.4:.3f} s step")
 print(f"median over {len(rows)} rounds: {statistics.median(vs):.2f}x vs pytorch, "
       f"{statistics.median(vf):.2f}x vs pytorch fused AdamW (>1 means anetrain is faster)")
 PY

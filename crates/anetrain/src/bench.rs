@@ -8,7 +8,7 @@ use serde_json::json;
 
 use crate::backend::{self, Backend};
 use crate::config::ModelConfig;
-use crate::engine::{self, zero_grads, Engine, KernelRunner};
+use crate::engine::{self, zero_grads, Engine, Grads, KernelRunner};
 use crate::lora::{Lora, LoraConfig, Target};
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig};
@@ -17,6 +17,14 @@ use crate::rng::Rng;
 /// FLOPs of one training step (forward + backward = 3× forward), counting
 /// every matmul including the LM head and full (unmasked) attention.
 pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
+    let q = c.q_dim() as f64;
+    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
+    projection_flops(c, seq * batch) + 3.0 * attention
+}
+
+/// FLOPs of a step's weight products alone (every projection and the LM
+/// head; forward, input gradient, weight gradient) at `tokens` positions.
+pub fn projection_flops(c: &ModelConfig, tokens: usize) -> f64 {
     let (d, h, q, kv, v) = (
         c.hidden_size as f64,
         c.intermediate_size as f64,
@@ -25,10 +33,7 @@ pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
         c.vocab_size as f64,
     );
     let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * h;
-    let tokens = (seq * batch) as f64;
-    let matmul = 2.0 * tokens * (per_layer * c.num_hidden_layers as f64 + v * d);
-    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
-    3.0 * (matmul + attention)
+    3.0 * 2.0 * tokens as f64 * (per_layer * c.num_hidden_layers as f64 + v * d)
 }
 
 /// Peak resident memory of this process in MB (Linux), if known.
@@ -96,6 +101,78 @@ pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
         )
     });
     best
+}
+
+/// A training step's weight products alone, on the model's own weights and
+/// gradient buffers, back to back with nothing in between: every
+/// projection's forward (`W·x`), input-gradient (`Wᵀ·dy`) and
+/// weight-gradient (`dy·xᵀ`) product in every layer and the LM head's three,
+/// through the library and threads the step uses. Attention's products are
+/// left out, so no step through this library can be faster on this machine.
+/// Returns the best of two runs in seconds and the FLOPs of one (which
+/// [`projection_flops`] counts). Overwrites the gradient buffers.
+pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f64) {
+    use mil::linalg::{sgemm, MatRef};
+    let shape = |id: usize| (model.params[id].shape[0], model.params[id].shape[1]);
+    let widest = model
+        .layers
+        .iter()
+        .flat_map(|l| Target::ALL.map(|t| shape(t.base(l))))
+        .map(|(o, i)| o.max(i))
+        .fold(model.cfg.hidden_size, usize::max);
+    let fill = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i % 61) as f32 - 30.0) * 1e-3).collect() };
+    let (x, dy) = (fill(widest * tokens), fill(widest * tokens));
+    let mut out = vec![0f32; widest * tokens];
+    let (v, d) = (model.cfg.vocab_size, model.cfg.hidden_size);
+    let mut logits = vec![0f32; v * tokens];
+    let head_id = model.lm_head.unwrap_or(model.embed);
+    let mut flops = 0.0;
+    let mut mm = |a: MatRef<'_>, b: MatRef<'_>, dst: &mut [f32], accumulate: bool| {
+        flops += 2.0 * (a.rows * a.cols * b.cols) as f64;
+        sgemm(a, b, dst, 0, b.cols, accumulate);
+    };
+    let mut best = f64::INFINITY;
+    for _ in 0..2 {
+        grads.reset();
+        let t = Instant::now();
+        for l in &model.layers {
+            for target in Target::ALL {
+                let id = target.base(l);
+                let (o, i) = shape(id);
+                let w = MatRef::row_major(&model.params[id].data, 0, o, i);
+                mm(w, MatRef::row_major(&x, 0, i, tokens), &mut out, false);
+            }
+        }
+        let head = MatRef::row_major(model.lm_head(), 0, v, d);
+        mm(
+            head,
+            MatRef::row_major(&x, 0, d, tokens),
+            &mut logits,
+            false,
+        );
+        let dlogits = MatRef::row_major(&logits, 0, v, tokens);
+        mm(head.t(), dlogits, &mut out, false);
+        let (dhead, accumulate) = grads.product_target(head_id);
+        mm(
+            dlogits,
+            MatRef::row_major(&x, 0, d, tokens).t(),
+            dhead,
+            accumulate,
+        );
+        for l in model.layers.iter().rev() {
+            for target in Target::ALL {
+                let id = target.base(l);
+                let (o, i) = shape(id);
+                let w = MatRef::row_major(&model.params[id].data, 0, o, i);
+                let g = MatRef::row_major(&dy, 0, o, tokens);
+                mm(w.t(), g, &mut out, false);
+                let (dw, accumulate) = grads.product_target(id);
+                mm(g, MatRef::row_major(&x, 0, i, tokens).t(), dw, accumulate);
+            }
+        }
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    (best, flops / 2.0)
 }
 
 pub struct BenchArgs {
@@ -260,7 +337,13 @@ fn run<R: KernelRunner>(
         )
     };
     let med = median(&mut steps.clone());
+    // Read before the reference products below allocate their own buffers.
+    let peak_rss = peak_rss_mb();
     let matmul = matmul_reference(&model.cfg, a.seq * a.batch);
+    // The products-only floor is this CPU library's; it says nothing of a
+    // device engine, and LoRA steps run other products.
+    let products = (a.backend == Backend::Cpu && model.lora.is_none())
+        .then(|| products_only(&model, &mut grads, a.seq * a.batch).0);
     let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
     Ok(json!({
         "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
@@ -272,10 +355,64 @@ fn run<R: KernelRunner>(
         "fraction_of_matmul": flops / med / 1e9 / matmul,
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
-        "peak_rss_mb": peak_rss_mb(), "host_steal_fraction": steal,
+        "peak_rss_mb": peak_rss, "host_steal_fraction": steal,
+        "products_only_s": products, "step_over_products": products.map(|p| med / p),
         "phases_median_s": {
             "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),
             "loss": median(&mut loss_t), "optimizer": median(&mut opt_t),
         },
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qwen3_step_flops_match_a_hand_count() {
+        // Per layer: q 1024·2048 + k, v 2·1024·1024 + o 2048·1024 + FFN
+        // 3·1024·3072 = 15 728 640 weights; 28 layers + LM head 151936·1024
+        // = 595 984 384. Products: 3 passes · 2 · 256 tokens · that =
+        // 915 432 013 824; attention 3 · 28 · 4 · 256² · 2048 = 45 097 156 608.
+        let c = ModelConfig::preset("qwen3-0.6b").unwrap();
+        assert_eq!(projection_flops(&c, 256), 915_432_013_824.0);
+        assert_eq!(step_flops(&c, 256, 1), 960_529_170_432.0);
+    }
+
+    #[test]
+    fn products_only_runs_every_weight_product_once() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let model = Model::init(&cfg, 0).unwrap();
+        let mut grads = zero_grads(&model);
+        let (secs, flops) = products_only(&model, &mut grads, 24);
+        assert!(secs > 0.0 && secs.is_finite());
+        assert_eq!(flops, projection_flops(&cfg, 24));
+    }
+
+    #[test]
+    fn bench_reports_the_step_and_its_products_floor() {
+        let args = BenchArgs {
+            model: "tiny".into(),
+            seq: 32,
+            batch: 1,
+            steps: 2,
+            warmup: 1,
+            backend: Backend::Cpu,
+            lora_rank: None,
+        };
+        let r = bench(&args).unwrap();
+        let step = r["median_step_s"].as_f64().unwrap();
+        let floor = r["products_only_s"].as_f64().unwrap();
+        assert!(step > 0.0 && floor > 0.0, "{r}");
+        assert_eq!(
+            r["flop_per_step"].as_f64(),
+            Some(step_flops(&ModelConfig::preset("tiny").unwrap(), 32, 1))
+        );
+        let lora = bench(&BenchArgs {
+            lora_rank: Some(2),
+            ..args
+        })
+        .unwrap();
+        assert!(lora["products_only_s"].is_null(), "{lora}");
+    }
 }
