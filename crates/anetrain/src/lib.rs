@@ -3,6 +3,7 @@
 //! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
+pub mod awake;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;

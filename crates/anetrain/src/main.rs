@@ -314,6 +314,13 @@ fn info() {
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    // Long computations keep the CPUs from halting between parallel regions
+    // (see `awake`): on virtual machines a halted CPU comes back late.
+    let _awake = matches!(
+        cli.command,
+        Command::Train(_) | Command::Bench { .. } | Command::Eval { .. }
+    )
+    .then(anetrain::awake::KeepAwake::start);
     match cli.command {
         Command::Info => info(),
         Command::Convert {
