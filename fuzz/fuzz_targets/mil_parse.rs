@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
     if mil::validate::validate(&p).is_err() {
         return;
     }
-    let _ = mil::rules::check_all(&p);
+    let _ = ane::rules::check_all(&p);
     for f in &p.functions {
         let small = f.inputs.iter().all(|v| v.ty.elems() <= 4096)
             && f.ops.iter().all(|o| o.output.ty.elems() <= 1 << 16);

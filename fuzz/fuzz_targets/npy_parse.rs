@@ -4,6 +4,6 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let _ = mil::npy::parse(data);
+    let _ = npy::parse(data);
     let _ = mil::blob::decode(data, 64, 8, "fuzz");
 });

@@ -10,12 +10,14 @@
 use std::fmt;
 
 pub mod apple;
+pub mod rules;
+
 pub use apple::AneDevice;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use mil::rules::{self, RuleSet};
 use mil::{DType, Executable, Precision, Tensor};
+use rules::RuleSet;
 
 /// Device errors: one line saying what failed.
 #[derive(Clone, Debug, PartialEq, Eq)]

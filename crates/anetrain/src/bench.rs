@@ -49,7 +49,7 @@ pub fn peak_rss_mb() -> Option<f64> {
 /// projection, its weight gradient, and the LM head. Each is timed twice
 /// after a warm-up call; the best time counts.
 pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
-    use mil::linalg::{sgemm, MatRef};
+    use linalg::{matmul, MatMut, MatRef};
     let (d, h, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
     let fill =
         |n: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7919) % 997) as f32 * 1e-3).collect() };
@@ -67,23 +67,19 @@ pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
     let mut y = vec![0f32; h * tokens];
     let flops = 2.0 * (h * d * tokens) as f64;
     time(flops, &mut || {
-        sgemm(
+        matmul(
             MatRef::row_major(&w, 0, h, d),
             MatRef::row_major(&x, 0, d, tokens),
-            &mut y,
-            0,
-            tokens,
+            MatMut::row_major(&mut y, 0, h, tokens),
             false,
         )
     });
     let mut dw = vec![0f32; h * d];
     time(flops, &mut || {
-        sgemm(
+        matmul(
             MatRef::row_major(&y, 0, h, tokens),
             MatRef::row_major(&x, 0, d, tokens).t(),
-            &mut dw,
-            0,
-            d,
+            MatMut::row_major(&mut dw, 0, h, d),
             false,
         )
     });
@@ -91,12 +87,10 @@ pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
     let head = fill(v * d);
     let mut lt = vec![0f32; v * tokens];
     time(2.0 * (v * d * tokens) as f64, &mut || {
-        sgemm(
+        matmul(
             MatRef::row_major(&head, 0, v, d),
             MatRef::row_major(&x, 0, d, tokens),
-            &mut lt,
-            0,
-            tokens,
+            MatMut::row_major(&mut lt, 0, v, tokens),
             false,
         )
     });
@@ -112,7 +106,7 @@ pub fn matmul_reference(c: &ModelConfig, tokens: usize) -> f64 {
 /// Returns the best of two runs in seconds and the FLOPs of one (which
 /// [`projection_flops`] counts). Overwrites the gradient buffers.
 pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f64) {
-    use mil::linalg::{sgemm, MatRef};
+    use linalg::{matmul, MatMut, MatRef};
     let shape = |id: usize| (model.params[id].shape[0], model.params[id].shape[1]);
     let widest = model
         .layers
@@ -129,7 +123,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
     let mut flops = 0.0;
     let mut mm = |a: MatRef<'_>, b: MatRef<'_>, dst: &mut [f32], accumulate: bool| {
         flops += 2.0 * (a.rows * a.cols * b.cols) as f64;
-        sgemm(a, b, dst, 0, b.cols, accumulate);
+        matmul(a, b, MatMut::row_major(dst, 0, a.rows, b.cols), accumulate);
     };
     let mut best = f64::INFINITY;
     for _ in 0..2 {
@@ -347,11 +341,11 @@ fn run<R: KernelRunner>(
     let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
     Ok(json!({
         "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
-        "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": mil::linalg::threads(),
+        "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": linalg::threads(),
         "median_step_s": med, "min_step_s": min,
         "tokens_per_s": (a.seq * a.batch) as f64 / med,
         "flop_per_step": flops, "gflops": flops / med / 1e9,
-        "matmul_library": mil::linalg::library(), "matmul_gflops": matmul,
+        "matmul_library": linalg::selected().describe(), "matmul_gflops": matmul,
         "fraction_of_matmul": flops / med / 1e9 / matmul,
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),

@@ -3,10 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use ane::rules::{self, RuleSet};
 use anyhow::{bail, Context, Result};
-use mil::npy::{self, NpyData};
-use mil::rules::{self, RuleSet};
 use mil::{DType, Executable, Precision, Program, Tensor};
+use npy::NpyData;
 
 use crate::fsutil::write_atomic;
 

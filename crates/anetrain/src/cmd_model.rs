@@ -67,7 +67,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let (rows, two_d) = match (&a.tokens, &a.data) {
         (Some(t), None) => {
             let rows = data::read_npy_rows(t, vocab)?;
-            let two_d = mil::npy::read(t).map_err(anyhow::Error::msg)?.shape.len() == 2;
+            let two_d = npy::read(t).map_err(anyhow::Error::msg)?.shape.len() == 2;
             (rows, two_d)
         }
         (None, Some(d)) => {
@@ -123,7 +123,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         } else {
             vec![n, vocab]
         };
-        write_atomic(out, &mil::npy::encode_f32(&shape, &all_logits))?;
+        write_atomic(out, &npy::encode_f32(&shape, &all_logits))?;
     }
     let loss = total / count as f64;
     println!(

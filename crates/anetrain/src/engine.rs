@@ -10,7 +10,7 @@
 //! and backward runs the same list in reverse, each piece beside its maths.
 
 use anyhow::{bail, Result};
-use mil::linalg::{sgemm, MatRef};
+use linalg::{matmul, MatMut, MatRef};
 
 use crate::kernels::cpu::{self, Inputs, Tensors};
 use crate::kernels::{KernelKind, KernelOptions, Shape};
@@ -386,12 +386,10 @@ fn weight_grad(
     seq: usize,
 ) {
     let t = std::time::Instant::now();
-    sgemm(
+    matmul(
         MatRef::row_major(dy, 0, out, seq),
         MatRef::row_major(x, 0, inp, seq).t(),
-        dw,
-        0,
-        inp,
+        MatMut::row_major(dw, 0, out, inp),
         accumulate,
     );
     WEIGHT_GRAD_NANOS.fetch_add(
@@ -780,12 +778,10 @@ impl<R: KernelRunner> Engine<R> {
 pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
     let (d, v) = (model.cfg.hidden_size, model.cfg.vocab_size);
     let mut out = vec![0f32; seq * v];
-    sgemm(
+    matmul(
         MatRef::row_major(xf, 0, d, seq).t(),
         MatRef::row_major(model.lm_head(), 0, v, d).t(),
-        &mut out,
-        0,
-        v,
+        MatMut::row_major(&mut out, 0, seq, v),
         false,
     );
     out
@@ -894,12 +890,10 @@ fn head_products(
     lt: &mut [f32],
 ) -> Result<(f64, Vec<f32>)> {
     let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
-    sgemm(
+    matmul(
         MatRef::row_major(model.lm_head(), 0, v, d),
         MatRef::row_major(xf, 0, d, seq),
-        lt,
-        0,
-        seq,
+        MatMut::row_major(lt, 0, v, seq),
         false,
     );
     let loss = cross_entropy_t(lt, targets, v, grad_scale);
@@ -908,12 +902,10 @@ fn head_products(
     };
     // dxf [D, S] = headᵀ [D, V] · dlogitsᵀ [V, S]
     let mut dxf = vec![0f32; d * seq];
-    sgemm(
+    matmul(
         MatRef::row_major(model.lm_head(), 0, v, d).t(),
         MatRef::row_major(lt, 0, v, seq),
-        &mut dxf,
-        0,
-        seq,
+        MatMut::row_major(&mut dxf, 0, d, seq),
         false,
     );
     if model.lora.is_some() {
@@ -921,12 +913,10 @@ fn head_products(
     }
     // dhead [V, D] (+)= dlogitsᵀ [V, S] · xfᵀ [S, D]
     let (dhead, accumulate) = grads.product_target(model.lm_head.unwrap_or(model.embed));
-    sgemm(
+    matmul(
         MatRef::row_major(lt, 0, v, seq),
         MatRef::row_major(xf, 0, d, seq).t(),
-        dhead,
-        0,
-        d,
+        MatMut::row_major(dhead, 0, v, d),
         accumulate,
     );
     Ok((loss, dxf))

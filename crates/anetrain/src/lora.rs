@@ -509,12 +509,10 @@ impl Lora {
                 let (a, b) = (&self.params[ids.a], &self.params[ids.b]);
                 let (r, inp, out) = (a.shape[0], a.shape[1], b.shape[0]);
                 let mut ba = vec![0f32; out * inp];
-                mil::linalg::sgemm(
-                    mil::linalg::MatRef::row_major(&b.data, 0, out, r),
-                    mil::linalg::MatRef::row_major(&a.data, 0, r, inp),
-                    &mut ba,
-                    0,
-                    inp,
+                linalg::matmul(
+                    linalg::MatRef::row_major(&b.data, 0, out, r),
+                    linalg::MatRef::row_major(&a.data, 0, r, inp),
+                    linalg::MatMut::row_major(&mut ba, 0, out, inp),
                     false,
                 );
                 let w = &mut model.params[t.base(&model.layers[i])].data;

@@ -282,11 +282,11 @@ fn info() {
         std::env::consts::OS,
         std::env::consts::ARCH
     );
-    println!("cpu threads: {}", mil::linalg::threads());
-    println!("matrix multiply: {}", mil::linalg::library());
-    let others: Vec<&str> = mil::linalg::Library::ALL
-        .into_iter()
-        .filter(|l| l.available() && *l != mil::linalg::selected())
+    println!("cpu threads: {}", linalg::threads());
+    println!("matrix multiply: {}", linalg::selected().describe());
+    let others: Vec<&str> = linalg::Backend::ALL
+        .iter()
+        .filter(|l| l.available() && **l != linalg::selected() && **l != linalg::Backend::Naive)
         .map(|l| l.key())
         .collect();
     if !others.is_empty() {
@@ -491,7 +491,7 @@ fn main() -> ExitCode {
         eprintln!("internal error: {msg}{at} (this is a bug in anetrain; please report it)");
     }));
     let cli = Cli::parse();
-    if let Err(e) = mil::linalg::check_env() {
+    if let Err(e) = linalg::check_env() {
         eprintln!("error: {e}");
         return ExitCode::from(1);
     }

@@ -161,25 +161,25 @@ fn eval_rejects_bad_token_inputs() {
     let m = fixture_model();
     let d = tmp("tokens");
     let big = d.join("big.npy");
-    std::fs::write(&big, mil::npy::encode_i64(&[4], &[1, 2, 96, 3])).unwrap();
+    std::fs::write(&big, npy::encode_i64(&[4], &[1, 2, 96, 3])).unwrap();
     fails(
         &["eval", "--model", s(&m), "--tokens", s(&big)],
         &["big.npy", "96", "vocabulary"],
     );
     let neg = d.join("neg.npy");
-    std::fs::write(&neg, mil::npy::encode_i64(&[3], &[1, -2, 3])).unwrap();
+    std::fs::write(&neg, npy::encode_i64(&[3], &[1, -2, 3])).unwrap();
     fails(
         &["eval", "--model", s(&m), "--tokens", s(&neg)],
         &["neg.npy", "-2"],
     );
     let floats = d.join("f.npy");
-    std::fs::write(&floats, mil::npy::encode_f32(&[3], &[1.0, 2.0, 3.0])).unwrap();
+    std::fs::write(&floats, npy::encode_f32(&[3], &[1.0, 2.0, 3.0])).unwrap();
     fails(
         &["eval", "--model", s(&m), "--tokens", s(&floats)],
         &["f.npy", "integers"],
     );
     let short = d.join("short.npy");
-    std::fs::write(&short, mil::npy::encode_i64(&[1], &[5])).unwrap();
+    std::fs::write(&short, npy::encode_i64(&[1], &[5])).unwrap();
     fails(
         &["eval", "--model", s(&m), "--tokens", s(&short)],
         &["short.npy", "at least 2 tokens"],

@@ -41,7 +41,7 @@ fn write_input(dir: &Path, name: &str, shape: &[usize]) -> PathBuf {
         .map(|i| ((i * 7919) % 13) as f32 / 13.0 - 0.5)
         .collect();
     let p = dir.join(name);
-    std::fs::write(&p, mil::npy::encode_f16(shape, &data)).unwrap();
+    std::fs::write(&p, npy::encode_f16(shape, &data)).unwrap();
     p
 }
 
@@ -69,13 +69,13 @@ fn run_writes_float32_output_matching_the_library() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let got = mil::npy::read(&y).unwrap();
+        let got = npy::read(&y).unwrap();
         assert_eq!(got.descr, "<f4");
         assert_eq!(got.shape, vec![1, 16, 1, 16]);
         let p = mil::parse_and_validate(SMALL).unwrap();
         let exe = mil::Executable::from_program(&p, None).unwrap();
-        let xin = match mil::npy::read(&x).unwrap().data {
-            mil::npy::NpyData::Float(v) => v,
+        let xin = match npy::read(&x).unwrap().data {
+            npy::NpyData::Float(v) => v,
             _ => unreachable!(),
         };
         let mode = if fp32 {
@@ -91,7 +91,7 @@ fn run_writes_float32_output_matching_the_library() {
             .unwrap();
         assert_eq!(
             got.data,
-            mil::npy::NpyData::Float(want[0].f32s().unwrap().to_vec())
+            npy::NpyData::Float(want[0].f32s().unwrap().to_vec())
         );
     }
 }
@@ -188,7 +188,7 @@ fn bad_inputs_end_in_one_clear_error() {
     );
     // integer input for an fp16 program
     let ints = d.join("ints.npy");
-    std::fs::write(&ints, mil::npy::encode_i64(&[1, 8, 1, 24], &[1; 192])).unwrap();
+    std::fs::write(&ints, npy::encode_i64(&[1, 8, 1, 24], &[1; 192])).unwrap();
     assert_fails(
         &[
             "mil",

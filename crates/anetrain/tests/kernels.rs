@@ -74,36 +74,24 @@ fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
     }
 }
 
-fn reference_dir() -> Option<PathBuf> {
-    let root = std::env::var_os("ANETRAIN_REFERENCE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
-        });
-    let d = root.join("seed-mil/mha_b");
-    if d.is_dir() {
-        return Some(d);
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "reference corpus missing at {} (CI requires it)",
-            d.display()
-        );
-    }
-    eprintln!("SKIPPED: reference corpus not found at {}", d.display());
-    None
+/// The seed reference corpus's `mha_b` programs, kept in the repository.
+fn reference_dir() -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata/seed-reference/seed-mil/mha_b");
+    assert!(d.is_dir(), "reference corpus missing at {}", d.display());
+    d
 }
 
 fn npy_floats(p: &std::path::Path) -> Vec<f32> {
-    match mil::npy::read(p).unwrap().data {
-        mil::npy::NpyData::Float(v) => v,
+    match npy::read(p).unwrap().data {
+        npy::NpyData::Float(v) => v,
         _ => panic!("{} is not float", p.display()),
     }
 }
 
 #[test]
 fn seed_compatible_mode_reproduces_the_seed_programs() {
-    let Some(dir) = reference_dir() else { return };
+    let dir = reference_dir();
     let j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let n = |k: &str| j[k].as_u64().unwrap() as usize;
@@ -208,7 +196,7 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
 /// which run on hardware: scalar shorthand (`bool(false)`) and `concat`.
 #[test]
 fn generated_programs_pass_the_ane_rules() {
-    let mut rules = mil::rules::RuleSet::all();
+    let mut rules = ane::rules::RuleSet::all();
     rules.set("verbose-scalars", false).unwrap();
     rules.set("no-concat", false).unwrap();
     for cfg in [
@@ -218,7 +206,7 @@ fn generated_programs_pass_the_ane_rules() {
         let s = Shape::new(&cfg, 256);
         for kind in KernelKind::ALL {
             let k = build(kind, &s, &KernelOptions::hf(&cfg)).unwrap();
-            let broken = mil::rules::check(&k.program, &rules);
+            let broken = ane::rules::check(&k.program, &rules);
             assert!(broken.is_empty(), "{kind:?}: {broken:?}");
             // and the simulated device accepts the text
             ane::Device::compile(&mut ane::SimDevice::new(), &k.text(), &k.blob_paths())
@@ -578,7 +566,7 @@ fn kernels_dump_writes_programs_blobs_and_layouts() {
     let x = out.join("x.npy");
     std::fs::write(
         &x,
-        mil::npy::encode_f16(
+        npy::encode_f16(
             &[1, k.layout.in_channels, 1, k.layout.in_spatial],
             &vec![0.01; k.layout.input_elems()],
         ),

@@ -16,12 +16,12 @@ fn ane_sim_logits_match_transformers_in_fp16() {
     for kind in ["qwen3", "llama"] {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
-        let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
-        let mil::npy::NpyData::Int(t) = a.data else {
+        let a = npy::read(&dir.join("tokens.npy")).unwrap();
+        let npy::NpyData::Int(t) = a.data else {
             panic!()
         };
-        let want = mil::npy::read(&dir.join("logits.npy")).unwrap();
-        let mil::npy::NpyData::Float(want) = want.data else {
+        let want = npy::read(&dir.join("logits.npy")).unwrap();
+        let npy::NpyData::Float(want) = want.data else {
             panic!()
         };
         let n = a.shape[1] - 1; // 12: padded to 16 on the device

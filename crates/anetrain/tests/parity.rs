@@ -25,8 +25,8 @@ fn logits_loss_and_gradients_match_transformers() {
         let rows = tokens(&dir);
         let mut eng = Engine::cpu(&model);
         // logits
-        let want = mil::npy::read(&dir.join("logits.npy")).unwrap();
-        let mil::npy::NpyData::Float(want) = want.data else {
+        let want = npy::read(&dir.join("logits.npy")).unwrap();
+        let npy::NpyData::Float(want) = want.data else {
             panic!()
         };
         let v = model.cfg.vocab_size;
@@ -167,8 +167,8 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         let model = Model::load(&dir.join("model")).unwrap();
         let j = json(&dir);
         let plen = j["prompt_len"].as_u64().unwrap() as usize;
-        let want = mil::npy::read(&dir.join("greedy.npy")).unwrap();
-        let mil::npy::NpyData::Int(want) = want.data else {
+        let want = npy::read(&dir.join("greedy.npy")).unwrap();
+        let npy::NpyData::Int(want) = want.data else {
             panic!()
         };
         let want: Vec<u32> = want.iter().map(|&t| t as u32).collect();

@@ -190,7 +190,7 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
     );
     let tokens = tuned.join("t.npy");
     let ids: Vec<i64> = (0..17).map(|i| (i * 37 % 500) as i64).collect();
-    std::fs::write(&tokens, mil::npy::encode_i64(&[17], &ids)).unwrap();
+    std::fs::write(&tokens, npy::encode_i64(&[17], &ids)).unwrap();
     let eval = |extra: &[&str]| -> f64 {
         let o = bin()
             .args([

@@ -8,10 +8,10 @@
 //! * [`builder`]: typed construction, every op checked as it is added;
 //! * [`printer`] / [`parser`]: the exact text form, `parse(print(p)) == p`;
 //! * [`validate`]: whole-program type checking with line:column errors;
-//! * [`rules`]: ANE constraints as named, switchable rules;
 //! * [`blob`]: BLOBFILE weight files and safe path resolution;
 //! * [`interp`]: a reference interpreter in fp16 or fp32 mode;
-//! * [`npy`]: `.npy` reading/writing; [`linalg`]: the f32 gemm.
+//!
+//! Matrix products go through the `linalg` crate.
 //!
 //! This crate knows nothing about models or training.
 
@@ -20,12 +20,9 @@ pub mod builder;
 pub mod error;
 pub mod interp;
 pub mod ir;
-pub mod linalg;
-pub mod npy;
 pub mod ops;
 pub mod parser;
 pub mod printer;
-pub mod rules;
 pub mod tensor;
 pub mod types;
 pub mod validate;

@@ -5,9 +5,9 @@
 //! table, so they cannot drift apart.
 
 use crate::ir::ConstVal;
-use crate::linalg::{sgemm, MatRef};
 use crate::tensor::Tensor;
 use crate::types::{shape_str, DType, Ty};
+use linalg::{matmul, MatMut, MatRef};
 
 /// The set of dtypes an input accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -737,7 +737,12 @@ impl OpDef for Matmul {
             let ya = MatRef::row_major(yv, offs[1], if ty { s.n } else { s.k }, ycols);
             let xa = if tx { xa.t() } else { xa };
             let ya = if ty { ya.t() } else { ya };
-            sgemm(xa, ya, &mut out, b * s.m * s.n, s.n, false);
+            matmul(
+                xa,
+                ya,
+                MatMut::row_major(&mut out, b * s.m * s.n, s.m, s.n),
+                false,
+            );
         });
         Ok(Tensor::float(x.dtype, a.out.dims().to_vec(), out))
     }
@@ -1488,12 +1493,10 @@ impl OpDef for Conv {
         let (xv, wv) = (x.f32s()?, w.f32s()?);
         let mut out = vec![0f32; n * o * hw];
         for b in 0..n {
-            sgemm(
+            matmul(
                 MatRef::row_major(wv, 0, o, c),
                 MatRef::row_major(xv, b * c * hw, c, hw),
-                &mut out,
-                b * o * hw,
-                hw,
+                MatMut::row_major(&mut out, b * o * hw, o, hw),
                 false,
             );
         }

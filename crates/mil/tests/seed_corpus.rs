@@ -1,4 +1,4 @@
-//! Runs every program of the seed reference corpus (`shared/reference/
+//! Runs every program of the seed reference corpus (`testdata/seed-reference/
 //! seed-mil/*/`) through the parser, printer and interpreter.
 //!
 //! Tolerances: fp32 mode must match `_out.npy` (computed without rounding)
@@ -9,31 +9,20 @@
 
 use std::path::PathBuf;
 
-use mil::npy::{self, NpyData};
 use mil::{Executable, Precision, Tensor};
+use npy::NpyData;
 
-/// The corpus root, or None (with a note) when it is absent outside CI.
-fn corpus() -> Option<PathBuf> {
-    let root = std::env::var_os("ANETRAIN_REFERENCE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/reference")
-        });
-    let dir = root.join("seed-mil");
-    if dir.is_dir() {
-        return Some(dir);
-    }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!(
-            "reference corpus not found at {} (CI requires it; set ANETRAIN_REFERENCE)",
-            dir.display()
-        );
-    }
-    eprintln!(
-        "SKIPPED: reference corpus not found at {} (set ANETRAIN_REFERENCE to run these tests)",
+/// The seed reference corpus, kept in the repository as test data
+/// (`testdata/seed-reference/README.md` says what it holds).
+fn corpus() -> PathBuf {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/seed-reference/seed-mil");
+    assert!(
+        dir.is_dir(),
+        "reference corpus missing at {}",
         dir.display()
     );
-    None
+    dir
 }
 
 fn floats(path: &std::path::Path) -> (Vec<usize>, Vec<f32>) {
@@ -74,7 +63,7 @@ fn kernels(cfg: &std::path::Path) -> Vec<(String, PathBuf)> {
 
 #[test]
 fn seed_programs_parse_validate_and_print_back_identically() {
-    let Some(dir) = corpus() else { return };
+    let dir = corpus();
     for cfg in configs(&dir) {
         for (name, path) in kernels(&cfg) {
             let text = std::fs::read_to_string(&path).unwrap();
@@ -106,7 +95,7 @@ fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
 
 #[test]
 fn seed_programs_match_reference_outputs_in_both_modes() {
-    let Some(dir) = corpus() else { return };
+    let dir = corpus();
     let mut checked = 0;
     for cfg in configs(&dir) {
         for (name, path) in kernels(&cfg) {

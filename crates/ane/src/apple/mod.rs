@@ -23,9 +23,9 @@ use std::ffi::{c_char, c_void};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 
+use crate::rules::RuleSet;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use mil::rules::RuleSet;
 
 use self::ffi::{msg, Api, CfRef, Id, Sel, LOCK_READ_ONLY, SINT64, UTF8};
 use crate::{check_program, io_elems, Device, DeviceError, Result, DEFAULT_COMPILE_BUDGET};

@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use mil::linalg::{sgemm, sgemm_local, MatRef};
+use linalg::{matmul, matmul_serial, MatMut, MatRef};
 use rayon::prelude::*;
 
 use super::{KernelKind, KernelOptions, Product, Rope, Shape};
@@ -33,12 +33,10 @@ fn get<'a>(t: &Inputs<'a>, name: &str) -> &'a [f32] {
 /// `W [m, k] · X [k, n]` → `[m, n]`.
 pub fn w_x(w: &[f32], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
-    sgemm(
+    matmul(
         MatRef::row_major(w, 0, m, k),
         MatRef::row_major(x, 0, k, n),
-        &mut out,
-        0,
-        n,
+        MatMut::row_major(&mut out, 0, m, n),
         false,
     );
     out
@@ -47,12 +45,10 @@ pub fn w_x(w: &[f32], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
 /// `Wᵀ · X` for `W [k, m]`, `X [k, n]` → `[m, n]`.
 pub fn wt_x(w: &[f32], x: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
-    sgemm(
+    matmul(
         MatRef::row_major(w, 0, k, m).t(),
         MatRef::row_major(x, 0, k, n),
-        &mut out,
-        0,
-        n,
+        MatMut::row_major(&mut out, 0, m, n),
         false,
     );
     out
@@ -278,12 +274,10 @@ fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p: &m
     // Scores of queries lo..hi against keys 0..hi; the rest of each row is
     // masked and set to zero below.
     for (lo, hi) in causal_blocks(seq) {
-        sgemm_local(
+        matmul_serial(
             MatRef::row_major(q_h, 0, hd, seq).t().rows_range(lo, hi),
             MatRef::row_major(k_g, 0, hd, seq).cols_range(0, hi),
-            p,
-            lo * seq,
-            seq,
+            MatMut::strided(p, lo * seq, hi - lo, hi, seq),
             false,
         );
     }
@@ -358,15 +352,13 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
                         // attn_h [HD, S] = V_g [HD, S] · Pᵀ; query block
                         // lo..hi reads values 0..hi.
                         for (lo, hi) in causal_blocks(seq) {
-                            sgemm_local(
+                            matmul_serial(
                                 MatRef::row_major(&v, g * hd * seq, hd, seq).cols_range(0, hi),
                                 MatRef::row_major(&p, 0, seq, seq)
                                     .t()
                                     .rows_range(0, hi)
                                     .cols_range(lo, hi),
-                                attn_g,
-                                j * hd * seq + lo,
-                                seq,
+                                MatMut::strided(attn_g, j * hd * seq + lo, hd, hi - lo, seq),
                                 false,
                             );
                         }
@@ -469,24 +461,20 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
                         // dV_g [HD, S] += dA_h [HD, S] · P; key block
                         // lo..hi is seen by queries lo..S.
                         for (lo, hi) in causal_blocks(seq) {
-                            sgemm_local(
+                            matmul_serial(
                                 MatRef::row_major(da, h * hd * seq, hd, seq).cols_range(lo, seq),
                                 MatRef::row_major(p, 0, seq, seq)
                                     .rows_range(lo, seq)
                                     .cols_range(lo, hi),
-                                dv_g,
-                                lo,
-                                seq,
+                                MatMut::strided(dv_g, lo, hd, hi - lo, seq),
                                 true,
                             );
                         }
                         // dP_h [S, S] = dA_hᵀ · V_g
-                        sgemm_local(
+                        matmul_serial(
                             MatRef::row_major(da, h * hd * seq, hd, seq).t(),
                             MatRef::row_major(v, g * hd * seq, hd, seq),
-                            dp_g,
-                            j * seq * seq,
-                            seq,
+                            MatMut::row_major(dp_g, j * seq * seq, seq, seq),
                             false,
                         );
                     }
@@ -524,20 +512,16 @@ pub fn run(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Inputs) -> Tensor
                             }
                         }
                         // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
-                        sgemm_local(
+                        matmul_serial(
                             MatRef::row_major(kr, g * hd * seq, hd, seq),
                             MatRef::row_major(&ds, 0, seq, seq).t(),
-                            dq_g,
-                            j * hd * seq,
-                            seq,
+                            MatMut::row_major(dq_g, j * hd * seq, hd, seq),
                             false,
                         );
-                        sgemm_local(
+                        matmul_serial(
                             MatRef::row_major(qr, h * hd * seq, hd, seq),
                             MatRef::row_major(&ds, 0, seq, seq),
-                            dk_g,
-                            0,
-                            seq,
+                            MatMut::row_major(dk_g, 0, hd, seq),
                             true,
                         );
                     }

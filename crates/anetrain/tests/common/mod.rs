@@ -12,8 +12,8 @@ pub fn fixture(kind: &str) -> PathBuf {
 
 /// The fixture's token rows (`tokens.npy`, `[batch, n+1]`).
 pub fn tokens(dir: &Path) -> Vec<Vec<u32>> {
-    let a = mil::npy::read(&dir.join("tokens.npy")).unwrap();
-    let mil::npy::NpyData::Int(v) = a.data else {
+    let a = npy::read(&dir.join("tokens.npy")).unwrap();
+    let npy::NpyData::Int(v) = a.data else {
         panic!("tokens not int")
     };
     v.chunks(a.shape[1])
@@ -23,7 +23,7 @@ pub fn tokens(dir: &Path) -> Vec<Vec<u32>> {
 
 /// A float `.npy` file's values.
 pub fn floats(p: &Path) -> Vec<f32> {
-    let mil::npy::NpyData::Float(v) = mil::npy::read(p).unwrap().data else {
+    let npy::NpyData::Float(v) = npy::read(p).unwrap().data else {
         panic!("{} not float", p.display())
     };
     v

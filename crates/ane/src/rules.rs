@@ -1,0 +1,304 @@
+//! ANE constraints as named, switchable rules. Public reports about what the
+//! ANE compiler accepts conflict in places, so each constraint is a
+//! hypothesis with an id: `mil check` reports them all, a device compiles
+//! with the enabled set and refuses programs that break one.
+//!
+//! Sources and conflicts are collected in the project's ANE runtime notes.
+
+use std::collections::BTreeSet;
+
+use mil::ir::{ConstData, Function, Program};
+use mil::types::DType;
+
+/// One constraint.
+pub struct Rule {
+    pub id: &'static str,
+    pub summary: &'static str,
+    /// Enabled unless switched off: the constraints our kernels must meet.
+    pub default_on: bool,
+    check: fn(&Function, &mut Vec<String>),
+}
+
+/// A rule broken by a program.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finding {
+    pub rule: &'static str,
+    pub function: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Finding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "[{}] func {}: {}",
+            self.rule, self.function, self.message
+        )
+    }
+}
+
+/// Smallest IOSurface the runtime reportedly accepts, in bytes.
+pub const MIN_SURFACE_BYTES: usize = 49_152;
+/// Largest extent reported for any tensor dimension.
+pub const MAX_DIM: usize = 16_384;
+
+fn io_types(f: &Function) -> Vec<(String, mil::types::Ty)> {
+    let mut v: Vec<_> = f
+        .inputs
+        .iter()
+        .map(|i| (format!("input '{}'", i.name), i.ty.clone()))
+        .collect();
+    for o in &f.outputs {
+        if let Some(t) = f.var_type(o) {
+            v.push((format!("output '{o}'"), t.clone()));
+        }
+    }
+    v
+}
+
+/// Every rule, in report order.
+pub fn all() -> &'static [Rule] {
+    static RULES: &[Rule] = &[
+        Rule {
+            id: "single-input",
+            summary: "one input tensor per program (multi-input programs reportedly fail with 0x1d unless sizes are uniform)",
+            default_on: true,
+            check: |f, out| {
+                if f.inputs.len() != 1 {
+                    out.push(format!("has {} inputs", f.inputs.len()));
+                }
+            },
+        },
+        Rule {
+            id: "fp16-io",
+            summary: "inputs and outputs are fp16",
+            default_on: true,
+            check: |f, out| {
+                for (what, t) in io_types(f) {
+                    if t.dtype != DType::Fp16 {
+                        out.push(format!("{what} is {}", t.dtype));
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "io-layout",
+            summary: "inputs and outputs are rank-4 [1, C, 1, S] (the IOSurface layout)",
+            default_on: true,
+            check: |f, out| {
+                for (what, t) in io_types(f) {
+                    let d = t.dims();
+                    if d.len() != 4 || d[0] != 1 || d[2] != 1 {
+                        out.push(format!("{what} has shape {:?}", d));
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "max-dim",
+            summary: "no tensor dimension exceeds 16384",
+            default_on: true,
+            check: |f, out| {
+                for (what, t) in io_types(f).into_iter().chain(
+                    f.ops.iter().map(|o| (format!("'{}'", o.output.name), o.output.ty.clone())),
+                ) {
+                    if let Some(d) = t.dims().iter().find(|&&d| d > MAX_DIM) {
+                        out.push(format!("{what} has a dimension of {d}"));
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "const-flags",
+            summary: "matmul transpose_x/transpose_y are named bool consts",
+            default_on: true,
+            check: |f, out| {
+                for op in f.ops.iter().filter(|o| o.op == "matmul") {
+                    for flag in ["transpose_x", "transpose_y"] {
+                        if op.arg(flag).is_none() {
+                            out.push(format!("matmul '{}' leaves {flag} implicit", op.output.name));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "min-surface",
+            summary: "each input/output buffer is at least ~48 KiB (49152 bytes)",
+            default_on: false,
+            check: |f, out| {
+                for (what, t) in io_types(f) {
+                    let bytes = t.elems() * 2;
+                    if bytes < MIN_SURFACE_BYTES {
+                        out.push(format!("{what} is {bytes} bytes"));
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "spatial-multiple-16",
+            summary: "the spatial (last) dimension of inputs/outputs is a multiple of 16 (silent zeros reported otherwise)",
+            default_on: false,
+            check: |f, out| {
+                for (what, t) in io_types(f) {
+                    if let Some(&s) = t.dims().last() {
+                        if s % 16 != 0 {
+                            out.push(format!("{what} has spatial width {s}"));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "min-spatial-64",
+            summary: "the spatial (last) dimension of inputs/outputs is at least 64",
+            default_on: false,
+            check: |f, out| {
+                for (what, t) in io_types(f) {
+                    if let Some(&s) = t.dims().last() {
+                        if s < 64 {
+                            out.push(format!("{what} has spatial width {s}"));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "matmul-inner-32",
+            summary: "matmul inner (contracted) dimension is a multiple of 32",
+            default_on: false,
+            check: |f, out| {
+                for op in f.ops.iter().filter(|o| o.op == "matmul") {
+                    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { continue };
+                    let tx = matches!(op.arg("transpose_x"), Some(mil::ir::Arg::Var(n))
+                        if f.ops.iter().any(|c| &c.output.name == n
+                            && c.val.as_ref().and_then(|v| v.as_bool()) == Some(true)));
+                    if let Some(t) = f.var_type(x) {
+                        let d = t.dims();
+                        if d.len() >= 2 {
+                            let k = if tx { d[d.len() - 2] } else { d[d.len() - 1] };
+                            if k % 32 != 0 {
+                                out.push(format!("matmul '{}' contracts over {k}", op.output.name));
+                            }
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "verbose-scalars",
+            summary: "scalar consts use the tensor<T, []> form (the int32(1) shorthand reportedly fails on M1-M3)",
+            default_on: false,
+            check: |f, out| {
+                for op in f.ops.iter().filter(|o| o.op == "const") {
+                    if let Some(v) = &op.val {
+                        if v.ty.shape.is_none() && !matches!(v.data, ConstData::Str(_)) {
+                            out.push(format!("const '{}' is written {}", op.output.name, v.ty));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "no-concat",
+            summary: "avoid concat (one report says the compiler rejects it; the seed relies on it)",
+            default_on: false,
+            check: |f, out| {
+                let n = f.ops.iter().filter(|o| o.op == "concat").count();
+                if n > 0 {
+                    out.push(format!("uses concat {n} time(s)"));
+                }
+            },
+        },
+        Rule {
+            id: "sorted-outputs",
+            summary: "several outputs are listed in name order (the runtime reportedly orders them so)",
+            default_on: true,
+            check: |f, out| {
+                let mut sorted = f.outputs.clone();
+                sorted.sort();
+                if sorted != f.outputs {
+                    out.push(format!("outputs {:?} are not in name order", f.outputs));
+                }
+            },
+        },
+    ];
+    RULES
+}
+
+/// Which rules are switched on.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RuleSet {
+    on: BTreeSet<&'static str>,
+}
+
+impl Default for RuleSet {
+    fn default() -> Self {
+        RuleSet {
+            on: all()
+                .iter()
+                .filter(|r| r.default_on)
+                .map(|r| r.id)
+                .collect(),
+        }
+    }
+}
+
+impl RuleSet {
+    /// No rule enabled.
+    pub fn none() -> RuleSet {
+        RuleSet {
+            on: BTreeSet::new(),
+        }
+    }
+
+    /// Every rule enabled.
+    pub fn all() -> RuleSet {
+        RuleSet {
+            on: all().iter().map(|r| r.id).collect(),
+        }
+    }
+
+    pub fn is_on(&self, id: &str) -> bool {
+        self.on.contains(id)
+    }
+
+    /// Switches a rule on or off; unknown ids are an error listing the known.
+    pub fn set(&mut self, id: &str, on: bool) -> Result<(), String> {
+        let rule = all().iter().find(|r| r.id == id).ok_or_else(|| {
+            let ids: Vec<&str> = all().iter().map(|r| r.id).collect();
+            format!("unknown ANE rule '{id}' (known: {})", ids.join(", "))
+        })?;
+        if on {
+            self.on.insert(rule.id);
+        } else {
+            self.on.remove(rule.id);
+        }
+        Ok(())
+    }
+}
+
+/// Findings of every rule (enabled or not) for every function.
+pub fn check_all(p: &Program) -> Vec<Finding> {
+    let mut v = Vec::new();
+    for f in &p.functions {
+        for r in all() {
+            let mut msgs = Vec::new();
+            (r.check)(f, &mut msgs);
+            v.extend(msgs.into_iter().map(|m| Finding {
+                rule: r.id,
+                function: f.name.clone(),
+                message: m,
+            }));
+        }
+    }
+    v
+}
+
+/// Findings of the enabled rules only.
+pub fn check(p: &Program, set: &RuleSet) -> Vec<Finding> {
+    check_all(p)
+        .into_iter()
+        .filter(|f| set.is_on(f.rule))
+        .collect()
+}
