@@ -8,11 +8,13 @@ use serde_json::json;
 
 use crate::backend::{self, Backend};
 use crate::config::ModelConfig;
-use crate::engine::{self, zero_grads, Engine, Grads, KernelRunner};
-use crate::lora::{Lora, LoraConfig, Target};
+use crate::engine::{self, zero_grads, Engine, Grads};
+use crate::lora::{Lora, LoraConfig};
 use crate::model::Model;
+use crate::model::Projection;
 use crate::optim::{self, AdamW, AdamWConfig};
 use crate::rng::Rng;
+use crate::runner::KernelRunner;
 
 /// FLOPs of one training step (forward + backward = 3× forward), counting
 /// every matmul including the LM head and full (unmasked) attention.
@@ -111,7 +113,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
     let widest = model
         .layers
         .iter()
-        .flat_map(|l| Target::ALL.map(|t| shape(t.base(l))))
+        .flat_map(|l| Projection::ALL.map(|t| shape(t.base(l))))
         .map(|(o, i)| o.max(i))
         .fold(model.cfg.hidden_size, usize::max);
     let fill = |n: usize| -> Vec<f32> { (0..n).map(|i| ((i % 61) as f32 - 30.0) * 1e-3).collect() };
@@ -130,7 +132,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
         grads.reset();
         let t = Instant::now();
         for l in &model.layers {
-            for target in Target::ALL {
+            for target in Projection::ALL {
                 let id = target.base(l);
                 let (o, i) = shape(id);
                 let w = MatRef::row_major(&model.params[id].data, 0, o, i);
@@ -154,7 +156,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
             accumulate,
         );
         for l in model.layers.iter().rev() {
-            for target in Target::ALL {
+            for target in Projection::ALL {
                 let id = target.base(l);
                 let (o, i) = shape(id);
                 let w = MatRef::row_major(&model.params[id].data, 0, o, i);
@@ -228,7 +230,7 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
             rank,
             alpha: 2.0 * rank as f64,
             dropout: 0.0,
-            targets: Target::ALL.to_vec(),
+            targets: Projection::ALL.to_vec(),
             rslora: false,
         };
         model.lora = Some(Lora::init(&model, lc, 0)?);

@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 
 use anetrain::backend::{self, Backend};
 use anetrain::data::{self, TokenDtype};
-use anetrain::engine::{self, Engine, KernelRunner};
+use anetrain::engine::{self, Engine};
 use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
 use anetrain::lora::Lora;
 use anetrain::model::Model;
+use anetrain::runner::KernelRunner;
 use anetrain::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use anetrain::backend::Backend;
 use anetrain::config::ModelConfig;
 use anetrain::data::TokenDtype;
-use anetrain::lora::{LoraConfig, Target};
+use anetrain::lora::LoraConfig;
+use anetrain::model::Projection;
 use anetrain::optim::AdamWConfig;
 use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
@@ -122,7 +123,7 @@ pub struct TrainArgs {
         requires = "lora_rank",
         help_heading = "LoRA"
     )]
-    lora_targets: Vec<Target>,
+    lora_targets: Vec<Projection>,
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {

@@ -12,30 +12,11 @@
 use anyhow::{bail, Result};
 use linalg::{matmul, MatMut, MatRef};
 
-use crate::kernels::cpu::{self, Inputs, Tensors};
-use crate::kernels::{KernelKind, KernelOptions, Shape};
-use crate::lora::Target;
-use crate::model::Model;
+pub use crate::grads::{zero_grads, Grads};
+use crate::kernels::{self, maths, KernelOptions, Shape};
+use crate::model::{Model, Projection};
 use crate::rng::Rng;
-
-/// Runs one kernel for one layer. Activations come in `acts`; the runner
-/// supplies the layer's weights itself.
-pub trait KernelRunner {
-    fn run(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        kind: KernelKind,
-        shape: &Shape,
-        acts: &Inputs,
-    ) -> Result<Tensors>;
-
-    /// Whether kernels run off the host CPU, so the engine computes weight
-    /// gradients on a worker thread while they run.
-    fn overlaps_host(&self) -> bool {
-        false
-    }
-}
+use crate::runner::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
 
 /// Runs `job` (weight gradients) on a worker thread beside `kernel` (device
 /// work) when `overlap` is set, else one after the other; both have
@@ -59,77 +40,6 @@ fn overlapped<T>(
     })
 }
 
-/// The weights a kernel reads, by region name.
-pub fn kernel_weights<'a>(model: &'a Model, layer: usize, kind: KernelKind) -> Inputs<'a> {
-    let l = &model.layers[layer];
-    let p = |i: usize| model.params[i].data.as_slice();
-    let mut w = Inputs::new();
-    match kind {
-        KernelKind::SdpaForward => {
-            w.insert("wq", p(l.wq));
-            w.insert("wk", p(l.wk));
-            w.insert("wv", p(l.wv));
-            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                w.insert("q_norm", p(qn));
-                w.insert("k_norm", p(kn));
-            }
-        }
-        KernelKind::WoForward | KernelKind::WoBackward => {
-            w.insert("wo", p(l.wo));
-        }
-        KernelKind::FfnForward => {
-            w.insert("w1", p(l.w1));
-            w.insert("w3", p(l.w3));
-            w.insert("w2", p(l.w2));
-        }
-        KernelKind::FfnBackwardW2 => {
-            w.insert("w2", p(l.w2));
-        }
-        KernelKind::FfnBackwardW13 => {
-            w.insert("w1", p(l.w1));
-            w.insert("w3", p(l.w3));
-        }
-        KernelKind::QBackward => {
-            w.insert("wq", p(l.wq));
-        }
-        KernelKind::KvBackward => {
-            w.insert("wk", p(l.wk));
-            w.insert("wv", p(l.wv));
-        }
-        KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {}
-    }
-    if let Some(lora) = &model.lora {
-        for &(t, _) in kind.projections() {
-            if let Some((a, b)) = lora.adapter(layer, t) {
-                let (an, bn) = t.adapter_regions();
-                w.insert(an, a);
-                w.insert(bn, b);
-            }
-        }
-    }
-    w
-}
-
-/// The CPU engine's kernels: the native twins.
-pub struct CpuKernels {
-    pub opts: KernelOptions,
-}
-
-impl KernelRunner for CpuKernels {
-    fn run(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        kind: KernelKind,
-        shape: &Shape,
-        acts: &Inputs,
-    ) -> Result<Tensors> {
-        let mut all = kernel_weights(model, layer, kind);
-        all.extend(acts.iter().map(|(k, v)| (*k, *v)));
-        Ok(cpu::run(kind, shape, &self.opts, &all))
-    }
-}
-
 /// What one layer's backward needs from its forward.
 struct LayerActs {
     x: Vec<f32>,
@@ -145,9 +55,8 @@ struct LayerActs {
     h1: Vec<f32>,
     h3: Vec<f32>,
     gate: Vec<f32>,
-    /// LoRA dropout masks per target (scaled by 1/(1−p)), when training
-    /// with dropout.
-    masks: [Option<Vec<f32>>; 7],
+    /// LoRA dropout masks per projection, when training with dropout.
+    masks: Dropout,
 }
 
 /// A forward pass over one sequence.
@@ -157,120 +66,6 @@ pub struct Forward {
     x_last: Vec<f32>,
     /// Final-normed hidden state `[D, S]`.
     pub xf: Vec<f32>,
-}
-
-/// Gradients parallel to `Model::trainable()`, reused from step to step.
-///
-/// [`Grads::reset`] starts a step without touching memory: the first
-/// writer of each buffer in the step overwrites it (a product with β = 0)
-/// and later writers accumulate, so a step neither zeroes 4 bytes per
-/// parameter nor reads them back in its weight-gradient products.
-/// [`Grads::finish`] zeroes whatever nothing wrote; reading a buffer
-/// before that is a bug and panics.
-#[derive(Debug, PartialEq)]
-pub struct Grads {
-    bufs: Vec<Vec<f32>>,
-    /// Whether each buffer holds this step's gradient so far.
-    written: Vec<bool>,
-}
-
-/// All-zero gradients for `model` (every buffer counts as written).
-pub fn zero_grads(model: &Model) -> Grads {
-    let bufs: Vec<Vec<f32>> = model
-        .trainable()
-        .iter()
-        .map(|p| crate::mem::zeroed_huge(p.data.len()))
-        .collect();
-    Grads::from(bufs)
-}
-
-impl Grads {
-    /// Starts a step: every buffer is stale until written.
-    pub fn reset(&mut self) {
-        self.written.fill(false);
-    }
-
-    /// The buffer a product writes parameter `id`'s gradient into, and
-    /// whether it must accumulate (something already wrote it this step).
-    pub fn product_target(&mut self, id: usize) -> (&mut [f32], bool) {
-        let accumulate = std::mem::replace(&mut self.written[id], true);
-        (&mut self.bufs[id], accumulate)
-    }
-
-    /// Parameter `id`'s buffer for element-wise `+=`, zeroed first when
-    /// nothing wrote it this step.
-    pub fn accumulator(&mut self, id: usize) -> &mut [f32] {
-        if !std::mem::replace(&mut self.written[id], true) {
-            use rayon::prelude::*;
-            self.bufs[id]
-                .par_chunks_mut(1 << 16)
-                .for_each(|c| c.fill(0.0));
-        }
-        &mut self.bufs[id]
-    }
-
-    /// Ends a step's writes: zeroes every buffer nothing wrote.
-    pub fn finish(&mut self) {
-        for id in 0..self.bufs.len() {
-            self.accumulator(id);
-        }
-    }
-
-    fn check_finished(&self) {
-        assert!(
-            self.written.iter().all(|&w| w),
-            "gradients read before Grads::finish"
-        );
-    }
-
-    /// Every gradient (after [`Grads::finish`]).
-    pub fn iter(&self) -> std::slice::Iter<'_, Vec<f32>> {
-        self.check_finished();
-        self.bufs.iter()
-    }
-
-    /// Every gradient, mutably (after [`Grads::finish`]).
-    pub fn iter_mut(&mut self) -> std::slice::IterMut<'_, Vec<f32>> {
-        self.check_finished();
-        self.bufs.iter_mut()
-    }
-
-    pub fn len(&self) -> usize {
-        self.bufs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.bufs.is_empty()
-    }
-}
-
-impl From<Vec<Vec<f32>>> for Grads {
-    /// Given gradients (every buffer counts as written).
-    fn from(bufs: Vec<Vec<f32>>) -> Self {
-        Grads {
-            written: vec![true; bufs.len()],
-            bufs,
-        }
-    }
-}
-
-impl<'a> IntoIterator for &'a Grads {
-    type Item = &'a Vec<f32>;
-    type IntoIter = std::slice::Iter<'a, Vec<f32>>;
-
-    fn into_iter(self) -> Self::IntoIter {
-        self.iter()
-    }
-}
-
-impl std::ops::Index<usize> for Grads {
-    type Output = Vec<f32>;
-
-    /// Parameter `id`'s gradient (written this step, or after `finish`).
-    fn index(&self, id: usize) -> &Vec<f32> {
-        assert!(self.written[id], "gradient {id} read before Grads::finish");
-        &self.bufs[id]
-    }
 }
 
 /// Where a base parameter's gradient accumulates: its slot in `grads`, or
@@ -298,7 +93,7 @@ fn projection_grad(
     model: &Model,
     grads: &mut Grads,
     layer: usize,
-    t: Target,
+    t: Projection,
     dy: &[f32],
     x: &[f32],
     mask: Option<&[f32]>,
@@ -315,11 +110,11 @@ fn projection_grad(
     };
     let r = lora.cfg.rank;
     let s = lora.cfg.scale() as f32;
-    let x = &cpu::masked(x, mask)[..];
+    let x = &maths::masked(x, mask)[..];
     let (a, b) = (&lora.params[ids.a].data, &lora.params[ids.b].data);
-    let mut bt_dy = cpu::wt_x(b, dy, out, r, seq);
+    let mut bt_dy = maths::wt_x(b, dy, out, r, seq);
     bt_dy.iter_mut().for_each(|v| *v *= s);
-    let mut ax = cpu::w_x(a, x, r, inp, seq);
+    let mut ax = maths::w_x(a, x, r, inp, seq);
     ax.iter_mut().for_each(|v| *v *= s);
     weight_grad(grads.product_target(ids.a), &bt_dy, x, r, inp, seq);
     weight_grad(grads.product_target(ids.b), dy, &ax, out, r, seq);
@@ -327,13 +122,8 @@ fn projection_grad(
 
 /// Dropout masks for every adapted target of `layer` (keep with
 /// probability 1−p, kept values scaled by 1/(1−p)), drawn from `key`.
-fn dropout_masks(
-    model: &Model,
-    layer: usize,
-    seq: usize,
-    key: Option<u64>,
-) -> [Option<Vec<f32>>; 7] {
-    let mut masks: [Option<Vec<f32>>; 7] = Default::default();
+fn dropout_masks(model: &Model, layer: usize, seq: usize, key: Option<u64>) -> Dropout {
+    let mut masks: Dropout = Default::default();
     let (Some(lora), Some(key)) = (&model.lora, key) else {
         return masks;
     };
@@ -342,7 +132,7 @@ fn dropout_masks(
         return masks;
     }
     let keep = (1.0 / (1.0 - p)) as f32;
-    for t in Target::ALL {
+    for t in Projection::ALL {
         if lora.slots[layer][t.index()].is_none() {
             continue;
         }
@@ -357,22 +147,6 @@ fn dropout_masks(
         );
     }
     masks
-}
-
-/// Kernel activations plus the dropout masks of the kernel's adapted
-/// projections.
-fn with_masks<'a>(
-    acts: &[(&'a str, &'a [f32])],
-    kind: KernelKind,
-    masks: &'a [Option<Vec<f32>>; 7],
-) -> Inputs<'a> {
-    let mut all: Inputs = acts.iter().copied().collect();
-    for &(t, _) in kind.projections() {
-        if let Some(m) = &masks[t.index()] {
-            all.insert(t.mask_input(), m.as_slice());
-        }
-    }
-    all
 }
 
 /// `dW [out, in] (+)= dY [out, S] · X [in, S]ᵀ` into a
@@ -432,12 +206,12 @@ impl Engine<CpuKernels> {
     }
 }
 
-impl<D: ane::Device> Engine<crate::neural::NeuralKernels<D>> {
+impl<D: ane::Device> Engine<NeuralKernels<D>> {
     /// The Neural Engine path on `device` with Hugging Face semantics.
     pub fn neural(model: &Model, device: D) -> Self {
         let opts = KernelOptions::for_model(model);
         Engine {
-            runner: crate::neural::NeuralKernels::new(device, opts.clone()),
+            runner: NeuralKernels::new(device, opts.clone()),
             opts,
             dropout_key: None,
         }
@@ -445,28 +219,6 @@ impl<D: ane::Device> Engine<crate::neural::NeuralKernels<D>> {
 }
 
 impl<R: KernelRunner> Engine<R> {
-    fn take(t: &mut Tensors, name: &str) -> Vec<f32> {
-        t.remove(name).unwrap_or_default()
-    }
-
-    /// Runs a kernel (with the layer's dropout masks) and returns its
-    /// output `out`.
-    #[allow(clippy::too_many_arguments)]
-    fn run_one(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        kind: KernelKind,
-        shape: &Shape,
-        acts: &[(&str, &[f32])],
-        masks: &[Option<Vec<f32>>; 7],
-        out: &str,
-    ) -> Result<Vec<f32>> {
-        let acts = with_masks(acts, kind, masks);
-        let mut t = self.runner.run(model, layer, kind, shape, &acts)?;
-        Ok(Self::take(&mut t, out))
-    }
-
     /// Forward over `tokens` (one sequence), keeping what backward needs.
     pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
         let cfg = &model.cfg;
@@ -497,55 +249,52 @@ impl<R: KernelRunner> Engine<R> {
             let w = |id: usize| model.params[id].data.as_slice();
             let key = self.dropout_key.map(|k| k.wrapping_add(i as u64));
             let masks = dropout_masks(model, i, seq, key);
-            let xn = cpu::head_rms_norm(&x, w(l.attn_norm), d, seq, eps);
-            let mut a = self.runner.run(
+            let xn = maths::head_rms_norm(&x, w(l.attn_norm), d, seq, eps);
+            let a = self.runner.run::<kernels::SdpaForward>(
                 model,
                 i,
-                KernelKind::SdpaForward,
                 &shape,
-                &with_masks(&[("xnorm", xn.as_slice())], KernelKind::SdpaForward, &masks),
+                &masks,
+                &kernels::sdpa_forward::Acts { xnorm: &xn },
             )?;
-            let attn = Self::take(&mut a, "attn");
-            let mut o = self.runner.run(
+            let o = self.runner.run::<kernels::WoForward>(
                 model,
                 i,
-                KernelKind::WoForward,
                 &shape,
-                &with_masks(&[("attn", attn.as_slice())], KernelKind::WoForward, &masks),
+                &masks,
+                &kernels::wo_forward::Acts { attn: &a.attn },
             )?;
             let mut x2 = x.clone();
-            add_scaled(&mut x2, &Self::take(&mut o, "o"), alpha);
-            let x2n = cpu::head_rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
-            let mut f = self.runner.run(
+            add_scaled(&mut x2, &o.o, alpha);
+            let x2n = maths::head_rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
+            let f = self.runner.run::<kernels::FfnForward>(
                 model,
                 i,
-                KernelKind::FfnForward,
                 &shape,
-                &with_masks(
-                    &[("x2norm", x2n.as_slice()), ("x2", x2.as_slice())],
-                    KernelKind::FfnForward,
-                    &masks,
-                ),
+                &masks,
+                &kernels::ffn_forward::Acts {
+                    x2norm: &x2n,
+                    x2: &x2,
+                },
             )?;
-            let x_next = Self::take(&mut f, "x_next");
             layers.push(LayerActs {
-                x: std::mem::replace(&mut x, x_next),
+                x: std::mem::replace(&mut x, f.x_next),
                 xn,
-                attn,
-                q_rope: Self::take(&mut a, "q_rope"),
-                k_rope: Self::take(&mut a, "k_rope"),
-                v: Self::take(&mut a, "v"),
-                q_raw: Self::take(&mut a, "q_raw"),
-                k_raw: Self::take(&mut a, "k_raw"),
+                attn: a.attn,
+                q_rope: a.q_rope,
+                k_rope: a.k_rope,
+                v: a.v,
+                q_raw: a.q_raw.unwrap_or_default(),
+                k_raw: a.k_raw.unwrap_or_default(),
                 x2,
                 x2n,
-                h1: Self::take(&mut f, "h1"),
-                h3: Self::take(&mut f, "h3"),
-                gate: Self::take(&mut f, "gate"),
+                h1: f.h1,
+                h3: f.h3,
+                gate: f.gate,
                 masks,
             });
         }
-        let xf = cpu::head_rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
+        let xf = maths::head_rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
         Ok(Forward {
             tokens: tokens.to_vec(),
             layers,
@@ -573,7 +322,7 @@ impl<R: KernelRunner> Engine<R> {
         let mut scratch = Vec::new();
         let overlap = self.runner.overlaps_host();
         // xf = rmsnorm(x)·w_final
-        let mut dx = cpu::head_rms_norm_backward(
+        let mut dx = maths::head_rms_norm_backward(
             &fwd.x_last,
             w(model.final_norm),
             dxf,
@@ -586,7 +335,7 @@ impl<R: KernelRunner> Engine<R> {
             // x' = x2 + α·ffn:  dx2 = dx',  dffn = α·dx'
             let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
             let m = &a.masks;
-            let mask = |t: Target| m[t.index()].as_deref();
+            let mask = |t: Projection| m[t.index()].as_deref();
             // Each group of weight gradients runs beside the kernel that
             // needs the same upstream gradient (on a worker thread when the
             // kernels run on a device).
@@ -597,25 +346,21 @@ impl<R: KernelRunner> Engine<R> {
                         model,
                         grads,
                         i,
-                        Target::Down,
+                        Projection::Down,
                         &dffn,
                         &a.gate,
-                        mask(Target::Down),
+                        mask(Projection::Down),
                     )
                 },
                 || {
-                    self.run_one(
-                        model,
-                        i,
-                        KernelKind::FfnBackwardW2,
-                        &shape,
-                        &[("dffn", dffn.as_slice())],
-                        m,
-                        "dgate",
-                    )
+                    let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
+                    let out = self
+                        .runner
+                        .run::<kernels::FfnBackwardW2>(model, i, &shape, m, &acts)?;
+                    Ok(out.dgate)
                 },
             )?;
-            let (dh1, dh3) = cpu::swiglu_backward(&a.h1, &a.h3, &dgate);
+            let (dh1, dh3) = maths::swiglu_backward(&a.h1, &a.h3, &dgate);
             let dx2n = overlapped(
                 overlap,
                 || {
@@ -623,26 +368,33 @@ impl<R: KernelRunner> Engine<R> {
                         model,
                         grads,
                         i,
-                        Target::Gate,
+                        Projection::Gate,
                         &dh1,
                         &a.x2n,
-                        mask(Target::Gate),
+                        mask(Projection::Gate),
                     );
-                    projection_grad(model, grads, i, Target::Up, &dh3, &a.x2n, mask(Target::Up));
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Projection::Up,
+                        &dh3,
+                        &a.x2n,
+                        mask(Projection::Up),
+                    );
                 },
                 || {
-                    self.run_one(
-                        model,
-                        i,
-                        KernelKind::FfnBackwardW13,
-                        &shape,
-                        &[("dh1", dh1.as_slice()), ("dh3", dh3.as_slice())],
-                        m,
-                        "dx",
-                    )
+                    let acts = kernels::ffn_backward_w13::Acts {
+                        dh1: &dh1,
+                        dh3: &dh3,
+                    };
+                    let out = self
+                        .runner
+                        .run::<kernels::FfnBackwardW13>(model, i, &shape, m, &acts)?;
+                    Ok(out.dx)
                 },
             )?;
-            let dnorm = cpu::head_rms_norm_backward(
+            let dnorm = maths::head_rms_norm_backward(
                 &a.x2,
                 w(l.ffn_norm),
                 &dx2n,
@@ -656,100 +408,105 @@ impl<R: KernelRunner> Engine<R> {
             let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
             let da = overlapped(
                 overlap,
-                || projection_grad(model, grads, i, Target::O, &dout, &a.attn, mask(Target::O)),
                 || {
-                    self.run_one(
+                    projection_grad(
                         model,
+                        grads,
                         i,
-                        KernelKind::WoBackward,
-                        &shape,
-                        &[("dy", dout.as_slice())],
-                        m,
-                        "da",
+                        Projection::O,
+                        &dout,
+                        &a.attn,
+                        mask(Projection::O),
                     )
                 },
+                || {
+                    let acts = kernels::wo_backward::Acts { dy: &dout };
+                    let out = self
+                        .runner
+                        .run::<kernels::WoBackward>(model, i, &shape, m, &acts)?;
+                    Ok(out.da)
+                },
             )?;
-            let mut b1 = self.runner.run(
+            let b1 = self.runner.run::<kernels::SdpaBackward1>(
                 model,
                 i,
-                KernelKind::SdpaBackward1,
                 &shape,
-                &Inputs::from([
-                    ("q_rope", a.q_rope.as_slice()),
-                    ("k_rope", a.k_rope.as_slice()),
-                    ("v", a.v.as_slice()),
-                    ("da", da.as_slice()),
-                ]),
+                m,
+                &kernels::sdpa_backward1::Acts {
+                    q_rope: &a.q_rope,
+                    k_rope: &a.k_rope,
+                    v: &a.v,
+                    da: &da,
+                },
             )?;
-            let dv = Self::take(&mut b1, "dv");
-            let mut b2 = self.runner.run(
+            let dv = b1.dv;
+            let b2 = self.runner.run::<kernels::SdpaBackward2>(
                 model,
                 i,
-                KernelKind::SdpaBackward2,
                 &shape,
-                &Inputs::from([
-                    ("probs", b1["probs"].as_slice()),
-                    ("dp", b1["dp"].as_slice()),
-                    ("q_rope", a.q_rope.as_slice()),
-                    ("k_rope", a.k_rope.as_slice()),
-                ]),
+                m,
+                &kernels::sdpa_backward2::Acts {
+                    probs: &b1.probs,
+                    dp: &b1.dp,
+                    q_rope: &a.q_rope,
+                    k_rope: &a.k_rope,
+                },
             )?;
             // RoPE is a rotation: its backward is the inverse rotation.
-            let mut dq = cpu::apply_rope(
-                &Self::take(&mut b2, "dq"),
-                hd,
-                seq,
-                &cos,
-                &sin,
-                self.opts.rope,
-                -1.0,
-            );
-            let mut dk = cpu::apply_rope(
-                &Self::take(&mut b2, "dk"),
-                hd,
-                seq,
-                &cos,
-                &sin,
-                self.opts.rope,
-                -1.0,
-            );
+            let unrope =
+                |g: &[f32]| maths::apply_rope(g, hd, seq, &cos, &sin, self.opts.rope, -1.0);
+            let (mut dq, mut dk) = (unrope(&b2.dq), unrope(&b2.dk));
             if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
                 let gq = base_grad(model, grads, qn, &mut scratch);
-                dq = cpu::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
+                dq = maths::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
                 let gk = base_grad(model, grads, kn, &mut scratch);
-                dk = cpu::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
+                dk = maths::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
             }
             let (mut dxn, dxkv) = overlapped(
                 overlap,
                 || {
-                    projection_grad(model, grads, i, Target::Q, &dq, &a.xn, mask(Target::Q));
-                    projection_grad(model, grads, i, Target::K, &dk, &a.xn, mask(Target::K));
-                    projection_grad(model, grads, i, Target::V, &dv, &a.xn, mask(Target::V));
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Projection::Q,
+                        &dq,
+                        &a.xn,
+                        mask(Projection::Q),
+                    );
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Projection::K,
+                        &dk,
+                        &a.xn,
+                        mask(Projection::K),
+                    );
+                    projection_grad(
+                        model,
+                        grads,
+                        i,
+                        Projection::V,
+                        &dv,
+                        &a.xn,
+                        mask(Projection::V),
+                    );
                 },
                 || {
-                    let dxq = self.run_one(
-                        model,
-                        i,
-                        KernelKind::QBackward,
-                        &shape,
-                        &[("dq", dq.as_slice())],
-                        m,
-                        "dx",
-                    )?;
-                    let dxkv = self.run_one(
-                        model,
-                        i,
-                        KernelKind::KvBackward,
-                        &shape,
-                        &[("dk", dk.as_slice()), ("dv", dv.as_slice())],
-                        m,
-                        "dx",
-                    )?;
-                    Ok((dxq, dxkv))
+                    let acts = kernels::q_backward::Acts { dq: &dq };
+                    let dxq = self
+                        .runner
+                        .run::<kernels::QBackward>(model, i, &shape, m, &acts)?;
+                    let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
+                    let dxkv = self
+                        .runner
+                        .run::<kernels::KvBackward>(model, i, &shape, m, &acts)?;
+                    Ok((dxq.dx, dxkv.dx))
                 },
             )?;
             add_scaled(&mut dxn, &dxkv, 1.0);
-            let dnorm = cpu::head_rms_norm_backward(
+            let dnorm = maths::head_rms_norm_backward(
                 &a.x,
                 w(l.attn_norm),
                 &dxn,

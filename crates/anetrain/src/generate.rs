@@ -4,7 +4,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::kernels::cpu::{apply_rope, head_rms_norm, w_x};
+use crate::kernels::maths::{apply_rope, head_rms_norm, w_x};
 use crate::kernels::{rope_row, KernelOptions};
 use crate::model::Model;
 use crate::rng::Rng;
@@ -247,7 +247,7 @@ pub fn generate(
 /// Generation through an engine's full forward (the Neural Engine paths):
 /// each new token reruns the whole sequence; causal attention makes the
 /// last position's logits exact.
-pub fn generate_with_engine<R: crate::engine::KernelRunner>(
+pub fn generate_with_engine<R: crate::runner::KernelRunner>(
     mut eng: crate::engine::Engine<R>,
     model: &Model,
     prompt: &[u32],

@@ -17,166 +17,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::fsutil::write_atomic;
-use crate::model::{LayerIds, Model, Param};
+use crate::model::{Model, Param, Projection};
 use crate::rng::Rng;
 use crate::safetensors;
-
-/// A projection an adapter can attach to.
-#[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    PartialOrd,
-    Ord,
-    Hash,
-    Serialize,
-    Deserialize,
-    clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum Target {
-    Q,
-    K,
-    V,
-    O,
-    Gate,
-    Up,
-    Down,
-}
-
-impl Target {
-    pub const ALL: [Target; 7] = [
-        Target::Q,
-        Target::K,
-        Target::V,
-        Target::O,
-        Target::Gate,
-        Target::Up,
-        Target::Down,
-    ];
-
-    /// Position in [`Target::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// Hugging Face module name (`q_proj`).
-    pub fn module(self) -> &'static str {
-        self.names().0
-    }
-
-    /// Module path inside a decoder layer (`self_attn.q_proj`).
-    pub fn path(self) -> &'static str {
-        self.names().1
-    }
-
-    /// The kernel weight region of the base projection (`wq`).
-    pub fn region(self) -> &'static str {
-        self.names().2
-    }
-
-    /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
-    pub fn adapter_regions(self) -> (&'static str, &'static str) {
-        let n = self.names();
-        (n.3, n.4)
-    }
-
-    /// Host-only kernel input holding the dropout mask (already scaled by
-    /// 1/(1−p)) applied to the adapter's input.
-    pub fn mask_input(self) -> &'static str {
-        self.names().5
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn names(
-        self,
-    ) -> (
-        &'static str,
-        &'static str,
-        &'static str,
-        &'static str,
-        &'static str,
-        &'static str,
-    ) {
-        match self {
-            Target::Q => (
-                "q_proj",
-                "self_attn.q_proj",
-                "wq",
-                "wq_lora_a",
-                "wq_lora_b",
-                "wq_lora_mask",
-            ),
-            Target::K => (
-                "k_proj",
-                "self_attn.k_proj",
-                "wk",
-                "wk_lora_a",
-                "wk_lora_b",
-                "wk_lora_mask",
-            ),
-            Target::V => (
-                "v_proj",
-                "self_attn.v_proj",
-                "wv",
-                "wv_lora_a",
-                "wv_lora_b",
-                "wv_lora_mask",
-            ),
-            Target::O => (
-                "o_proj",
-                "self_attn.o_proj",
-                "wo",
-                "wo_lora_a",
-                "wo_lora_b",
-                "wo_lora_mask",
-            ),
-            Target::Gate => (
-                "gate_proj",
-                "mlp.gate_proj",
-                "w1",
-                "w1_lora_a",
-                "w1_lora_b",
-                "w1_lora_mask",
-            ),
-            Target::Up => (
-                "up_proj",
-                "mlp.up_proj",
-                "w3",
-                "w3_lora_a",
-                "w3_lora_b",
-                "w3_lora_mask",
-            ),
-            Target::Down => (
-                "down_proj",
-                "mlp.down_proj",
-                "w2",
-                "w2_lora_a",
-                "w2_lora_b",
-                "w2_lora_mask",
-            ),
-        }
-    }
-
-    pub fn from_module(name: &str) -> Option<Target> {
-        Target::ALL.into_iter().find(|t| t.module() == name)
-    }
-
-    /// The base weight's index in [`Model::params`].
-    pub fn base(self, l: &LayerIds) -> usize {
-        match self {
-            Target::Q => l.wq,
-            Target::K => l.wk,
-            Target::V => l.wv,
-            Target::O => l.wo,
-            Target::Gate => l.w1,
-            Target::Up => l.w3,
-            Target::Down => l.w2,
-        }
-    }
-}
 
 /// Adapter hyper-parameters (PEFT's `r`, `lora_alpha`, `lora_dropout`,
 /// `target_modules`, `use_rslora`).
@@ -185,7 +28,7 @@ pub struct LoraConfig {
     pub rank: usize,
     pub alpha: f64,
     pub dropout: f64,
-    pub targets: Vec<Target>,
+    pub targets: Vec<Projection>,
     /// Scale α/√r instead of α/r.
     #[serde(default)]
     pub rslora: bool,
@@ -235,14 +78,14 @@ pub struct Lora {
     /// PEFT names, e.g.
     /// `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
     pub params: Vec<Param>,
-    /// `[layer][Target::index]`.
+    /// `[layer][Projection::index]`.
     pub slots: Vec<[Option<AdapterIds>; 7]>,
     /// Bumped whenever the adapters change (devices restage only them).
     pub version: u64,
 }
 
 /// PEFT's key for layer `i`, target `t`, matrix `ab` ("A" or "B").
-fn peft_key(i: usize, t: Target, ab: &str) -> String {
+fn peft_key(i: usize, t: Projection, ab: &str) -> String {
     format!(
         "base_model.model.model.layers.{i}.{}.lora_{ab}.weight",
         t.path()
@@ -250,7 +93,7 @@ fn peft_key(i: usize, t: Target, ab: &str) -> String {
 }
 
 /// `[out, in]` of a target's base projection.
-fn projection_shape(model: &Model, t: Target) -> (usize, usize) {
+fn projection_shape(model: &Model, t: Projection) -> (usize, usize) {
     let p = &model.params[t.base(&model.layers[0])];
     (p.shape[0], p.shape[1])
 }
@@ -315,7 +158,7 @@ impl Lora {
     }
 
     /// A and B of `layer`'s `target`, if adapted.
-    pub fn adapter(&self, layer: usize, t: Target) -> Option<(&[f32], &[f32])> {
+    pub fn adapter(&self, layer: usize, t: Projection) -> Option<(&[f32], &[f32])> {
         let ids = self.slots[layer][t.index()]?;
         Some((&self.params[ids.a].data, &self.params[ids.b].data))
     }
@@ -422,14 +265,15 @@ impl Lora {
                 .map(|v| v.as_str().map(str::to_string))
                 .collect::<Option<_>>()
                 .ok_or_else(|| bad("'target_modules' must list module names"))?,
-            Some(serde_json::Value::String(s)) if s == "all-linear" => {
-                Target::ALL.iter().map(|t| t.module().to_string()).collect()
-            }
+            Some(serde_json::Value::String(s)) if s == "all-linear" => Projection::ALL
+                .iter()
+                .map(|t| t.module().to_string())
+                .collect(),
             _ => return Err(bad("'target_modules' must be a list of module names")),
         };
         let mut targets = Vec::new();
         for m in &modules {
-            let t = Target::from_module(m).ok_or_else(|| {
+            let t = Projection::from_module(m).ok_or_else(|| {
                 bad(&format!(
                     "unsupported target module '{m}' (supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
                 ))
@@ -504,7 +348,7 @@ impl Lora {
     pub fn merge_into(&self, model: &mut Model) {
         let s = self.cfg.scale() as f32;
         for (i, slot) in self.slots.iter().enumerate() {
-            for t in Target::ALL {
+            for t in Projection::ALL {
                 let Some(ids) = slot[t.index()] else { continue };
                 let (a, b) = (&self.params[ids.a], &self.params[ids.b]);
                 let (r, inp, out) = (a.shape[0], a.shape[1], b.shape[0]);

@@ -297,6 +297,144 @@ fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     )
 }
 
+/// One of a decoder layer's seven weight projections (what a LoRA adapter
+/// attaches to, what a kernel multiplies by).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The names one projection goes by.
+struct ProjectionNames {
+    /// Hugging Face module name (`q_proj`).
+    module: &'static str,
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    path: &'static str,
+    /// Kernel weight region of the base projection (`wq`).
+    region: &'static str,
+    /// Kernel regions of LoRA's A and B (`wq_lora_a`, `wq_lora_b`).
+    adapter: (&'static str, &'static str),
+}
+
+/// Names by [`Projection::index`].
+const PROJECTION_NAMES: [ProjectionNames; 7] = [
+    ProjectionNames {
+        module: "q_proj",
+        path: "self_attn.q_proj",
+        region: "wq",
+        adapter: ("wq_lora_a", "wq_lora_b"),
+    },
+    ProjectionNames {
+        module: "k_proj",
+        path: "self_attn.k_proj",
+        region: "wk",
+        adapter: ("wk_lora_a", "wk_lora_b"),
+    },
+    ProjectionNames {
+        module: "v_proj",
+        path: "self_attn.v_proj",
+        region: "wv",
+        adapter: ("wv_lora_a", "wv_lora_b"),
+    },
+    ProjectionNames {
+        module: "o_proj",
+        path: "self_attn.o_proj",
+        region: "wo",
+        adapter: ("wo_lora_a", "wo_lora_b"),
+    },
+    ProjectionNames {
+        module: "gate_proj",
+        path: "mlp.gate_proj",
+        region: "w1",
+        adapter: ("w1_lora_a", "w1_lora_b"),
+    },
+    ProjectionNames {
+        module: "up_proj",
+        path: "mlp.up_proj",
+        region: "w3",
+        adapter: ("w3_lora_a", "w3_lora_b"),
+    },
+    ProjectionNames {
+        module: "down_proj",
+        path: "mlp.down_proj",
+        region: "w2",
+        adapter: ("w2_lora_a", "w2_lora_b"),
+    },
+];
+
+impl Projection {
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    /// Position in [`Projection::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Hugging Face module name (`q_proj`).
+    pub fn module(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].module
+    }
+
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    pub fn path(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].path
+    }
+
+    /// The kernel weight region of the base projection (`wq`).
+    pub fn region(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].region
+    }
+
+    /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
+    pub fn adapter_regions(self) -> (&'static str, &'static str) {
+        PROJECTION_NAMES[self.index()].adapter
+    }
+
+    pub fn from_module(name: &str) -> Option<Projection> {
+        Projection::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    /// The base weight's index in [`Model::params`].
+    pub fn base(self, l: &LayerIds) -> usize {
+        match self {
+            Projection::Q => l.wq,
+            Projection::K => l.wk,
+            Projection::V => l.wv,
+            Projection::O => l.wo,
+            Projection::Gate => l.w1,
+            Projection::Up => l.w3,
+            Projection::Down => l.w2,
+        }
+    }
+}
+
 /// A `config.json` `transformers` reads back to the same architecture.
 pub fn hf_config_json(c: &ModelConfig) -> String {
     let (arch, model_type) = match c.arch {

@@ -4,7 +4,7 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::Grads;
+use crate::grads::Grads;
 use crate::model::Model;
 use crate::simd::vectorized;
 

@@ -14,12 +14,13 @@ use crate::checkpoint::{self, TrainerState};
 use crate::config::ModelConfig;
 use crate::corpus;
 use crate::data::{self, TokenDtype};
-use crate::engine::{self, zero_grads, Engine, KernelRunner};
+use crate::engine::{self, zero_grads, Engine};
 use crate::fsutil::write_atomic;
 use crate::lora::{Lora, LoraConfig};
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
 use crate::rng::Rng;
+use crate::runner::KernelRunner;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -8,11 +8,18 @@ use std::path::PathBuf;
 
 use anetrain::config::{Arch, ModelConfig};
 use anetrain::kernels::check::{check_kernel, pack_all, run_mil};
-use anetrain::kernels::cpu::{self, Tensors};
-use anetrain::kernels::{build, KernelKind, KernelOptions, LoraKernel, Rope, Shape};
-use anetrain::lora::Target;
+use anetrain::kernels::maths;
+use anetrain::kernels::{
+    build, run_cpu, KernelKind, KernelOptions, LoraKernel, Port, Rope, Shape, Tensors,
+};
+use anetrain::model::Projection;
 use anetrain::rng::Rng;
 use mil::Precision;
+
+/// The port named `name`.
+fn p(name: &str) -> Port {
+    Port::from_name(name).unwrap_or_else(|| panic!("no port '{name}'"))
+}
 
 fn config(
     dim: usize,
@@ -147,7 +154,7 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
         o.lora = Some(LoraKernel {
             rank: 4,
             scale: 2.0,
-            targets: Target::ALL.to_vec(),
+            targets: Projection::ALL.to_vec(),
         });
         let s = Shape::new(&cfg, 16);
         for kind in KernelKind::ALL {
@@ -156,8 +163,16 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
             for &(w, _) in kind.projections() {
                 let (a, b) = w.adapter_regions();
                 let (out, inp) = s.projection(w);
-                assert_eq!(k.layout.region(a).tensor_shape(), [4, inp], "{kind:?} {a}");
-                assert_eq!(k.layout.region(b).tensor_shape(), [out, 4], "{kind:?} {b}");
+                assert_eq!(
+                    k.layout.region(p(a)).tensor_shape(),
+                    [4, inp],
+                    "{kind:?} {a}"
+                );
+                assert_eq!(
+                    k.layout.region(p(b)).tensor_shape(),
+                    [out, 4],
+                    "{kind:?} {b}"
+                );
             }
             let r = check_kernel(kind, &s, &o, 11).unwrap();
             eprintln!(
@@ -174,20 +189,15 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
         let k = build(KernelKind::QBackward, &s, &o).unwrap();
         let mut rng = Rng::new(3);
         let mut t = anetrain::kernels::check::random_inputs(&k, &mut rng);
-        let with = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&t));
-        t.get_mut("wq_lora_b")
+        let with = run_cpu(KernelKind::QBackward, &s, &o, &t);
+        t.get_mut(&p("wq_lora_b"))
             .unwrap()
             .iter_mut()
             .for_each(|v| *v = 0.0);
-        let zeroed = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&t));
-        let plain = cpu::run(
-            KernelKind::QBackward,
-            &s,
-            &KernelOptions::hf(&cfg),
-            &cpu::inputs(&t),
-        );
-        assert_eq!(zeroed["dx"], plain["dx"]);
-        assert_ne!(with["dx"], plain["dx"]);
+        let zeroed = run_cpu(KernelKind::QBackward, &s, &o, &t);
+        let plain = run_cpu(KernelKind::QBackward, &s, &KernelOptions::hf(&cfg), &t);
+        assert_eq!(zeroed[&p("dx")], plain[&p("dx")]);
+        assert_ne!(with[&p("dx")], plain[&p("dx")]);
     }
 }
 
@@ -348,41 +358,41 @@ fn attention_backward_pieces_match_finite_differences() {
         );
         let g = to64(&rng.normals(q * seq, 1.0)); // dL/d attn
         let f32s = |m: &M| m.iter().map(|&v| v as f32).collect::<Vec<f32>>();
-        let tt: Tensors = t.iter().map(|(k, v)| (k.to_string(), f32s(v))).collect();
+        let tt: Tensors = t.iter().map(|(k, v)| (p(k), f32s(v))).collect();
 
         // Forward and the backward chain through the twins.
-        let fwd = cpu::run(KernelKind::SdpaForward, &s, &o, &cpu::inputs(&tt));
+        let fwd = run_cpu(KernelKind::SdpaForward, &s, &o, &tt);
         let mut b1 = Tensors::new();
         for n in ["q_rope", "k_rope", "v"] {
-            b1.insert(n.into(), fwd[n].clone());
+            b1.insert(p(n), fwd[&p(n)].clone());
         }
-        b1.insert("da".into(), f32s(&g));
-        let r1 = cpu::run(KernelKind::SdpaBackward1, &s, &o, &cpu::inputs(&b1));
+        b1.insert(p("da"), f32s(&g));
+        let r1 = run_cpu(KernelKind::SdpaBackward1, &s, &o, &b1);
         let mut b2 = Tensors::new();
         for n in ["probs", "dp"] {
-            b2.insert(n.into(), r1[n].clone());
+            b2.insert(p(n), r1[&p(n)].clone());
         }
-        b2.insert("q_rope".into(), fwd["q_rope"].clone());
-        b2.insert("k_rope".into(), fwd["k_rope"].clone());
-        let r2 = cpu::run(KernelKind::SdpaBackward2, &s, &o, &cpu::inputs(&b2));
+        b2.insert(p("q_rope"), fwd[&p("q_rope")].clone());
+        b2.insert(p("k_rope"), fwd[&p("k_rope")].clone());
+        let r2 = run_cpu(KernelKind::SdpaBackward2, &s, &o, &b2);
         let (cos, sin) = o.rope_tables(seq, hd);
-        let mut dq = cpu::apply_rope(&r2["dq"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
-        let mut dk = cpu::apply_rope(&r2["dk"], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
+        let mut dq = maths::apply_rope(&r2[&p("dq")], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
+        let mut dk = maths::apply_rope(&r2[&p("dk")], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
         let (mut dwqn, mut dwkn) = (vec![0f32; hd], vec![0f32; hd]);
         if qk_norm {
             let eps = o.eps as f32;
-            dq = cpu::head_rms_norm_backward(
-                &fwd["q_raw"],
-                &tt["q_norm"],
+            dq = maths::head_rms_norm_backward(
+                &fwd[&p("q_raw")],
+                &tt[&p("q_norm")],
                 &dq,
                 hd,
                 seq,
                 eps,
                 &mut dwqn,
             );
-            dk = cpu::head_rms_norm_backward(
-                &fwd["k_raw"],
-                &tt["k_norm"],
+            dk = maths::head_rms_norm_backward(
+                &fwd[&p("k_raw")],
+                &tt[&p("k_norm")],
                 &dk,
                 hd,
                 seq,
@@ -391,18 +401,18 @@ fn attention_backward_pieces_match_finite_differences() {
             );
         }
         let mut kvin = Tensors::new();
-        kvin.insert("dk".into(), dk.clone());
-        kvin.insert("dv".into(), r1["dv"].clone());
-        kvin.insert("wk".into(), tt["wk"].clone());
-        kvin.insert("wv".into(), tt["wv"].clone());
-        let mut dx = cpu::run(KernelKind::KvBackward, &s, &o, &cpu::inputs(&kvin))
-            .remove("dx")
+        kvin.insert(p("dk"), dk.clone());
+        kvin.insert(p("dv"), r1[&p("dv")].clone());
+        kvin.insert(p("wk"), tt[&p("wk")].clone());
+        kvin.insert(p("wv"), tt[&p("wv")].clone());
+        let mut dx = run_cpu(KernelKind::KvBackward, &s, &o, &kvin)
+            .remove(&p("dx"))
             .unwrap();
         let mut qin = Tensors::new();
-        qin.insert("dq".into(), dq.clone());
-        qin.insert("wq".into(), tt["wq"].clone());
-        let dxq = cpu::run(KernelKind::QBackward, &s, &o, &cpu::inputs(&qin))
-            .remove("dx")
+        qin.insert(p("dq"), dq.clone());
+        qin.insert(p("wq"), tt[&p("wq")].clone());
+        let dxq = run_cpu(KernelKind::QBackward, &s, &o, &qin)
+            .remove(&p("dx"))
             .unwrap();
         dx.iter_mut().zip(&dxq).for_each(|(a, b)| *a += b);
         // dWq = dq · xnormᵀ
@@ -410,7 +420,7 @@ fn attention_backward_pieces_match_finite_differences() {
         for i in 0..q {
             for j in 0..d {
                 dwq[i * d + j] = (0..seq)
-                    .map(|p| dq[i * seq + p] * tt["xnorm"][j * seq + p])
+                    .map(|t| dq[i * seq + t] * tt[&p("xnorm")][j * seq + t])
                     .sum();
             }
         }
@@ -450,31 +460,31 @@ fn ffn_backward_pieces_match_finite_differences() {
     let (d, hid, seq) = (s.dim, s.hidden, s.seq);
     let mut rng = Rng::new(3);
     let mut t = Tensors::new();
-    t.insert("x2norm".into(), rng.normals(d * seq, 1.0));
-    t.insert("x2".into(), rng.normals(d * seq, 1.0));
-    t.insert("w1".into(), rng.normals(hid * d, 0.4));
-    t.insert("w3".into(), rng.normals(hid * d, 0.4));
-    t.insert("w2".into(), rng.normals(d * hid, 0.4));
+    t.insert(p("x2norm"), rng.normals(d * seq, 1.0));
+    t.insert(p("x2"), rng.normals(d * seq, 1.0));
+    t.insert(p("w1"), rng.normals(hid * d, 0.4));
+    t.insert(p("w3"), rng.normals(hid * d, 0.4));
+    t.insert(p("w2"), rng.normals(d * hid, 0.4));
     let g = rng.normals(d * seq, 1.0);
-    let fwd = cpu::run(KernelKind::FfnForward, &s, &o, &cpu::inputs(&t));
+    let fwd = run_cpu(KernelKind::FfnForward, &s, &o, &t);
     let mut b = Tensors::new();
-    b.insert("dffn".into(), g.iter().map(|v| v * 0.5).collect());
-    b.insert("w2".into(), t["w2"].clone());
-    let dgate = cpu::run(KernelKind::FfnBackwardW2, &s, &o, &cpu::inputs(&b))
-        .remove("dgate")
+    b.insert(p("dffn"), g.iter().map(|v| v * 0.5).collect());
+    b.insert(p("w2"), t[&p("w2")].clone());
+    let dgate = run_cpu(KernelKind::FfnBackwardW2, &s, &o, &b)
+        .remove(&p("dgate"))
         .unwrap();
-    let (dh1, dh3) = cpu::swiglu_backward(&fwd["h1"], &fwd["h3"], &dgate);
+    let (dh1, dh3) = maths::swiglu_backward(&fwd[&p("h1")], &fwd[&p("h3")], &dgate);
     let mut b = Tensors::new();
-    b.insert("dh1".into(), dh1);
-    b.insert("dh3".into(), dh3);
-    b.insert("w1".into(), t["w1"].clone());
-    b.insert("w3".into(), t["w3"].clone());
-    let dx = cpu::run(KernelKind::FfnBackwardW13, &s, &o, &cpu::inputs(&b))
-        .remove("dx")
+    b.insert(p("dh1"), dh1);
+    b.insert(p("dh3"), dh3);
+    b.insert(p("w1"), t[&p("w1")].clone());
+    b.insert(p("w3"), t[&p("w3")].clone());
+    let dx = run_cpu(KernelKind::FfnBackwardW13, &s, &o, &b)
+        .remove(&p("dx"))
         .unwrap();
     // f64 forward: x_next = x2 + 0.5·W2(silu(W1 x)·(W3 x))
     let loss = |x: &[f64]| -> f64 {
-        let w = |n: &str| to64(&t[n]);
+        let w = |n: &str| to64(&t[&p(n)]);
         let h1 = mm(&w("w1"), x, hid, d, seq);
         let h3 = mm(&w("w3"), x, hid, d, seq);
         let gate: Vec<f64> = h1
@@ -485,7 +495,7 @@ fn ffn_backward_pieces_match_finite_differences() {
         let f = mm(&w("w2"), &gate, d, hid, seq);
         f.iter().zip(&g).map(|(a, b)| 0.5 * a * *b as f64).sum()
     };
-    let x0 = to64(&t["x2norm"]);
+    let x0 = to64(&t[&p("x2norm")]);
     let mut f = |i: usize, h: f64| {
         let mut x = x0.clone();
         x[i] += h;
@@ -506,11 +516,11 @@ fn packing_follows_the_layout_exactly() {
     let attn: Vec<f32> = (0..s.q_dim() * s.seq).map(|i| i as f32).collect();
     let mut wo = vec![0f32; s.dim * s.q_dim()];
     wo[3 * s.q_dim() + 5] = 1.0; // o[3] = attn[5]
-    t.insert("attn".into(), attn.clone());
-    t.insert("wo".into(), wo);
+    t.insert(p("attn"), attn.clone());
+    t.insert(p("wo"), wo);
     let y = run_mil(&k, pack_all(&k, &t), Precision::Fp32).unwrap();
     assert_eq!(
-        &k.layout.unpack("o", &y)[3 * s.seq..4 * s.seq],
+        &k.layout.unpack(p("o"), &y)[3 * s.seq..4 * s.seq],
         &attn[5 * s.seq..6 * s.seq]
     );
 }

@@ -8,10 +8,11 @@ mod common;
 
 use common::{fixture, floats, max_abs, max_diff, tokens};
 
-use anetrain::engine::{self, zero_grads, Engine, KernelRunner};
+use anetrain::engine::{self, zero_grads, Engine};
 use anetrain::lora::Lora;
 use anetrain::model::Model;
 use anetrain::optim::{AdamW, AdamWConfig};
+use anetrain::runner::KernelRunner;
 
 /// The fixture's base model with its starting adapter attached.
 fn adapted(kind: &str) -> Model {

@@ -6,10 +6,10 @@ mod common;
 
 use common::{fixture, rel};
 
-use anetrain::engine::{self, zero_grads, CpuKernels, Engine, KernelRunner};
-use anetrain::kernels::cpu::{Inputs, Tensors};
-use anetrain::kernels::{KernelKind, Shape};
+use anetrain::engine::{self, zero_grads, Engine};
+use anetrain::kernels::{Kernel, Shape};
 use anetrain::model::Model;
+use anetrain::runner::{CpuKernels, Dropout, KernelRunner};
 
 #[test]
 fn ane_sim_logits_match_transformers_in_fp16() {
@@ -75,16 +75,16 @@ fn ane_sim_gradients_track_the_cpu_engine_and_restage_after_updates() {
 struct OffHost(CpuKernels, std::collections::HashSet<std::thread::ThreadId>);
 
 impl KernelRunner for OffHost {
-    fn run(
+    fn run<K: Kernel>(
         &mut self,
         model: &Model,
         layer: usize,
-        kind: KernelKind,
         shape: &Shape,
-        acts: &Inputs,
-    ) -> anyhow::Result<Tensors> {
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> anyhow::Result<K::Out> {
         self.1.insert(std::thread::current().id());
-        self.0.run(model, layer, kind, shape, acts)
+        self.0.run::<K>(model, layer, shape, dropout, acts)
     }
 
     fn overlaps_host(&self) -> bool {

@@ -4,9 +4,8 @@
 
 use mil::{DType, Executable, Precision, Tensor};
 
-use super::cpu::{self, Tensors};
 use super::layout::Encoding;
-use super::{build, Kernel, KernelKind, KernelOptions, Shape};
+use super::{build, run_cpu, KernelKind, KernelOptions, KernelProgram, Port, Shape, Tensors};
 use crate::rng::Rng;
 
 /// Worst relative error (max |mil − cpu| / max |cpu|, per output block).
@@ -37,14 +36,14 @@ impl CheckResult {
 /// Random inputs shaped by the kernel's layout: activations N(0, 1),
 /// weights N(0, 1/in), norm weights around 1, score inputs valid softmax
 /// rows (probs) and N(0, 1) gradients (dp).
-pub fn random_inputs(k: &Kernel, rng: &mut Rng) -> Tensors {
+pub fn random_inputs(k: &KernelProgram, rng: &mut Rng) -> Tensors {
     let mut t = Tensors::new();
     for r in &k.layout.inputs {
         let [rows, cols] = r.tensor_shape();
         let n = rows * cols;
-        let v = match (r.encoding, r.name.as_str()) {
-            (_, "q_norm" | "k_norm") => rng.normals(n, 0.3).iter().map(|x| 1.0 + x).collect(),
-            (_, "probs") => {
+        let v = match (r.encoding, r.port) {
+            (_, Port::QNorm | Port::KNorm) => rng.normals(n, 0.3).iter().map(|x| 1.0 + x).collect(),
+            (_, Port::Probs) => {
                 // each row a distribution over a random support
                 let mut v: Vec<f32> = (0..n).map(|_| rng.uniform() as f32).collect();
                 for row in v.chunks_mut(cols) {
@@ -57,22 +56,22 @@ pub fn random_inputs(k: &Kernel, rng: &mut Rng) -> Tensors {
             (Encoding::Transposed, _) => rng.normals(n, 1.0 / (cols as f64).sqrt()),
             (Encoding::AsIs, _) => rng.normals(n, 1.0 / (rows as f64).sqrt()),
         };
-        t.insert(r.name.clone(), v);
+        t.insert(r.port, v);
     }
     t
 }
 
 /// Packs named tensors into the kernel's input buffer.
-pub fn pack_all(k: &Kernel, t: &Tensors) -> Vec<f32> {
+pub fn pack_all(k: &KernelProgram, t: &Tensors) -> Vec<f32> {
     let mut buf = vec![0f32; k.layout.input_elems()];
     for r in &k.layout.inputs {
-        k.layout.pack(&r.name, &t[&r.name], &mut buf);
+        k.layout.pack(r.port, &t[&r.port], &mut buf);
     }
     buf
 }
 
 /// Runs the kernel's MIL text (printed, re-parsed) through the interpreter.
-pub fn run_mil(k: &Kernel, input: Vec<f32>, precision: Precision) -> mil::Result<Vec<f32>> {
+pub fn run_mil(k: &KernelProgram, input: Vec<f32>, precision: Precision) -> mil::Result<Vec<f32>> {
     let p = mil::parse_and_validate(&k.text())?;
     let exe = Executable::with_blobs(&p.functions[0], &k.blob_paths())?;
     let shape = vec![1, k.layout.in_channels, 1, k.layout.in_spatial];
@@ -80,11 +79,11 @@ pub fn run_mil(k: &Kernel, input: Vec<f32>, precision: Precision) -> mil::Result
     Ok(out[0].f32s().map_err(mil::MilError::new)?.to_vec())
 }
 
-fn compare(k: &Kernel, got: &[f32], want: &Tensors) -> (f32, f32) {
+fn compare(k: &KernelProgram, got: &[f32], want: &Tensors) -> (f32, f32) {
     let mut worst = (0f32, 0f32);
     for b in &k.layout.outputs {
-        let g = k.layout.unpack(&b.name, got);
-        let w = &want[&b.name];
+        let g = k.layout.unpack(b.port, got);
+        let w = &want[&b.port];
         let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
         let abs = g
             .iter()
@@ -122,8 +121,8 @@ pub fn check_kernel(
     let input = pack_all(&k, &t);
     let y32 = run_mil(&k, input.clone(), Precision::Fp32)?;
     let y16 = run_mil(&k, input, Precision::Fp16)?;
-    let (a32, r32) = compare(&k, &y32, &cpu::run(kind, s, &stored, &cpu::inputs(&t)));
-    let (a16, r16) = compare(&k, &y16, &cpu::run(kind, s, &exact, &cpu::inputs(&t)));
+    let (a32, r32) = compare(&k, &y32, &run_cpu(kind, s, &stored, &t));
+    let (a16, r16) = compare(&k, &y16, &run_cpu(kind, s, &exact, &t));
     Ok(CheckResult {
         kind,
         fp32_max_abs: a32,

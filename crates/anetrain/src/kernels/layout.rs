@@ -8,6 +8,8 @@ use std::ops::Range;
 
 use serde::Serialize;
 
+use super::io::{LayerWeights, Port};
+
 /// How a logical tensor is laid into a region of the packed input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Encoding {
@@ -22,7 +24,8 @@ pub enum Encoding {
 /// A named rectangle of the packed input.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Region {
-    pub name: String,
+    #[serde(rename = "name")]
+    pub port: Port,
     pub channels: Range<usize>,
     pub spatial: Range<usize>,
     pub encoding: Encoding,
@@ -50,7 +53,8 @@ impl Region {
 /// A named channel block of the output.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Block {
-    pub name: String,
+    #[serde(rename = "name")]
+    pub port: Port,
     pub channels: Range<usize>,
 }
 
@@ -75,31 +79,47 @@ impl KernelLayout {
         self.out_channels * self.out_spatial
     }
 
-    pub fn region(&self, name: &str) -> &Region {
+    /// The input region of `port`; a kernel asking its own layout for a
+    /// region it did not declare is a bug in that kernel's module.
+    pub fn region(&self, port: Port) -> &Region {
         self.inputs
             .iter()
-            .find(|r| r.name == name)
-            .unwrap_or_else(|| panic!("kernel {} has no input region '{name}'", self.kernel))
+            .find(|r| r.port == port)
+            .unwrap_or_else(|| {
+                panic!(
+                    "kernel {} has no input region '{}'",
+                    self.kernel,
+                    port.name()
+                )
+            })
     }
 
-    pub fn block(&self, name: &str) -> &Block {
+    /// The output block of `port` (see [`KernelLayout::region`]).
+    pub fn block(&self, port: Port) -> &Block {
         self.outputs
             .iter()
-            .find(|b| b.name == name)
-            .unwrap_or_else(|| panic!("kernel {} has no output block '{name}'", self.kernel))
+            .find(|b| b.port == port)
+            .unwrap_or_else(|| {
+                panic!(
+                    "kernel {} has no output block '{}'",
+                    self.kernel,
+                    port.name()
+                )
+            })
     }
 
     /// Tensor `data` (row-major, the region's `tensor_shape`) as the
     /// region's rows: `[channels, width]`, row c holding what goes to input
     /// channel `channels.start + c`.
-    pub fn region_values(&self, name: &str, data: &[f32]) -> Vec<f32> {
-        let r = self.region(name);
+    pub fn region_values(&self, port: Port, data: &[f32]) -> Vec<f32> {
+        let r = self.region(port);
         let [rows, cols] = r.tensor_shape();
         assert_eq!(
             data.len(),
             rows * cols,
-            "{}: '{name}' has the wrong length",
-            self.kernel
+            "{}: '{}' has the wrong length",
+            self.kernel,
+            port.name()
         );
         match r.encoding {
             Encoding::Activation | Encoding::AsIs => data.to_vec(),
@@ -118,10 +138,10 @@ impl KernelLayout {
 
     /// Writes tensor `data` (row-major, the region's `tensor_shape`) into the
     /// packed input `buf` (`[in_channels, in_spatial]`).
-    pub fn pack(&self, name: &str, data: &[f32], buf: &mut [f32]) {
+    pub fn pack(&self, port: Port, data: &[f32], buf: &mut [f32]) {
         assert_eq!(buf.len(), self.input_elems());
-        let values = self.region_values(name, data);
-        let r = self.region(name);
+        let values = self.region_values(port, data);
+        let r = self.region(port);
         let width = r.spatial.len();
         for (ci, c) in r.channels.clone().enumerate() {
             buf[c * self.in_spatial + r.spatial.start..][..width]
@@ -129,9 +149,25 @@ impl KernelLayout {
         }
     }
 
-    /// Reads output block `name` (`[channels, out_spatial]`) from `buf`.
-    pub fn unpack<'a>(&self, name: &str, buf: &'a [f32]) -> &'a [f32] {
-        let b = self.block(name);
+    /// Packs every weight region from `w` into `buf` (`[in_channels,
+    /// in_spatial]`); an error names a weight the layer does not have.
+    pub fn pack_weights(&self, w: &LayerWeights, buf: &mut [f32]) -> Result<(), String> {
+        for r in self.inputs.iter().filter(|r| r.port.is_weight()) {
+            let data = w.get(r.port).ok_or_else(|| {
+                format!(
+                    "{}: the layer has no weight '{}'",
+                    self.kernel,
+                    r.port.name()
+                )
+            })?;
+            self.pack(r.port, data, buf);
+        }
+        Ok(())
+    }
+
+    /// Reads output block `port` (`[channels, out_spatial]`) from `buf`.
+    pub fn unpack<'a>(&self, port: Port, buf: &'a [f32]) -> &'a [f32] {
+        let b = self.block(port);
         &buf[b.channels.start * self.out_spatial..b.channels.end * self.out_spatial]
     }
 }
@@ -166,14 +202,14 @@ impl LayoutBuilder {
     /// channels (starting at channel 0) to the right of the previous ones.
     pub fn columns(
         &mut self,
-        name: &str,
+        port: Port,
         channels: usize,
         width: usize,
         encoding: Encoding,
     ) -> &mut Self {
         self.channels = self.channels.max(channels);
         self.inputs.push(Region {
-            name: name.into(),
+            port,
             channels: 0..channels,
             spatial: self.spatial..self.spatial + width,
             encoding,
@@ -190,10 +226,10 @@ impl LayoutBuilder {
     }
 
     /// Channel stacking: an activation `[channels, seq]` below the previous ones.
-    pub fn rows(&mut self, name: &str, channels: usize) -> &mut Self {
+    pub fn rows(&mut self, port: Port, channels: usize) -> &mut Self {
         self.spatial = self.seq;
         self.inputs.push(Region {
-            name: name.into(),
+            port,
             channels: self.channels..self.channels + channels,
             spatial: 0..self.seq,
             encoding: Encoding::Activation,
@@ -203,9 +239,9 @@ impl LayoutBuilder {
     }
 
     /// An output block of `channels` channels below the previous ones.
-    pub fn output(&mut self, name: &str, channels: usize) -> &mut Self {
+    pub fn output(&mut self, port: Port, channels: usize) -> &mut Self {
         self.outputs.push(Block {
-            name: name.into(),
+            port,
             channels: self.out_channels..self.out_channels + channels,
         });
         self.out_channels += channels;
@@ -228,25 +264,27 @@ impl LayoutBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::Projection;
 
     #[test]
     fn pack_places_each_encoding() {
         let mut b = LayoutBuilder::new("t", 2);
-        b.columns("x", 3, 2, Encoding::Activation)
-            .columns("wt", 3, 2, Encoding::Transposed)
-            .columns("w", 3, 1, Encoding::AsIs)
-            .output("y", 2);
+        b.columns(Port::Xnorm, 3, 2, Encoding::Activation)
+            .columns(Port::Weight(Projection::Q), 3, 2, Encoding::Transposed)
+            .columns(Port::QNorm, 3, 1, Encoding::AsIs)
+            .output(Port::Attn, 2);
         let l = b.build();
         assert_eq!((l.in_channels, l.in_spatial), (3, 5));
         let mut buf = vec![0.0; 15];
-        l.pack("x", &[1., 2., 3., 4., 5., 6.], &mut buf); // [3, 2]
-        l.pack("wt", &[10., 11., 12., 20., 21., 22.], &mut buf); // W [2 out, 3 in]
-        l.pack("w", &[7., 8., 9.], &mut buf); // [3, 1]
+        l.pack(Port::Xnorm, &[1., 2., 3., 4., 5., 6.], &mut buf); // [3, 2]
+        let wt = Port::Weight(Projection::Q);
+        l.pack(wt, &[10., 11., 12., 20., 21., 22.], &mut buf); // W [2 out, 3 in]
+        l.pack(Port::QNorm, &[7., 8., 9.], &mut buf); // [3, 1]
         assert_eq!(
             buf,
             vec![1., 2., 10., 20., 7., 3., 4., 11., 21., 8., 5., 6., 12., 22., 9.]
         );
         let out = [1., 2., 3., 4.];
-        assert_eq!(l.unpack("y", &out), &out);
+        assert_eq!(l.unpack(Port::Attn, &out), &out);
     }
 }

@@ -15,15 +15,39 @@
 //!   over the group.
 
 pub mod check;
-pub mod cpu;
+pub mod io;
 pub mod layout;
-mod mil_gen;
+pub mod maths;
+mod program;
+
+pub mod ffn_backward_w13;
+pub mod ffn_backward_w2;
+pub mod ffn_forward;
+pub mod kv_backward;
+pub mod q_backward;
+pub mod sdpa_backward1;
+pub mod sdpa_backward2;
+pub mod sdpa_forward;
+pub mod wo_backward;
+pub mod wo_forward;
 
 use serde::Serialize;
 
 use crate::config::ModelConfig;
-use crate::lora::Target;
-pub use layout::{Encoding, KernelLayout};
+use crate::model::Projection;
+pub use ffn_backward_w13::FfnBackwardW13;
+pub use ffn_backward_w2::FfnBackwardW2;
+pub use ffn_forward::FfnForward;
+pub use io::{Activations, LayerWeights, Outputs, Port, Tensors};
+pub use kv_backward::KvBackward;
+pub use layout::{Encoding, KernelLayout, LayoutBuilder};
+pub use program::Gen;
+pub use q_backward::QBackward;
+pub use sdpa_backward1::SdpaBackward1;
+pub use sdpa_backward2::SdpaBackward2;
+pub use sdpa_forward::SdpaForward;
+pub use wo_backward::WoBackward;
+pub use wo_forward::WoForward;
 
 /// The ten kernels, in the order a training step uses them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -141,7 +165,7 @@ pub struct KernelOptions {
 pub struct LoraKernel {
     pub rank: usize,
     pub scale: f64,
-    pub targets: Vec<Target>,
+    pub targets: Vec<Projection>,
 }
 
 /// How a kernel uses a projection, which decides where its adapter
@@ -159,21 +183,63 @@ pub enum Product {
 
 impl KernelKind {
     /// The weight projections this kernel applies, and how.
-    pub fn projections(self) -> &'static [(Target, Product)] {
-        use Product::*;
-        use Target::*;
+    pub fn projections(self) -> &'static [(Projection, Product)] {
+        struct Projections;
+        impl KernelFn for Projections {
+            type Output = &'static [(Projection, Product)];
+            fn call<K: Kernel>(self) -> Self::Output {
+                K::PROJECTIONS
+            }
+        }
+        self.with(Projections)
+    }
+
+    /// Calls `f` with this kernel's type: the one place a kernel's name
+    /// turns into its definition.
+    pub fn with<F: KernelFn>(self, f: F) -> F::Output {
         match self {
-            KernelKind::SdpaForward => &[(Q, Forward), (K, Forward), (V, Forward)],
-            KernelKind::WoForward => &[(O, Forward)],
-            KernelKind::FfnForward => &[(Gate, Forward), (Up, Forward), (Down, ForwardRows)],
-            KernelKind::FfnBackwardW2 => &[(Down, Backward)],
-            KernelKind::FfnBackwardW13 => &[(Gate, Backward), (Up, Backward)],
-            KernelKind::WoBackward => &[(O, Backward)],
-            KernelKind::QBackward => &[(Q, Backward)],
-            KernelKind::KvBackward => &[(K, Backward), (V, Backward)],
-            KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => &[],
+            KernelKind::SdpaForward => f.call::<SdpaForward>(),
+            KernelKind::WoForward => f.call::<WoForward>(),
+            KernelKind::FfnForward => f.call::<FfnForward>(),
+            KernelKind::FfnBackwardW2 => f.call::<FfnBackwardW2>(),
+            KernelKind::FfnBackwardW13 => f.call::<FfnBackwardW13>(),
+            KernelKind::WoBackward => f.call::<WoBackward>(),
+            KernelKind::SdpaBackward1 => f.call::<SdpaBackward1>(),
+            KernelKind::SdpaBackward2 => f.call::<SdpaBackward2>(),
+            KernelKind::QBackward => f.call::<QBackward>(),
+            KernelKind::KvBackward => f.call::<KvBackward>(),
         }
     }
+}
+
+/// One kernel, everything about it in one place (its module): where its
+/// inputs and outputs live, its MIL program, and its CPU twin, which tests
+/// hold equal. Weights are packed from the layout's weight regions and a
+/// layer's [`LayerWeights`], the same way for every kernel.
+pub trait Kernel {
+    const KIND: KernelKind;
+    /// The weight projections the kernel applies, and how (their LoRA
+    /// regions are added to the layout after the kernel's own).
+    const PROJECTIONS: &'static [(Projection, Product)];
+    /// Activations in.
+    type Acts<'a>: Activations<'a>;
+    /// Results out.
+    type Out: Outputs;
+
+    /// Declares the kernel's input regions and output blocks.
+    fn layout(b: &mut LayoutBuilder, s: &Shape, o: &KernelOptions);
+
+    /// Builds the program's body; returns its one output.
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<mil::builder::Value>;
+
+    /// The native f32 twin.
+    fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Self::Acts<'_>) -> Self::Out;
+}
+
+/// Something to do with a kernel type, chosen by [`KernelKind::with`].
+pub trait KernelFn {
+    type Output;
+    fn call<K: Kernel>(self) -> Self::Output;
 }
 
 impl KernelOptions {
@@ -203,7 +269,7 @@ impl KernelOptions {
     }
 
     /// The adapter (rank, scale) of projection `t`, if it has one.
-    pub fn adapter(&self, t: Target) -> Option<(usize, f64)> {
+    pub fn adapter(&self, t: Projection) -> Option<(usize, f64)> {
         let l = self.lora.as_ref()?;
         l.targets.contains(&t).then_some((l.rank, l.scale))
     }
@@ -256,14 +322,14 @@ impl Shape {
     }
 
     /// `[out, in]` of projection `t`.
-    pub fn projection(&self, t: Target) -> (usize, usize) {
+    pub fn projection(&self, t: Projection) -> (usize, usize) {
         let (d, h, q, kv) = (self.dim, self.hidden, self.q_dim(), self.kv_dim());
         match t {
-            Target::Q => (q, d),
-            Target::K | Target::V => (kv, d),
-            Target::O => (d, q),
-            Target::Gate | Target::Up => (h, d),
-            Target::Down => (d, h),
+            Projection::Q => (q, d),
+            Projection::K | Projection::V => (kv, d),
+            Projection::O => (d, q),
+            Projection::Gate | Projection::Up => (h, d),
+            Projection::Down => (d, h),
         }
     }
 
@@ -301,101 +367,27 @@ impl KernelOptions {
 
 /// Where each kernel's inputs and outputs live (the single source of offsets).
 pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
-    use Encoding::*;
-    let (d, h, q, kv, seq) = (s.dim, s.hidden, s.q_dim(), s.kv_dim(), s.seq);
-    let mut b = layout::LayoutBuilder::new(kind.name(), seq);
-    match kind {
-        KernelKind::SdpaForward => {
-            b.columns("xnorm", d, seq, Activation)
-                .columns("wq", d, q, Transposed)
-                .columns("wk", d, kv, Transposed)
-                .columns("wv", d, kv, Transposed);
-            if o.qk_norm {
-                // Two [HD] vectors in one column each, then padding so the
-                // input width stays a multiple of 16 like the other kernels'.
-                b.columns("q_norm", s.head_dim, 1, Activation)
-                    .columns("k_norm", s.head_dim, 1, Activation)
-                    .pad_spatial_to(16);
-            }
-            b.output("attn", q)
-                .output("q_rope", q)
-                .output("k_rope", kv)
-                .output("v", kv);
-            if o.seed_compat {
-                b.output("xnorm", d);
-            }
-            if o.qk_norm {
-                b.output("q_raw", q).output("k_raw", kv);
-            }
-        }
-        KernelKind::WoForward => {
-            b.columns("attn", q, seq, Activation)
-                .columns("wo", q, d, Transposed)
-                .output("o", d);
-        }
-        KernelKind::FfnForward => {
-            b.columns("x2norm", d, seq, Activation)
-                .columns("x2", d, seq, Activation)
-                .columns("w1", d, h, Transposed)
-                .columns("w3", d, h, Transposed)
-                .columns("w2", d, h, AsIs)
-                .output("x_next", d)
-                .output("h1", h)
-                .output("h3", h)
-                .output("gate", h);
-        }
-        KernelKind::FfnBackwardW2 => {
-            b.columns("dffn", d, seq, Activation)
-                .columns("w2", d, h, AsIs)
-                .output("dgate", h);
-        }
-        KernelKind::FfnBackwardW13 => {
-            b.columns("dh1", h, seq, Activation)
-                .columns("dh3", h, seq, Activation)
-                .columns("w1", h, d, AsIs)
-                .columns("w3", h, d, AsIs)
-                .output("dx", d);
-        }
-        KernelKind::WoBackward => {
-            b.columns("dy", d, seq, Activation)
-                .columns("wo", d, q, AsIs)
-                .output("da", q);
-        }
-        KernelKind::SdpaBackward1 => {
-            b.rows("q_rope", q)
-                .rows("k_rope", kv)
-                .rows("v", kv)
-                .rows("da", q)
-                .output("dv", kv)
-                .output("probs", s.score_channels())
-                .output("dp", s.score_channels());
-        }
-        KernelKind::SdpaBackward2 => {
-            b.rows("probs", s.score_channels())
-                .rows("dp", s.score_channels())
-                .rows("q_rope", q)
-                .rows("k_rope", kv)
-                .output("dq", q)
-                .output("dk", kv);
-        }
-        KernelKind::QBackward => {
-            b.columns("dq", q, seq, Activation)
-                .columns("wq", q, d, AsIs)
-                .output("dx", d);
-        }
-        KernelKind::KvBackward => {
-            b.columns("dk", kv, seq, Activation)
-                .columns("dv", kv, seq, Activation)
-                .columns("wk", kv, d, AsIs)
-                .columns("wv", kv, d, AsIs)
-                .output("dx", d);
+    struct Layout<'a>(&'a Shape, &'a KernelOptions);
+    impl KernelFn for Layout<'_> {
+        type Output = KernelLayout;
+        fn call<K: Kernel>(self) -> KernelLayout {
+            layout_of::<K>(self.0, self.1)
         }
     }
+    kind.with(Layout(s, o))
+}
+
+/// [`layout`] for a kernel type: its own regions, then its projections'
+/// LoRA regions (padded so the width stays a multiple of 16).
+pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
+    use Encoding::*;
+    let mut b = LayoutBuilder::new(K::KIND.name(), s.seq);
+    K::layout(&mut b, s, o);
     let mut adapted = false;
-    for &(t, product) in kind.projections() {
+    for &(t, product) in K::PROJECTIONS {
         let Some((r, _)) = o.adapter(t) else { continue };
-        let (a, bn) = t.adapter_regions();
         let (out, inp) = s.projection(t);
+        let (a, bn) = (Port::LoraA(t), Port::LoraB(t));
         match product {
             Product::Forward => b
                 .columns(a, inp, r, Transposed)
@@ -413,7 +405,7 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
 }
 
 /// A generated kernel: program, the blob files it reads, its layout.
-pub struct Kernel {
+pub struct KernelProgram {
     pub kind: KernelKind,
     pub layout: KernelLayout,
     pub program: mil::Program,
@@ -421,7 +413,7 @@ pub struct Kernel {
     pub blobs: Vec<(String, Vec<u8>)>,
 }
 
-impl Kernel {
+impl KernelProgram {
     /// The program as MIL text.
     pub fn text(&self) -> String {
         mil::print(&self.program)
@@ -437,9 +429,22 @@ impl Kernel {
 }
 
 /// Generates `kind` for shape `s` with options `o`.
-pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<Kernel> {
-    let layout = layout(kind, s, o);
-    let (function, blob_names) = mil_gen::generate(kind, s, o, &layout)?;
+pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
+    struct Build<'a>(&'a Shape, &'a KernelOptions);
+    impl KernelFn for Build<'_> {
+        type Output = mil::Result<KernelProgram>;
+        fn call<K: Kernel>(self) -> Self::Output {
+            build_of::<K>(self.0, self.1)
+        }
+    }
+    kind.with(Build(s, o))
+}
+
+fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
+    let layout = layout_of::<K>(s, o);
+    let mut g = Gen::new(&layout);
+    let out = K::mil(&mut g, s, o)?;
+    let (function, blob_names) = g.finish(&out)?;
     let blobs = blob_names
         .into_iter()
         .map(|name| {
@@ -451,12 +456,34 @@ pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<Kern
             (name.to_string(), mil::blob::encode(&data))
         })
         .collect();
-    Ok(Kernel {
-        kind,
+    Ok(KernelProgram {
+        kind: K::KIND,
         layout,
         program: mil::Program::new(vec![function]),
         blobs,
     })
+}
+
+/// Runs kernel `kind`'s CPU twin on tensors by port (weights and
+/// activations alike), returning its results by port: for checks and
+/// tests, which build inputs from a layout. Panics if an activation is
+/// missing (a test bug).
+pub fn run_cpu(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> Tensors {
+    struct Run<'a>(&'a Shape, &'a KernelOptions, &'a Tensors);
+    impl KernelFn for Run<'_> {
+        type Output = Tensors;
+        fn call<K: Kernel>(self) -> Tensors {
+            let Run(s, o, t) = self;
+            let w = LayerWeights::from_tensors(t);
+            let get = |p: Port| -> &[f32] {
+                t.get(&p)
+                    .unwrap_or_else(|| panic!("{}: no input '{}'", K::KIND.name(), p.name()))
+            };
+            let acts = K::Acts::from_lookup(&get);
+            K::cpu(s, o, &w, &acts).into_ports().into_iter().collect()
+        }
+    }
+    kind.with(Run(s, o, t))
 }
 
 pub(crate) const BLOB_MASK: &str = "mask.bin";

@@ -1,8 +1,12 @@
-//! The Neural Engine path: the kernel contract on a [`Device`]. Each kernel
-//! is compiled once per sequence length; every layer has its own input
-//! buffer per kernel whose weight regions are staged once per optimizer step
-//! (when `Model::version` changes) while only the activation regions are
-//! rewritten per call; outputs are unpacked by the layout.
+//! Kernel runners: what runs a kernel for one layer. [`CpuKernels`] calls
+//! the native f32 twins; [`NeuralKernels`] runs the generated MIL programs
+//! on a Neural Engine [`Device`] (the real one, or the simulator).
+//!
+//! On a device each kernel is compiled once per sequence length; every
+//! layer has its own input buffer per kernel whose weight regions are
+//! staged once per optimizer step (when `Model::version` changes) while
+//! only the activation regions are rewritten per call; outputs are unpacked
+//! by the layout.
 //!
 //! Sequences shorter than the compiled length are zero-padded on the right:
 //! attention is causal and every other op is per position, so real
@@ -15,33 +19,91 @@ use std::collections::BTreeMap;
 use ane::Device;
 use anyhow::{anyhow, bail, Result};
 
-use crate::engine::{kernel_weights, KernelRunner};
-use crate::kernels::cpu::{Inputs, Tensors};
-use crate::kernels::layout::{Encoding, KernelLayout};
-use crate::kernels::{build, Kernel, KernelKind, KernelOptions, Shape};
-use crate::model::Model;
+use crate::kernels::{
+    build, Activations, Kernel, KernelKind, KernelLayout, KernelOptions, KernelProgram,
+    LayerWeights, Outputs, Port, Shape,
+};
+use crate::model::{Model, Projection};
+
+/// LoRA dropout masks of one layer, by [`Projection::index`] (scaled by
+/// 1/(1−p); `None` where there is no dropout).
+pub type Dropout = [Option<Vec<f32>>; 7];
+
+/// Runs one kernel for one layer. Activations come in `acts`; the runner
+/// supplies the layer's weights itself.
+pub trait KernelRunner {
+    fn run<K: Kernel>(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> Result<K::Out>;
+
+    /// Whether kernels run off the host CPU, so the engine computes weight
+    /// gradients on a worker thread while they run.
+    fn overlaps_host(&self) -> bool {
+        false
+    }
+}
+
+/// Layer `layer`'s weights (and adapters) as the kernels read them.
+pub fn layer_weights<'a>(model: &'a Model, layer: usize) -> LayerWeights<'a> {
+    let l = &model.layers[layer];
+    let p = |i: usize| model.params[i].data.as_slice();
+    let mut w = LayerWeights {
+        projections: Projection::ALL.map(|t| p(t.base(l))),
+        q_norm: l.q_norm.map(p),
+        k_norm: l.k_norm.map(p),
+        ..LayerWeights::default()
+    };
+    if let Some(lora) = &model.lora {
+        for t in Projection::ALL {
+            w.adapters[t.index()] = lora.adapter(layer, t);
+        }
+    }
+    w
+}
+
+/// The CPU engine's kernels: the native twins.
+pub struct CpuKernels {
+    pub opts: KernelOptions,
+}
+
+impl KernelRunner for CpuKernels {
+    fn run<K: Kernel>(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> Result<K::Out> {
+        let mut w = layer_weights(model, layer);
+        for (m, d) in w.dropout.iter_mut().zip(dropout) {
+            *m = d.as_deref();
+        }
+        Ok(K::cpu(shape, &self.opts, &w, acts))
+    }
+}
 
 /// Padding granularity of the sequence axis.
 pub const SEQ_MULTIPLE: usize = 16;
 
-/// Score tensors are `[heads·S, S]`: padded per head, not just per column.
-fn is_scores(name: &str) -> bool {
-    matches!(name, "probs" | "dp")
-}
-
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
 /// `[rows, sp]` (or `[heads·sp, sp]`) layout, zeros elsewhere.
-fn pad(name: &str, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
+fn pad(port: Port, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
     if seq == sp {
         return data.to_vec();
     }
     let rows = data.len() / seq;
-    let (groups, per) = if is_scores(name) {
+    let (groups, per) = if port.is_scores() {
         (rows / seq, seq)
     } else {
         (1, rows)
     };
-    let sp_rows = if is_scores(name) { sp } else { per };
+    let sp_rows = if port.is_scores() { sp } else { per };
     let mut out = vec![0f32; groups * sp_rows * sp];
     for g in 0..groups {
         for r in 0..per {
@@ -53,12 +115,12 @@ fn pad(name: &str, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
 }
 
 /// Inverse of [`pad`].
-fn crop(name: &str, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
+fn crop(port: Port, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
     if seq == sp {
         return data.to_vec();
     }
     let rows = data.len() / sp;
-    let (groups, per_in, per_out) = if is_scores(name) {
+    let (groups, per_in, per_out) = if port.is_scores() {
         (rows / sp, sp, seq)
     } else {
         (1, rows, rows)
@@ -74,7 +136,7 @@ fn crop(name: &str, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
 
 /// The compiled kernels and per-layer buffers for one padded length.
 struct KernelSet<D: Device> {
-    kernels: Vec<(Kernel, D::Program)>,
+    kernels: Vec<(KernelProgram, D::Program)>,
     /// `[layer][kernel]` input buffers.
     inputs: Vec<Vec<D::Buffer>>,
     /// One output buffer per kernel.
@@ -181,42 +243,35 @@ impl<D: Device> NeuralKernels<D> {
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
         let adapters = model.lora.as_ref().map_or(0, |l| l.version);
         let now = (model.version, adapters);
-        match set.staged {
-            Some(s) if s == now => return Ok(()),
-            Some((base, _)) if base == model.version => {
-                for layer in 0..model.cfg.num_hidden_layers {
-                    for (ki, (k, _)) in set.kernels.iter().enumerate() {
-                        for (name, data) in kernel_weights(model, layer, k.kind) {
-                            if !name.contains("_lora_") {
-                                continue;
-                            }
-                            let values = k.layout.region_values(name, data);
-                            write_region(
-                                &mut self.device,
-                                &mut set.inputs[layer][ki],
-                                &k.layout,
-                                name,
-                                &values,
-                            )?;
-                        }
-                    }
-                }
-                set.staged = Some(now);
-                return Ok(());
-            }
-            _ => {}
+        let adapters_only = matches!(set.staged, Some((base, _)) if base == model.version);
+        if set.staged == Some(now) {
+            return Ok(());
         }
         for layer in 0..model.cfg.num_hidden_layers {
+            let w = layer_weights(model, layer);
             for (ki, (k, _)) in set.kernels.iter().enumerate() {
-                let weights = kernel_weights(model, layer, k.kind);
-                if weights.is_empty() {
+                let l = &k.layout;
+                if adapters_only {
+                    for r in l.inputs.iter().filter(|r| r.port.is_adapter()) {
+                        let data = w.get(r.port).ok_or_else(|| {
+                            anyhow!("{}: the layer has no adapter '{}'", l.kernel, r.port.name())
+                        })?;
+                        let values = l.region_values(r.port, data);
+                        write_region(
+                            &mut self.device,
+                            &mut set.inputs[layer][ki],
+                            l,
+                            r.port,
+                            &values,
+                        )?;
+                    }
                     continue;
                 }
-                let l = &k.layout;
-                let mut host = vec![0f32; l.input_elems()];
-                for (name, data) in &weights {
-                    l.pack(name, data, &mut host);
+                if !l.inputs.iter().any(|r| r.port.is_weight()) {
+                    continue;
                 }
+                let mut host = vec![0f32; l.input_elems()];
+                l.pack_weights(&w, &mut host).map_err(|e| anyhow!(e))?;
                 self.device
                     .write(&mut set.inputs[layer][ki], 0, &host)
                     .map_err(|e| anyhow!("staging {}: {e}", k.kind.name()))?;
@@ -232,15 +287,16 @@ fn write_region<D: Device>(
     device: &mut D,
     buf: &mut D::Buffer,
     l: &KernelLayout,
-    name: &str,
+    port: Port,
     values: &[f32],
 ) -> Result<()> {
-    let r = l.region(name);
+    let r = l.region(port);
     let width = r.spatial.len();
     if values.len() != r.channels.len() * width {
         bail!(
-            "{}: '{name}' has {} values, the layout needs {}",
+            "{}: '{}' has {} values, the layout needs {}",
             l.kernel,
+            port.name(),
             values.len(),
             r.channels.len() * width
         );
@@ -265,14 +321,18 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         true
     }
 
-    fn run(
+    fn run<K: Kernel>(
         &mut self,
         model: &Model,
         layer: usize,
-        kind: KernelKind,
         shape: &Shape,
-        acts: &Inputs,
-    ) -> Result<Tensors> {
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> Result<K::Out> {
+        if dropout.iter().any(Option::is_some) {
+            bail!("LoRA dropout is not available on the Neural Engine path; use --lora-dropout 0");
+        }
+        let kind = K::KIND;
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
         self.stage(model, sp)?;
@@ -285,36 +345,28 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let (k, prog) = &set.kernels[ki];
         let l = &k.layout;
         let buf = &mut set.inputs[layer][ki];
-        if acts.keys().any(|k| k.ends_with("_lora_mask")) {
-            bail!("LoRA dropout is not available on the Neural Engine path; use --lora-dropout 0");
-        }
-        for r in l
-            .inputs
-            .iter()
-            .filter(|r| r.encoding == Encoding::Activation)
-        {
-            let Some(data) = acts.get(r.name.as_str()) else {
-                if matches!(r.name.as_str(), "q_norm" | "k_norm") {
-                    continue; // weights, staged
-                }
-                bail!("{}: activation '{}' not given", kind.name(), r.name);
-            };
-            let padded = pad(&r.name, data, seq, sp);
-            write_region(&mut self.device, buf, l, &r.name, &padded)?;
+        for (port, data) in acts.ports() {
+            let padded = pad(port, data, seq, sp);
+            write_region(&mut self.device, buf, l, port, &padded)?;
         }
         let out = &mut set.outputs[ki];
         self.device
             .eval(prog, buf, out)
             .map_err(|e| anyhow!("{}: {e}", kind.name()))?;
-        let mut result = Tensors::new();
+        let mut results = BTreeMap::new();
         for b in &l.outputs {
             let mut v = vec![0f32; b.channels.len() * l.out_spatial];
             self.device
                 .read(out, b.channels.start * l.out_spatial, &mut v)
                 .map_err(|e| anyhow!("{e}"))?;
-            result.insert(b.name.clone(), crop(&b.name, &v, seq, sp));
+            results.insert(b.port, crop(b.port, &v, seq, sp));
         }
-        Ok(result)
+        K::Out::from_lookup(&mut |port| results.remove(&port)).ok_or_else(|| {
+            anyhow!(
+                "{}: an output block is missing from its layout",
+                kind.name()
+            )
+        })
     }
 }
 
@@ -325,14 +377,14 @@ mod tests {
     #[test]
     fn pad_and_crop_roundtrip_for_activations_and_scores() {
         let act: Vec<f32> = (0..3 * 5).map(|v| v as f32).collect();
-        let p = pad("x", &act, 5, 16);
+        let p = pad(Port::Xnorm, &act, 5, 16);
         assert_eq!(p.len(), 3 * 16);
         assert_eq!(&p[16..21], &act[5..10]);
-        assert_eq!(crop("x", &p, 5, 16), act);
+        assert_eq!(crop(Port::Xnorm, &p, 5, 16), act);
         let scores: Vec<f32> = (0..2 * 5 * 5).map(|v| v as f32).collect();
-        let p = pad("probs", &scores, 5, 16);
+        let p = pad(Port::Probs, &scores, 5, 16);
         assert_eq!(p.len(), 2 * 16 * 16);
         assert_eq!(&p[16 * 16..16 * 16 + 5], &scores[25..30]);
-        assert_eq!(crop("probs", &p, 5, 16), scores);
+        assert_eq!(crop(Port::Probs, &p, 5, 16), scores);
     }
 }

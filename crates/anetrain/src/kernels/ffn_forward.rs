@@ -1,0 +1,118 @@
+//! `ffn_forward`: the SwiGLU feed-forward block and its residual,
+//!
+//!   h1 = W1·x2n,  h3 = W3·x2n,  gate = silu(h1)·h3,  x' = x2 + α·W2·gate
+//!
+//! (+ LoRA on each projection); h1, h3 and gate are kept for the backward.
+
+use mil::builder::Value;
+
+use super::io::{activations, outputs, LayerWeights, Port};
+use super::maths::{add_adapter, swiglu_forward, w_x};
+use super::Encoding::*;
+use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
+use crate::model::Projection;
+
+pub struct FfnForward;
+
+activations! {
+    /// The normed input and the residual stream, each `[D, S]`.
+    Acts { x2norm: Port::X2norm, x2: Port::X2 }
+}
+
+outputs! {
+    /// The next layer's input `[D, S]` and the hidden activations `[H, S]`.
+    Out {
+        x_next: Port::XNext,
+        h1: Port::H1,
+        h3: Port::H3,
+        gate: Port::Gate,
+    }
+}
+
+impl Kernel for FfnForward {
+    const KIND: KernelKind = KernelKind::FfnForward;
+    const PROJECTIONS: &'static [(Projection, Product)] = &[
+        (Projection::Gate, Product::Forward),
+        (Projection::Up, Product::Forward),
+        (Projection::Down, Product::ForwardRows),
+    ];
+    type Acts<'a> = Acts<'a>;
+    type Out = Out;
+
+    fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
+        let (d, h, seq) = (s.dim, s.hidden, s.seq);
+        b.columns(Port::X2norm, d, seq, Activation)
+            .columns(Port::X2, d, seq, Activation)
+            .columns(Port::Weight(Projection::Gate), d, h, Transposed)
+            .columns(Port::Weight(Projection::Up), d, h, Transposed)
+            .columns(Port::Weight(Projection::Down), d, h, AsIs)
+            .output(Port::XNext, d)
+            .output(Port::H1, h)
+            .output(Port::H3, h)
+            .output(Port::Gate, h);
+    }
+
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+        let xt = g.act_rows(Port::X2norm)?;
+        let h1m = g.project("h1_mm", &xt, Port::Weight(Projection::Gate))?;
+        let h1m = g.with_adapter(h1m, &xt, Projection::Gate, Product::Forward, o)?;
+        let h3m = g.project("h3_mm", &xt, Port::Weight(Projection::Up))?;
+        let h3m = g.with_adapter(h3m, &xt, Projection::Up, Product::Forward, o)?;
+        let h1 = g.rows_to_channels("h1", &h1m)?;
+        let h3 = g.rows_to_channels("h3", &h3m)?;
+        // silu(h1)·h3 with silu = h1·sigmoid(h1)
+        let sig = g.b.sigmoid("sig", &h1)?;
+        let silu = g.b.mul("silu", &h1, &sig)?;
+        let gate = g.b.mul("gate", &silu, &h3)?;
+        let hid = s.hidden;
+        let g2 = g.reshape("gate_2d", &gate, &[1, 1, hid, s.seq])?;
+        let gt = g.transpose("gate_t", &g2, &[0, 1, 3, 2])?;
+        let w2 = g.region(Port::Weight(Projection::Down))?;
+        let w22 = g.reshape("w2_2d", &w2, &[1, 1, s.dim, hid])?;
+        let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
+        let fm = g.with_adapter(fm, &gt, Projection::Down, Product::ForwardRows, o)?;
+        let ffn = g.rows_to_channels("ffn", &fm)?;
+        let x2 = g.region(Port::X2)?;
+        let branch = if o.residual_scale == 1.0 {
+            ffn
+        } else {
+            let a = g.scalar("res_alpha", o.residual_scale)?;
+            g.b.mul("ffn_scaled", &ffn, &a)?
+        };
+        let x_next = g.b.add("x_next", &x2, &branch)?;
+        g.concat("out", &[&x_next, &h1, &h3, &gate], 1)
+    }
+
+    fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
+        let (d, hid, seq) = (s.dim, s.hidden, s.seq);
+        let x = a.x2norm;
+        let mut h1 = w_x(w.projection(Projection::Gate), x, hid, d, seq);
+        add_adapter(&mut h1, w, o, s, Projection::Gate, x, Product::Forward);
+        let mut h3 = w_x(w.projection(Projection::Up), x, hid, d, seq);
+        add_adapter(&mut h3, w, o, s, Projection::Up, x, Product::Forward);
+        let mut gate = vec![0f32; h1.len()];
+        swiglu_forward(&h1, &h3, &mut gate);
+        let mut ffn = w_x(w.projection(Projection::Down), &gate, d, hid, seq);
+        add_adapter(
+            &mut ffn,
+            w,
+            o,
+            s,
+            Projection::Down,
+            &gate,
+            Product::ForwardRows,
+        );
+        let alpha = o.constant(o.residual_scale);
+        let x_next =
+            a.x2.iter()
+                .zip(&ffn)
+                .map(|(&x2, &f)| x2 + alpha * f)
+                .collect();
+        Out {
+            x_next,
+            h1,
+            h3,
+            gate,
+        }
+    }
+}

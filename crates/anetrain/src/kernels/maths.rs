@@ -1,0 +1,307 @@
+//! The maths the CPU twins of the kernels (and the engine around them) are
+//! written with: products of weights `[out, in]` and channel-first
+//! activations `[C, S]`, per-head RMSNorm, SwiGLU, RoPE, causal softmax,
+//! each forward beside its backward.
+
+use linalg::{matmul, matmul_serial, MatMut, MatRef};
+use rayon::prelude::*;
+
+use super::io::LayerWeights;
+use super::{KernelOptions, Product, Rope, Shape};
+use crate::model::Projection;
+use crate::simd::{exp, vectorized};
+
+/// `W [m, k] · X [k, n]` → `[m, n]`.
+pub fn w_x(w: &[f32], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    matmul(
+        MatRef::row_major(w, 0, m, k),
+        MatRef::row_major(x, 0, k, n),
+        MatMut::row_major(&mut out, 0, m, n),
+        false,
+    );
+    out
+}
+
+/// `Wᵀ · X` for `W [k, m]`, `X [k, n]` → `[m, n]`.
+pub fn wt_x(w: &[f32], x: &[f32], k: usize, m: usize, n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    matmul(
+        MatRef::row_major(w, 0, k, m).t(),
+        MatRef::row_major(x, 0, k, n),
+        MatMut::row_major(&mut out, 0, m, n),
+        false,
+    );
+    out
+}
+
+/// `x ⊙ mask`, or `x` itself without a mask.
+pub fn masked<'a>(x: &'a [f32], mask: Option<&[f32]>) -> std::borrow::Cow<'a, [f32]> {
+    match mask {
+        Some(m) => x.iter().zip(m).map(|(a, b)| a * b).collect(),
+        None => std::borrow::Cow::Borrowed(x),
+    }
+}
+
+/// Adds projection `target`'s LoRA branch, when it has an adapter, to `y`:
+///   forward   y [out, S] += s·B·(A·(m⊙x))
+///   backward dx [in, S]  += m⊙(s·Aᵀ·(Bᵀ·dy))
+/// with `A [r, in]`, `B [out, r]` and m the optional dropout mask
+/// (host-only; the device kernels have no dropout).
+pub fn add_adapter(
+    y: &mut [f32],
+    w: &LayerWeights,
+    o: &KernelOptions,
+    s: &Shape,
+    target: Projection,
+    x: &[f32],
+    product: Product,
+) {
+    let Some((r, scale)) = o.adapter(target) else {
+        return;
+    };
+    let (a, b) = w.adapters[target.index()]
+        .unwrap_or_else(|| panic!("{} is adapted but has no adapter weights", target.module()));
+    let mask = w.dropout[target.index()];
+    let (out, inp) = s.projection(target);
+    let seq = s.seq;
+    let scale = o.constant(scale);
+    match product {
+        Product::Forward | Product::ForwardRows => {
+            let x = masked(x, mask);
+            let xa = w_x(a, &x, r, inp, seq);
+            let low = w_x(b, &xa, out, r, seq);
+            y.iter_mut().zip(&low).for_each(|(y, l)| *y += scale * l);
+        }
+        Product::Backward => {
+            let tb = wt_x(b, x, out, r, seq);
+            let low = wt_x(a, &tb, r, inp, seq);
+            match mask {
+                Some(m) => y
+                    .iter_mut()
+                    .zip(low.iter().zip(m))
+                    .for_each(|(y, (l, m))| *y += scale * l * m),
+                None => y.iter_mut().zip(&low).for_each(|(y, l)| *y += scale * l),
+            }
+        }
+    }
+}
+
+/// Per-head RMSNorm over `HD` at every position of `x [heads·HD, S]`:
+/// y = x · rsqrt(mean(x²) + eps) · w.
+/// Rows are walked contiguously (per-position sums over channels kept in a
+/// vector), heads in parallel.
+pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    y.par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .for_each(|(yh, xh)| {
+            let r = inv_rms(xh, hd, seq, eps);
+            for d in 0..hd {
+                let (xr, yr) = (&xh[d * seq..][..seq], &mut yh[d * seq..][..seq]);
+                for ((y, &x), &r) in yr.iter_mut().zip(xr).zip(&r) {
+                    *y = x * r as f32 * w[d];
+                }
+            }
+        });
+    y
+}
+
+/// rsqrt(mean over the `hd` rows of `x [hd, S]` squared + eps), per position
+/// (f64).
+fn inv_rms(x: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f64> {
+    let mut ms = vec![0f64; seq];
+    for d in 0..hd {
+        for (m, &v) in ms.iter_mut().zip(&x[d * seq..][..seq]) {
+            *m += (v as f64).powi(2);
+        }
+    }
+    ms.iter()
+        .map(|&m| 1.0 / (m / hd as f64 + eps as f64).sqrt())
+        .collect()
+}
+
+/// Backward of [`head_rms_norm`]: with r = rsqrt(mean(x²) + eps) per head
+/// and position,
+///   dx_d = r·w_d·dy_d − x_d · r³/HD · Σ_e w_e·dy_e·x_e,   dw_d = Σ dy_d·x_d·r.
+/// `dw` is accumulated (per-head partial sums added in head order).
+pub fn head_rms_norm_backward(
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    hd: usize,
+    seq: usize,
+    eps: f32,
+    dw: &mut [f32],
+) -> Vec<f32> {
+    let mut dx = vec![0f32; x.len()];
+    let partial: Vec<Vec<f64>> = dx
+        .par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .zip(dy.par_chunks(hd * seq))
+        .map(|((dxh, xh), dyh)| {
+            let r = inv_rms(xh, hd, seq, eps);
+            let mut dot = vec![0f64; seq];
+            for d in 0..hd {
+                let (xr, dyr) = (&xh[d * seq..][..seq], &dyh[d * seq..][..seq]);
+                for ((t, &x), &g) in dot.iter_mut().zip(xr).zip(dyr) {
+                    *t += (w[d] * g * x) as f64;
+                }
+            }
+            let c: Vec<f64> = r
+                .iter()
+                .zip(&dot)
+                .map(|(&r, &t)| r * r * r / hd as f64 * t)
+                .collect();
+            let mut dwh = vec![0f64; hd];
+            for d in 0..hd {
+                let (xr, dyr) = (&xh[d * seq..][..seq], &dyh[d * seq..][..seq]);
+                let out = &mut dxh[d * seq..][..seq];
+                for s in 0..seq {
+                    out[s] = (r[s] * (w[d] * dyr[s]) as f64 - xr[s] as f64 * c[s]) as f32;
+                    dwh[d] += dyr[s] as f64 * xr[s] as f64 * r[s];
+                }
+            }
+            dwh
+        })
+        .collect();
+    for dwh in &partial {
+        for (a, &b) in dw.iter_mut().zip(dwh) {
+            *a += b as f32;
+        }
+    }
+    dx
+}
+
+/// Backward of gate = silu(h1)·h3:
+///   dh1 = dgate·h3·σ(h1)·(1 + h1·(1 − σ(h1))),   dh3 = dgate·silu(h1).
+pub fn swiglu_backward(h1: &[f32], h3: &[f32], dgate: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut dh1 = vec![0f32; h1.len()];
+    let mut dh3 = vec![0f32; h1.len()];
+    swiglu_backward_into(h1, h3, dgate, &mut dh1, &mut dh3);
+    (dh1, dh3)
+}
+
+vectorized! {
+    /// [`swiglu_backward`] into given buffers.
+    fn swiglu_backward_into(h1: &[f32], h3: &[f32], dgate: &[f32], dh1: &mut [f32], dh3: &mut [f32]) {
+        let n = h1.len();
+        let (h3, dgate, dh1, dh3) = (&h3[..n], &dgate[..n], &mut dh1[..n], &mut dh3[..n]);
+        for i in 0..n {
+            let sg = 1.0 / (1.0 + exp(-h1[i]));
+            dh1[i] = dgate[i] * h3[i] * sg * (1.0 + h1[i] * (1.0 - sg));
+            dh3[i] = dgate[i] * h1[i] * sg;
+        }
+    }
+}
+
+vectorized! {
+    /// `gate = silu(h1)·h3 = h1·σ(h1)·h3`, σ(a) = 1/(1 + e⁻ᵃ).
+    pub fn swiglu_forward(h1: &[f32], h3: &[f32], gate: &mut [f32]) {
+        let n = h1.len();
+        let (h3, gate) = (&h3[..n], &mut gate[..n]);
+        for i in 0..n {
+            gate[i] = h1[i] / (1.0 + exp(-h1[i])) * h3[i];
+        }
+    }
+}
+
+/// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
+/// which is RoPE's backward). `cos`, `sin` are `[S, HD]`.
+pub fn apply_rope(
+    x: &[f32],
+    hd: usize,
+    seq: usize,
+    cos: &[f32],
+    sin: &[f32],
+    rope: Rope,
+    sign: f32,
+) -> Vec<f32> {
+    let mut y = vec![0f32; x.len()];
+    let half = hd / 2;
+    // The tables transposed to [HD, S], so the loop below reads them
+    // contiguously (and vectorises) instead of striding by HD.
+    let transposed = |t: &[f32]| -> Vec<f32> {
+        (0..hd)
+            .flat_map(|d| (0..seq).map(move |s| t[s * hd + d]))
+            .collect()
+    };
+    let (cos, sin) = (transposed(cos), transposed(sin));
+    y.par_chunks_mut(hd * seq)
+        .zip(x.par_chunks(hd * seq))
+        .for_each(|(yh, xh)| {
+            for d in 0..hd {
+                // partner row and the sign of its term in rotate(x)
+                let (p, rs) = match rope {
+                    Rope::HalfSplit if d < half => (d + half, -1.0),
+                    Rope::HalfSplit => (d - half, 1.0),
+                    Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
+                    Rope::Interleaved => (d - 1, 1.0),
+                };
+                let (xr, xp) = (&xh[d * seq..][..seq], &xh[p * seq..][..seq]);
+                let (c, sn) = (&cos[d * seq..][..seq], &sin[d * seq..][..seq]);
+                let out = &mut yh[d * seq..][..seq];
+                for s in 0..seq {
+                    out[s] = xr[s] * c[s] + sign * rs * xp[s] * sn[s];
+                }
+            }
+        });
+    y
+}
+
+/// Causal softmax(qᵀk/√HD) for one query head, on the calling thread:
+/// `q_h, k_g` are `[HD, S]`; writes `P [S, S]` into `p`.
+pub fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p: &mut [f32]) {
+    // Scores of queries lo..hi against keys 0..hi; the rest of each row is
+    // masked and set to zero below.
+    for (lo, hi) in causal_blocks(seq) {
+        matmul_serial(
+            MatRef::row_major(q_h, 0, hd, seq).t().rows_range(lo, hi),
+            MatRef::row_major(k_g, 0, hd, seq).cols_range(0, hi),
+            MatMut::strided(p, lo * seq, hi - lo, hi, seq),
+            false,
+        );
+    }
+    for i in 0..seq {
+        let (live, masked) = p[i * seq..(i + 1) * seq].split_at_mut(i + 1);
+        crate::simd::softmax_scaled(live, scale);
+        masked.fill(0.0);
+    }
+}
+
+/// Causal attention in blocks of queries: block `lo..hi` sees keys `0..hi`
+/// only. Products over probabilities a kernel computes itself skip the
+/// blocks above the diagonal, where every entry is exactly zero (3/8 of
+/// those products' FLOPs at 256 positions). Products over kernel *inputs*
+/// (`sdpa_backward2`'s P and dP) and the full dP output stay whole, so
+/// the twins match the MIL kernels for any input.
+const CAUSAL_BLOCK: usize = 64;
+
+pub fn causal_blocks(seq: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..seq)
+        .step_by(CAUSAL_BLOCK)
+        .map(move |lo| (lo, (lo + CAUSAL_BLOCK).min(seq)))
+}
+
+/// dx = Σᵢ Wᵢᵀ·dyᵢ (plus each projection's adapter) for a backward
+/// kernel's `projections`, projection i applied to `dys[i]`.
+pub fn projections_backward(
+    s: &Shape,
+    o: &KernelOptions,
+    w: &LayerWeights,
+    projections: &[(Projection, Product)],
+    dys: &[&[f32]],
+) -> Vec<f32> {
+    let mut dx: Vec<f32> = vec![];
+    for (&(p, product), &dy) in projections.iter().zip(dys) {
+        let (rows, cols) = s.projection(p);
+        let mut y = wt_x(w.projection(p), dy, rows, cols, s.seq);
+        add_adapter(&mut y, w, o, s, p, dy, product);
+        if dx.is_empty() {
+            dx = y;
+        } else {
+            dx.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
+        }
+    }
+    dx
+}

@@ -1,0 +1,311 @@
+//! The MIL building blocks the kernels are written with ([`Gen`], over the
+//! typed builder). Slice offsets come from the kernel's layout; shape-like
+//! constants are named after their values (`sh_1_4_16_32`), so equal
+//! constants are declared once.
+//!
+//! The matmul pattern (reshape, transpose, matmul, transpose, reshape around
+//! `[1, C, 1, S]` activations) is the one the seed's programs use and the
+//! ANE compiler is known to accept.
+
+use mil::builder::{FunctionBuilder, Value};
+use mil::ir::Function;
+use mil::{DType, Result, Ty};
+
+use super::io::Port;
+use super::layout::KernelLayout;
+use super::{KernelOptions, Product, Rope, Shape, BLOB_MASK};
+use crate::model::Projection;
+
+const F16: DType = DType::Fp16;
+
+/// A kernel program under construction: its one packed input `x`, the
+/// layout that says where each region is, and the blobs it reads.
+pub struct Gen<'a> {
+    pub b: FunctionBuilder,
+    x: Value,
+    layout: &'a KernelLayout,
+    blobs: Vec<&'static str>,
+    regions: std::collections::HashMap<Port, Value>,
+}
+
+fn key(v: &[i64]) -> String {
+    v.iter()
+        .map(|d| d.to_string().replace('-', "m"))
+        .collect::<Vec<_>>()
+        .join("_")
+}
+
+impl<'a> Gen<'a> {
+    pub fn new(layout: &'a KernelLayout) -> Gen<'a> {
+        let mut b = FunctionBuilder::new("main", "ios18");
+        let x = b.input(
+            "x",
+            Ty::tensor(F16, [1, layout.in_channels, 1, layout.in_spatial]),
+        );
+        Gen {
+            b,
+            x,
+            layout,
+            blobs: vec![],
+            regions: Default::default(),
+        }
+    }
+
+    pub fn ints(&mut self, prefix: &str, v: &[i64]) -> Result<Value> {
+        self.b.ints(&format!("{prefix}_{}", key(v)), v)
+    }
+
+    pub fn flag(&mut self, v: bool) -> Result<Value> {
+        self.b.bool(if v { "bT" } else { "bF" }, v)
+    }
+
+    /// The input region of `port` as `[1, C, 1, W]`.
+    pub fn region(&mut self, port: Port) -> Result<Value> {
+        if let Some(v) = self.regions.get(&port) {
+            return Ok(v.clone());
+        }
+        let (begin, size) = self.layout.region(port).begin_size();
+        let bv = self.ints("begin", &begin)?;
+        let sv = self.ints("size", &size)?;
+        let x = self.x.clone();
+        let v = self.b.slice_by_size(port.name(), &x, &bv, &sv)?;
+        self.regions.insert(port, v.clone());
+        Ok(v)
+    }
+
+    pub fn reshape(&mut self, out: &str, x: &Value, dims: &[usize]) -> Result<Value> {
+        let d: Vec<i64> = dims.iter().map(|&v| v as i64).collect();
+        let s = self.ints("sh", &d)?;
+        self.b.reshape(out, x, &s)
+    }
+
+    pub fn transpose(&mut self, out: &str, x: &Value, perm: &[i64]) -> Result<Value> {
+        let p = self.ints("perm", perm)?;
+        self.b.transpose(out, x, &p)
+    }
+
+    pub fn matmul(&mut self, out: &str, x: &Value, y: &Value, tx: bool, ty: bool) -> Result<Value> {
+        let (fx, fy) = (self.flag(tx)?, self.flag(ty)?);
+        self.b.matmul(out, x, y, &fx, &fy)
+    }
+
+    pub fn scalar(&mut self, name: &str, v: f64) -> Result<Value> {
+        self.b.float(name, F16, v)
+    }
+
+    pub fn concat(&mut self, out: &str, values: &[&Value], axis: i64) -> Result<Value> {
+        let ax = self.b.int(&format!("axis_{}", key(&[axis])), axis)?;
+        let il = self.flag(false)?;
+        self.b.concat(out, values, &ax, &il)
+    }
+
+    pub fn blob(&mut self, name: &str, dims: [usize; 4], file: &'static str) -> Result<Value> {
+        if !self.blobs.contains(&file) {
+            self.blobs.push(file);
+        }
+        self.b.blob(name, Ty::tensor(F16, dims), file)
+    }
+
+    /// An activation region `[1, C, 1, S]` as the matmul left operand `[1, 1, S, C]`.
+    pub fn act_rows(&mut self, port: Port) -> Result<Value> {
+        let name = port.name();
+        let a = self.region(port)?;
+        let (c, s) = (a.dims()[1], a.dims()[3]);
+        let a2 = self.reshape(&format!("{name}_2d"), &a, &[1, 1, c, s])?;
+        self.transpose(&format!("{name}_t"), &a2, &[0, 1, 3, 2])
+    }
+
+    /// `act_t [1,1,S,C] · region(w) [C, N]` → `[1, 1, S, N]`.
+    pub fn project(&mut self, out: &str, act_t: &Value, w: Port) -> Result<Value> {
+        let wr = self.region(w)?;
+        let w = w.name();
+        let (c, n) = (wr.dims()[1], wr.dims()[3]);
+        let w2 = self.reshape(&format!("{w}_2d"), &wr, &[1, 1, c, n])?;
+        self.matmul(out, act_t, &w2, false, false)
+    }
+
+    /// Adds projection `t`'s LoRA branch, if it has one, to the
+    /// projection `y [1, 1, S, N]` of `act_t [1, 1, S, C]`:
+    /// forward y + s·(x·Aᵀ)·Bᵀ, backward y + s·(dy·B)·A.
+    pub fn with_adapter(
+        &mut self,
+        y: Value,
+        act_t: &Value,
+        t: Projection,
+        product: Product,
+        o: &KernelOptions,
+    ) -> Result<Value> {
+        let Some((_, scale)) = o.adapter(t) else {
+            return Ok(y);
+        };
+        let w = t.region();
+        let (a, b) = (Port::LoraA(t), Port::LoraB(t));
+        let low = match product {
+            // A and B stored transposed: [in, r] and [r, out].
+            Product::Forward => {
+                let xa = self.project(&format!("{w}_lora_xa"), act_t, a)?;
+                self.project(&format!("{w}_lora_y"), &xa, b)?
+            }
+            // A [r, in] and B [out, r] as is.
+            Product::ForwardRows => {
+                let ar = self.region(a)?;
+                let (r, inp) = (ar.dims()[1], ar.dims()[3]);
+                let a2 = self.reshape(&format!("{}_2d", a.name()), &ar, &[1, 1, r, inp])?;
+                let xa = self.matmul(&format!("{w}_lora_xa"), act_t, &a2, false, true)?;
+                let br = self.region(b)?;
+                let out = br.dims()[1];
+                let b2 = self.reshape(&format!("{}_2d", b.name()), &br, &[1, 1, out, r])?;
+                self.matmul(&format!("{w}_lora_y"), &xa, &b2, false, true)?
+            }
+            Product::Backward => {
+                let yb = self.project(&format!("{w}_lora_yb"), act_t, b)?;
+                self.project(&format!("{w}_lora_y"), &yb, a)?
+            }
+        };
+        let sc = self.scalar("lora_scale", scale)?;
+        let scaled = self.b.mul(&format!("{w}_lora_ys"), &low, &sc)?;
+        self.b.add(&format!("{w}_plus_lora"), &y, &scaled)
+    }
+
+    /// `[1, 1, S, N]` → channel-first `[1, N, 1, S]`.
+    pub fn rows_to_channels(&mut self, out: &str, y: &Value) -> Result<Value> {
+        let (s, n) = (y.dims()[2], y.dims()[3]);
+        let t = self.transpose(&format!("{out}_t"), y, &[0, 1, 3, 2])?;
+        self.reshape(out, &t, &[1, n, 1, s])
+    }
+
+    /// `[1, 1, S, heads·HD]` → `[1, heads, S, HD]`.
+    pub fn rows_to_heads(&mut self, out: &str, y: &Value, heads: usize) -> Result<Value> {
+        let (s, n) = (y.dims()[2], y.dims()[3]);
+        let r = self.reshape(&format!("{out}_r"), y, &[1, s, heads, n / heads])?;
+        self.transpose(out, &r, &[0, 2, 1, 3])
+    }
+
+    /// Channel-first `[1, heads·HD, 1, S]` → `[1, heads, S, HD]`.
+    pub fn channels_to_heads(&mut self, out: &str, x: &Value, heads: usize) -> Result<Value> {
+        let (n, s) = (x.dims()[1], x.dims()[3]);
+        let r = self.reshape(&format!("{out}_r"), x, &[1, heads, n / heads, s])?;
+        self.transpose(out, &r, &[0, 1, 3, 2])
+    }
+
+    /// `[1, heads, S, HD]` → channel-first `[1, heads·HD, 1, S]`.
+    pub fn heads_rows_to_channels(&mut self, out: &str, x: &Value) -> Result<Value> {
+        let (h, s, hd) = (x.dims()[1], x.dims()[2], x.dims()[3]);
+        let t = self.transpose(&format!("{out}_t"), x, &[0, 1, 3, 2])?;
+        self.reshape(out, &t, &[1, h * hd, 1, s])
+    }
+
+    /// Per-head RMSNorm over the last axis with weight region `w` (`[HD]`):
+    /// y = x · rsqrt(mean(x²) + eps) · w.
+    pub fn head_rms_norm(&mut self, out: &str, x: &Value, w: Port, eps: f64) -> Result<Value> {
+        let hd = x.dims()[3];
+        let sq = self.b.mul(&format!("{out}_sq"), x, x)?;
+        let axes = self.ints("axes", &[-1])?;
+        let keep = self.flag(true)?;
+        let ms = self
+            .b
+            .reduce("reduce_mean", &format!("{out}_ms"), &sq, &axes, &keep)?;
+        let e = self.scalar(&format!("{out}_eps"), eps)?;
+        let r = self.b.op(
+            "rsqrt",
+            &format!("{out}_rs"),
+            &[("x", (&ms).into()), ("epsilon", (&e).into())],
+        )?;
+        let xn = self.b.mul(&format!("{out}_n"), x, &r)?;
+        let wr = self.region(w)?;
+        let w4 = self.reshape(&format!("{}_4d", w.name()), &wr, &[1, 1, 1, hd])?;
+        self.b.mul(out, &xn, &w4)
+    }
+
+    /// x·cos + rotate(x)·sin for `x [1, heads, S, HD]`.
+    pub fn rope(
+        &mut self,
+        out: &str,
+        x: &Value,
+        cos: &Value,
+        sin: &Value,
+        rope: Rope,
+    ) -> Result<Value> {
+        let (h, s, hd) = (x.dims()[1], x.dims()[2], x.dims()[3]);
+        let neg = self.scalar("neg1", -1.0)?;
+        let rot = match rope {
+            Rope::HalfSplit => {
+                // rotate_half(x) = concat(-x[..., HD/2:], x[..., :HD/2])
+                let half = (hd / 2) as i64;
+                let size = self.ints("size", &[1, h as i64, s as i64, half])?;
+                let b0 = self.ints("begin", &[0, 0, 0, 0])?;
+                let b1 = self.ints("begin", &[0, 0, 0, half])?;
+                let x1 = self.b.slice_by_size(&format!("{out}_x1"), x, &b0, &size)?;
+                let x2 = self.b.slice_by_size(&format!("{out}_x2"), x, &b1, &size)?;
+                let nx2 = self.b.mul(&format!("{out}_nx2"), &x2, &neg)?;
+                self.concat(&format!("{out}_rot"), &[&nx2, &x1], 3)?
+            }
+            Rope::Interleaved => {
+                // pairs (2i, 2i+1) → (-x[2i+1], x[2i])
+                let pairs = (s * hd / 2) as i64;
+                let p = self.reshape(&format!("{out}_p"), x, &[1, h, s * hd / 2, 2])?;
+                let size = self.ints("size", &[1, h as i64, pairs, 1])?;
+                let b0 = self.ints("begin", &[0, 0, 0, 0])?;
+                let b1 = self.ints("begin", &[0, 0, 0, 1])?;
+                let even = self.b.slice_by_size(&format!("{out}_e"), &p, &b0, &size)?;
+                let odd = self.b.slice_by_size(&format!("{out}_o"), &p, &b1, &size)?;
+                let nodd = self.b.mul(&format!("{out}_no"), &odd, &neg)?;
+                let r = self.concat(&format!("{out}_rp"), &[&nodd, &even], 3)?;
+                self.reshape(&format!("{out}_rot"), &r, &[1, h, s, hd])?
+            }
+        };
+        let xc = self.b.mul(&format!("{out}_c"), x, cos)?;
+        let xs = self.b.mul(&format!("{out}_s"), &rot, sin)?;
+        self.b.add(out, &xc, &xs)
+    }
+
+    /// softmax(q·kᵀ/√HD + mask) for folded queries `q [1, KV, R·S, HD]`,
+    /// keys `k [1, KV, S, HD]`.
+    pub fn attention_probs(&mut self, q: &Value, k: &Value, s: &Shape) -> Result<Value> {
+        let scores = self.matmul("scores", q, k, false, true)?;
+        let sc = self.scalar("scale", 1.0 / (s.head_dim as f64).sqrt())?;
+        let scaled = self.b.mul("scaled", &scores, &sc)?;
+        let mask = self.blob("mask", [1, 1, s.ratio() * s.seq, s.seq], BLOB_MASK)?;
+        let masked = self.b.add("masked", &scaled, &mask)?;
+        let ax = self.b.int("axis_m1", -1)?;
+        self.b.softmax("probs", &masked, &ax)
+    }
+
+    /// dx = Σᵢ Wᵢᵀ·dyᵢ (plus each projection's adapter) for the kernel's
+    /// `projections`, projection i reading the activation region `acts[i]`,
+    /// as channel-first `[1, in, 1, S]` named `out`.
+    pub fn projections_backward(
+        &mut self,
+        projections: &[(Projection, Product)],
+        acts: &[Port],
+        out: &str,
+        o: &KernelOptions,
+    ) -> Result<Value> {
+        let rows = acts
+            .iter()
+            .map(|&act| self.act_rows(act))
+            .collect::<Result<Vec<_>>>()?;
+        let mut sum: Option<Value> = None;
+        for ((&(w, product), &act), at) in projections.iter().zip(acts).zip(&rows) {
+            let name = if projections.len() == 1 {
+                format!("{out}_mm")
+            } else {
+                format!("{}_mm", act.name())
+            };
+            let y = self.project(&name, at, Port::Weight(w))?;
+            let y = self.with_adapter(y, at, w, product, o)?;
+            sum = Some(match sum {
+                None => y,
+                Some(acc) => self.b.add(&format!("{out}_mm"), &acc, &y)?,
+            });
+        }
+        let y = sum.expect("a backward kernel applies at least one projection");
+        self.rows_to_channels(out, &y)
+    }
+
+    /// The finished function and the blob files it reads.
+    pub fn finish(mut self, out: &Value) -> Result<(Function, Vec<&'static str>)> {
+        self.b.output(out);
+        Ok((self.b.finish()?, self.blobs))
+    }
+}

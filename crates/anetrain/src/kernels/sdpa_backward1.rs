@@ -1,0 +1,116 @@
+//! `sdpa_backward1`: attention recomputed, then the gradients that need
+//! only the probabilities,
+//!
+//!   P = softmax(qᵀk/√HD + causal),   dV_g = Σ_{h in g} P_hᵀ·dA_h,   dP = dAᵀ·V
+//!
+//! P and dP are passed on to `sdpa_backward2` (`[heads·S, S]` each).
+
+use mil::builder::Value;
+use rayon::prelude::*;
+
+use super::io::{activations, outputs, LayerWeights, Port};
+use super::maths::{causal_blocks, head_probs};
+use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
+use crate::model::Projection;
+use linalg::{matmul_serial, MatMut, MatRef};
+
+pub struct SdpaBackward1;
+
+activations! {
+    /// Roped queries and keys, values and the attention output's gradient.
+    Acts { q_rope: Port::QRope, k_rope: Port::KRope, v: Port::V, da: Port::Da }
+}
+
+outputs! {
+    /// dV `[KV·HD, S]`, probabilities and their gradient `[heads·S, S]`.
+    Out { dv: Port::Dv, probs: Port::Probs, dp: Port::Dp }
+}
+
+impl Kernel for SdpaBackward1 {
+    const KIND: KernelKind = KernelKind::SdpaBackward1;
+    const PROJECTIONS: &'static [(Projection, Product)] = &[];
+    type Acts<'a> = Acts<'a>;
+    type Out = Out;
+
+    fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
+        b.rows(Port::QRope, s.q_dim())
+            .rows(Port::KRope, s.kv_dim())
+            .rows(Port::V, s.kv_dim())
+            .rows(Port::Da, s.q_dim())
+            .output(Port::Dv, s.kv_dim())
+            .output(Port::Probs, s.score_channels())
+            .output(Port::Dp, s.score_channels());
+    }
+
+    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Value> {
+        let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
+        let qc = g.region(Port::QRope)?;
+        let kc = g.region(Port::KRope)?;
+        let vc = g.region(Port::V)?;
+        let dac = g.region(Port::Da)?;
+        let q = g.channels_to_heads("q", &qc, s.heads)?;
+        let k = g.channels_to_heads("k", &kc, kvh)?;
+        let v = g.channels_to_heads("v_h", &vc, kvh)?;
+        let da = g.channels_to_heads("da_h", &dac, s.heads)?;
+        let qf = g.reshape("q_fold", &q, &[1, kvh, r * seq, hd])?;
+        let daf = g.reshape("da_fold", &da, &[1, kvh, r * seq, hd])?;
+        let probs = g.attention_probs(&qf, &k, s)?;
+        // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
+        let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
+        let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
+        let dvc = g.heads_rows_to_channels("dv", &dv)?;
+        let sc = s.score_channels();
+        let pf = g.reshape("probs_out", &probs, &[1, sc, 1, seq])?;
+        let dpf = g.reshape("dp_out", &dp, &[1, sc, 1, seq])?;
+        g.concat("out", &[&dvc, &pf, &dpf], 1)
+    }
+
+    fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {
+        let (kv, seq, hd, r) = (s.kv_dim(), s.seq, s.head_dim, s.ratio());
+        let scale = o.constant(1.0 / (hd as f64).sqrt());
+        let (qr, kr, v, da) = (a.q_rope, a.k_rope, a.v, a.da);
+        let mut dv = vec![0f32; kv * seq];
+        let mut probs = vec![0f32; s.heads * seq * seq];
+        let mut dp = vec![0f32; s.heads * seq * seq];
+        // One KV group per task, its heads in order (so dV sums in the
+        // same order whatever the thread count).
+        dv.par_chunks_mut(hd * seq)
+            .zip(probs.par_chunks_mut(r * seq * seq))
+            .zip(dp.par_chunks_mut(r * seq * seq))
+            .enumerate()
+            .for_each(|(g, ((dv_g, probs_g), dp_g))| {
+                for j in 0..r {
+                    let h = g * r + j;
+                    let p = &mut probs_g[j * seq * seq..(j + 1) * seq * seq];
+                    head_probs(
+                        &qr[h * hd * seq..][..hd * seq],
+                        &kr[g * hd * seq..][..hd * seq],
+                        hd,
+                        seq,
+                        scale,
+                        p,
+                    );
+                    // dV_g [HD, S] += dA_h [HD, S] · P; key block
+                    // lo..hi is seen by queries lo..S.
+                    for (lo, hi) in causal_blocks(seq) {
+                        matmul_serial(
+                            MatRef::row_major(da, h * hd * seq, hd, seq).cols_range(lo, seq),
+                            MatRef::row_major(p, 0, seq, seq)
+                                .rows_range(lo, seq)
+                                .cols_range(lo, hi),
+                            MatMut::strided(dv_g, lo, hd, hi - lo, seq),
+                            true,
+                        );
+                    }
+                    // dP_h [S, S] = dA_hᵀ · V_g
+                    matmul_serial(
+                        MatRef::row_major(da, h * hd * seq, hd, seq).t(),
+                        MatRef::row_major(v, g * hd * seq, hd, seq),
+                        MatMut::row_major(dp_g, j * seq * seq, seq, seq),
+                        false,
+                    );
+                }
+            });
+        Out { dv, probs, dp }
+    }
+}

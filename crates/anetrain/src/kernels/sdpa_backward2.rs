@@ -1,0 +1,112 @@
+//! `sdpa_backward2`: the softmax backward and the query/key gradients,
+//!
+//!   dS = P ⊙ (dP − Σ_j P⊙dP) / √HD,   dQ_h = dS_h·K_g,   dK_g = Σ_{h in g} dS_hᵀ·Q_h
+//!
+//! (on roped q and k; the engine rotates dq and dk back on the CPU).
+
+use mil::builder::Value;
+use rayon::prelude::*;
+
+use super::io::{activations, outputs, LayerWeights, Port};
+use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
+use crate::model::Projection;
+use linalg::{matmul_serial, MatMut, MatRef};
+
+pub struct SdpaBackward2;
+
+activations! {
+    /// Probabilities and their gradient (from `sdpa_backward1`), roped q and k.
+    Acts { probs: Port::Probs, dp: Port::Dp, q_rope: Port::QRope, k_rope: Port::KRope }
+}
+
+outputs! {
+    /// dq `[heads·HD, S]` and dk `[KV·HD, S]`.
+    Out { dq: Port::Dq, dk: Port::Dk }
+}
+
+impl Kernel for SdpaBackward2 {
+    const KIND: KernelKind = KernelKind::SdpaBackward2;
+    const PROJECTIONS: &'static [(Projection, Product)] = &[];
+    type Acts<'a> = Acts<'a>;
+    type Out = Out;
+
+    fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
+        b.rows(Port::Probs, s.score_channels())
+            .rows(Port::Dp, s.score_channels())
+            .rows(Port::QRope, s.q_dim())
+            .rows(Port::KRope, s.kv_dim())
+            .output(Port::Dq, s.q_dim())
+            .output(Port::Dk, s.kv_dim());
+    }
+
+    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Value> {
+        let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
+        let pf = g.region(Port::Probs)?;
+        let dpf = g.region(Port::Dp)?;
+        let qc = g.region(Port::QRope)?;
+        let kc = g.region(Port::KRope)?;
+        let probs = g.reshape("probs_fold", &pf, &[1, kvh, r * seq, seq])?;
+        let dp = g.reshape("dp_fold", &dpf, &[1, kvh, r * seq, seq])?;
+        let q = g.channels_to_heads("q", &qc, s.heads)?;
+        let k = g.channels_to_heads("k", &kc, kvh)?;
+        let qf = g.reshape("q_fold", &q, &[1, kvh, r * seq, hd])?;
+        // dS = P ⊙ (dP − Σ_j P⊙dP) / √HD
+        let pdp = g.b.mul("pdp", &probs, &dp)?;
+        let axes = g.ints("axes", &[-1])?;
+        let keep = g.flag(true)?;
+        let rs = g.b.reduce("reduce_sum", "pdp_sum", &pdp, &axes, &keep)?;
+        let dps = g.b.sub("dp_centered", &dp, &rs)?;
+        let ds0 = g.b.mul("ds_raw", &probs, &dps)?;
+        let sc = g.scalar("scale", 1.0 / (hd as f64).sqrt())?;
+        let ds = g.b.mul("ds", &ds0, &sc)?;
+        // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
+        let dq = g.matmul("dq_fold", &ds, &k, false, false)?;
+        let dk = g.matmul("dk_h", &ds, &qf, true, false)?;
+        let dqh = g.reshape("dq_h", &dq, &[1, s.heads, seq, hd])?;
+        let dqc = g.heads_rows_to_channels("dq", &dqh)?;
+        let dkc = g.heads_rows_to_channels("dk", &dk)?;
+        g.concat("out", &[&dqc, &dkc], 1)
+    }
+
+    fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {
+        let (q, kv, seq, hd, r) = (s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
+        let scale = o.constant(1.0 / (hd as f64).sqrt());
+        let (p, dp, qr, kr) = (a.probs, a.dp, a.q_rope, a.k_rope);
+        let mut dq = vec![0f32; q * seq];
+        let mut dk = vec![0f32; kv * seq];
+        dq.par_chunks_mut(r * hd * seq)
+            .zip(dk.par_chunks_mut(hd * seq))
+            .enumerate()
+            .for_each(|(g, (dq_g, dk_g))| {
+                let mut ds = vec![0f32; seq * seq];
+                for j in 0..r {
+                    let h = g * r + j;
+                    let base = h * seq * seq;
+                    // dS = P ∘ (dP − rowsum(P ∘ dP)) · scale (over whole
+                    // rows, as the kernel does, whatever P holds).
+                    for i in 0..seq {
+                        let (p, dp) = (&p[base + i * seq..][..seq], &dp[base + i * seq..][..seq]);
+                        let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
+                        let row = &mut ds[i * seq..(i + 1) * seq];
+                        for ((d, &p), &dp) in row.iter_mut().zip(p).zip(dp) {
+                            *d = p * (dp - dot) * scale;
+                        }
+                    }
+                    // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
+                    matmul_serial(
+                        MatRef::row_major(kr, g * hd * seq, hd, seq),
+                        MatRef::row_major(&ds, 0, seq, seq).t(),
+                        MatMut::row_major(dq_g, j * hd * seq, hd, seq),
+                        false,
+                    );
+                    matmul_serial(
+                        MatRef::row_major(qr, h * hd * seq, hd, seq),
+                        MatRef::row_major(&ds, 0, seq, seq),
+                        MatMut::row_major(dk_g, 0, hd, seq),
+                        true,
+                    );
+                }
+            });
+        Out { dq, dk }
+    }
+}

@@ -1,0 +1,48 @@
+//! `wo_forward`: attention's output projection, `o = Wo·attn` (+ LoRA).
+
+use mil::builder::Value;
+
+use super::io::{activations, outputs, LayerWeights, Port};
+use super::maths::{add_adapter, w_x};
+use super::Encoding::*;
+use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
+use crate::model::Projection;
+
+pub struct WoForward;
+
+activations! {
+    /// Attention output `[heads·HD, S]`.
+    Acts { attn: Port::Attn }
+}
+
+outputs! {
+    /// `o [D, S]`.
+    Out { o: Port::O }
+}
+
+impl Kernel for WoForward {
+    const KIND: KernelKind = KernelKind::WoForward;
+    const PROJECTIONS: &'static [(Projection, Product)] = &[(Projection::O, Product::Forward)];
+    type Acts<'a> = Acts<'a>;
+    type Out = Out;
+
+    fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
+        b.columns(Port::Attn, s.q_dim(), s.seq, Activation)
+            .columns(Port::Weight(Projection::O), s.q_dim(), s.dim, Transposed)
+            .output(Port::O, s.dim);
+    }
+
+    fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+        let at = g.act_rows(Port::Attn)?;
+        let y = g.project("o_mm", &at, Port::Weight(Projection::O))?;
+        let y = g.with_adapter(y, &at, Projection::O, Product::Forward, o)?;
+        g.rows_to_channels("o", &y)
+    }
+
+    fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
+        let x = a.attn;
+        let mut y = w_x(w.projection(Projection::O), x, s.dim, s.q_dim(), s.seq);
+        add_adapter(&mut y, w, o, s, Projection::O, x, Product::Forward);
+        Out { o: y }
+    }
+}
