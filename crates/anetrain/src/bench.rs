@@ -233,7 +233,7 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
             targets: Projection::ALL.to_vec(),
             rslora: false,
         };
-        model.lora = Some(Lora::init(&model, lc, 0)?);
+        model.lora = Some(Lora::init(&model.cfg, lc, 0)?);
     }
     match a.backend {
         Backend::Cpu => run(a, model, Engine::cpu),

@@ -20,9 +20,9 @@ use crate::fsutil::write_atomic;
 fn load_model(dir: &Path, adapter: Option<&Path>, merge: bool) -> Result<Model> {
     let mut model = Model::load(dir)?;
     if let Some(a) = adapter {
-        let lora = Lora::load(&model, a)?;
+        let lora = Lora::load(&model.cfg, a)?;
         if merge {
-            lora.merge_into(&mut model);
+            model.merge_lora(&lora);
         } else {
             model.lora = Some(lora);
         }

@@ -20,6 +20,7 @@ pub mod lora;
 pub mod mem;
 pub mod model;
 pub mod optim;
+pub mod params;
 pub mod plot;
 pub mod rng;
 pub mod runner;

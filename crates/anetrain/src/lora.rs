@@ -16,8 +16,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::config::ModelConfig;
 use crate::fsutil::write_atomic;
-use crate::model::{Model, Param, Projection};
+use crate::params::{Param, Projection};
 use crate::rng::Rng;
 use crate::safetensors;
 
@@ -92,16 +93,10 @@ fn peft_key(i: usize, t: Projection, ab: &str) -> String {
     )
 }
 
-/// `[out, in]` of a target's base projection.
-fn projection_shape(model: &Model, t: Projection) -> (usize, usize) {
-    let p = &model.params[t.base(&model.layers[0])];
-    (p.shape[0], p.shape[1])
-}
-
 impl Lora {
     /// Fresh adapters as PEFT initialises them: A ~ U(−1/√in, 1/√in)
     /// (`kaiming_uniform_(a=√5)`), B = 0.
-    pub fn init(model: &Model, cfg: LoraConfig, seed: u64) -> Result<Lora> {
+    pub fn init(model: &ModelConfig, cfg: LoraConfig, seed: u64) -> Result<Lora> {
         cfg.validate()?;
         let mut rng = Rng::new(seed ^ 0x4c6f_5241);
         let mut lora = Lora::layout(model, cfg);
@@ -120,16 +115,16 @@ impl Lora {
     }
 
     /// Names and shapes, no data.
-    fn layout(model: &Model, mut cfg: LoraConfig) -> Lora {
+    fn layout(model: &ModelConfig, mut cfg: LoraConfig) -> Lora {
         cfg.targets.sort();
         cfg.targets.dedup();
         let r = cfg.rank;
         let mut params = Vec::new();
         let mut slots = Vec::new();
-        for i in 0..model.layers.len() {
+        for i in 0..model.num_hidden_layers {
             let mut slot = [None; 7];
             for &t in &cfg.targets {
-                let (out, inp) = projection_shape(model, t);
+                let (out, inp) = t.shape(model);
                 let mut add = |ab: &str, shape: Vec<usize>| {
                     params.push(Param {
                         name: peft_key(i, t, ab),
@@ -291,8 +286,8 @@ impl Lora {
         Ok(cfg)
     }
 
-    /// Loads a PEFT adapter directory for `model`.
-    pub fn load(model: &Model, dir: &Path) -> Result<Lora> {
+    /// Loads a PEFT adapter directory for a model of configuration `model`.
+    pub fn load(model: &ModelConfig, dir: &Path) -> Result<Lora> {
         if !dir.is_dir() {
             bail!("adapter directory '{}' does not exist", dir.display());
         }
@@ -305,7 +300,7 @@ impl Lora {
     /// Adapters from named tensors (PEFT keys, with or without the
     /// `.default` adapter name).
     pub fn from_tensors(
-        model: &Model,
+        model: &ModelConfig,
         cfg: LoraConfig,
         tensors: BTreeMap<String, safetensors::Tensor>,
         file: &str,
@@ -342,27 +337,5 @@ impl Lora {
             bail!("'{file}': unexpected tensor '{extra}' for this model and adapter config");
         }
         Ok(lora)
-    }
-
-    /// Folds the adapters into the base weights: W ← W + s·B·A.
-    pub fn merge_into(&self, model: &mut Model) {
-        let s = self.cfg.scale() as f32;
-        for (i, slot) in self.slots.iter().enumerate() {
-            for t in Projection::ALL {
-                let Some(ids) = slot[t.index()] else { continue };
-                let (a, b) = (&self.params[ids.a], &self.params[ids.b]);
-                let (r, inp, out) = (a.shape[0], a.shape[1], b.shape[0]);
-                let mut ba = vec![0f32; out * inp];
-                linalg::matmul(
-                    linalg::MatRef::row_major(&b.data, 0, out, r),
-                    linalg::MatRef::row_major(&a.data, 0, r, inp),
-                    linalg::MatMut::row_major(&mut ba, 0, out, inp),
-                    false,
-                );
-                let w = &mut model.params[t.base(&model.layers[i])].data;
-                w.iter_mut().zip(&ba).for_each(|(w, d)| *w += s * d);
-            }
-        }
-        model.version += 1;
     }
 }

@@ -238,7 +238,7 @@ fn starting_model(s: &TrainSettings, cfg: &ModelConfig) -> Result<Model> {
 /// Attaches fresh adapters when the run trains LoRA.
 fn with_adapters(mut model: Model, s: &TrainSettings) -> Result<Model> {
     if let Some(l) = &s.lora {
-        model.lora = Some(Lora::init(&model, l.clone(), s.seed)?);
+        model.lora = Some(Lora::init(&model.cfg, l.clone(), s.seed)?);
     }
     Ok(model)
 }

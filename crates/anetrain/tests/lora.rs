@@ -18,7 +18,7 @@ use anetrain::runner::KernelRunner;
 fn adapted(kind: &str) -> Model {
     let dir = fixture(kind);
     let mut model = Model::load(&dir.join("model")).unwrap();
-    model.lora = Some(Lora::load(&model, &dir.join("lora/adapter")).unwrap());
+    model.lora = Some(Lora::load(&model.cfg, &dir.join("lora/adapter")).unwrap());
     model
 }
 
@@ -157,7 +157,7 @@ fn adapters_save_load_and_merge() {
     let lora = model.lora.as_ref().unwrap();
     let tmp = std::env::temp_dir().join(format!("anetrain-lora-{}", std::process::id()));
     lora.save(&tmp, "base").unwrap();
-    let back = Lora::load(&model, &tmp).unwrap();
+    let back = Lora::load(&model.cfg, &tmp).unwrap();
     assert_eq!(back.cfg, lora.cfg);
     for (a, b) in back.params.iter().zip(&lora.params) {
         assert_eq!(a, b);
@@ -165,7 +165,7 @@ fn adapters_save_load_and_merge() {
     // Merged weights give the adapted model's logits.
     let mut merged = model.clone();
     let l = merged.lora.take().unwrap();
-    l.merge_into(&mut merged);
+    merged.merge_lora(&l);
     let rows = tokens(&fixture("qwen3"));
     let n = rows[0].len() - 1;
     let a = {
@@ -182,14 +182,14 @@ fn adapters_save_load_and_merge() {
     assert!(rel <= 1e-5, "merged vs adapted rel err {rel:e}");
     // Adapters that do not fit the model fail with the tensor's name.
     let llama = Model::load(&fixture("llama").join("model")).unwrap();
-    let err = Lora::load(&llama, &tmp).unwrap_err().to_string();
+    let err = Lora::load(&llama.cfg, &tmp).unwrap_err().to_string();
     assert!(err.contains("adapter tensor"), "{err}");
     std::fs::write(
         tmp.join("adapter_config.json"),
         "{\"r\": 4, \"use_dora\": true}",
     )
     .unwrap();
-    let err = Lora::load(&model, &tmp).unwrap_err().to_string();
+    let err = Lora::load(&model.cfg, &tmp).unwrap_err().to_string();
     assert!(err.contains("DoRA"), "{err}");
     std::fs::remove_dir_all(&tmp).unwrap();
 }

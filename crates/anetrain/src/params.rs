@@ -1,0 +1,188 @@
+//! A model's parameters as plain data: the tensors, the table of one
+//! decoder layer's tensor indices, and the seven weight projections (what
+//! kernels multiply by and LoRA adapters attach to).
+
+use crate::config::ModelConfig;
+
+/// One parameter tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Param {
+    /// Hugging Face tensor name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+    /// Weight decay applies (matrices and embeddings, never norm weights).
+    pub decay: bool,
+}
+
+/// Indices into [`Model::params`] of one layer's tensors.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerIds {
+    pub attn_norm: usize,
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub wo: usize,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+    pub ffn_norm: usize,
+    pub w1: usize,
+    pub w3: usize,
+    pub w2: usize,
+}
+
+/// One of a decoder layer's seven weight projections (what a LoRA adapter
+/// attaches to, what a kernel multiplies by).
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The names one projection goes by.
+struct ProjectionNames {
+    /// Hugging Face module name (`q_proj`).
+    module: &'static str,
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    path: &'static str,
+    /// Kernel weight region of the base projection (`wq`).
+    region: &'static str,
+    /// Kernel regions of LoRA's A and B (`wq_lora_a`, `wq_lora_b`).
+    adapter: (&'static str, &'static str),
+}
+
+/// Names by [`Projection::index`].
+const PROJECTION_NAMES: [ProjectionNames; 7] = [
+    ProjectionNames {
+        module: "q_proj",
+        path: "self_attn.q_proj",
+        region: "wq",
+        adapter: ("wq_lora_a", "wq_lora_b"),
+    },
+    ProjectionNames {
+        module: "k_proj",
+        path: "self_attn.k_proj",
+        region: "wk",
+        adapter: ("wk_lora_a", "wk_lora_b"),
+    },
+    ProjectionNames {
+        module: "v_proj",
+        path: "self_attn.v_proj",
+        region: "wv",
+        adapter: ("wv_lora_a", "wv_lora_b"),
+    },
+    ProjectionNames {
+        module: "o_proj",
+        path: "self_attn.o_proj",
+        region: "wo",
+        adapter: ("wo_lora_a", "wo_lora_b"),
+    },
+    ProjectionNames {
+        module: "gate_proj",
+        path: "mlp.gate_proj",
+        region: "w1",
+        adapter: ("w1_lora_a", "w1_lora_b"),
+    },
+    ProjectionNames {
+        module: "up_proj",
+        path: "mlp.up_proj",
+        region: "w3",
+        adapter: ("w3_lora_a", "w3_lora_b"),
+    },
+    ProjectionNames {
+        module: "down_proj",
+        path: "mlp.down_proj",
+        region: "w2",
+        adapter: ("w2_lora_a", "w2_lora_b"),
+    },
+];
+
+impl Projection {
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    /// Position in [`Projection::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Hugging Face module name (`q_proj`).
+    pub fn module(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].module
+    }
+
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    pub fn path(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].path
+    }
+
+    /// The kernel weight region of the base projection (`wq`).
+    pub fn region(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].region
+    }
+
+    /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
+    pub fn adapter_regions(self) -> (&'static str, &'static str) {
+        PROJECTION_NAMES[self.index()].adapter
+    }
+
+    pub fn from_module(name: &str) -> Option<Projection> {
+        Projection::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    /// The base weight's index in the model's parameter list.
+    pub fn base(self, l: &LayerIds) -> usize {
+        match self {
+            Projection::Q => l.wq,
+            Projection::K => l.wk,
+            Projection::V => l.wv,
+            Projection::O => l.wo,
+            Projection::Gate => l.w1,
+            Projection::Up => l.w3,
+            Projection::Down => l.w2,
+        }
+    }
+}
+
+impl Projection {
+    /// `[out, in]` of this projection in a model of configuration `cfg`.
+    pub fn shape(self, cfg: &ModelConfig) -> (usize, usize) {
+        let d = cfg.hidden_size;
+        let (q, kv) = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        );
+        match self {
+            Projection::Q => (q, d),
+            Projection::K | Projection::V => (kv, d),
+            Projection::O => (d, q),
+            Projection::Gate | Projection::Up => (cfg.intermediate_size, d),
+            Projection::Down => (d, cfg.intermediate_size),
+        }
+    }
+}
