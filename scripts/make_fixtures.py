@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Builds the small Hugging Face `transformers` fixtures that anetrain's
-parity tests read (committed under crates/anetrain/tests/fixtures/, so
+parity tests read (committed under testdata/fixtures/, so
 `cargo test` needs no Python).
 
 For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
@@ -89,7 +89,7 @@ def export_llama2c(model, path):
 
 
 def main():
-    out_root = sys.argv[1] if len(sys.argv) > 1 else "crates/anetrain/tests/fixtures"
+    out_root = sys.argv[1] if len(sys.argv) > 1 else "testdata/fixtures"
     for i, kind in enumerate(["qwen3", "llama"]):
         torch.manual_seed(1234 + i)
         model = build(kind).float()

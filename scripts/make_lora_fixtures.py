@@ -38,7 +38,7 @@ def saved_name(n):
 
 
 def main():
-    root = sys.argv[1] if len(sys.argv) > 1 else "crates/anetrain/tests/fixtures"
+    root = sys.argv[1] if len(sys.argv) > 1 else "testdata/fixtures"
     for i, kind in enumerate(["qwen3", "llama"]):
         torch.manual_seed(4321 + i)
         base = AutoModelForCausalLM.from_pretrained(

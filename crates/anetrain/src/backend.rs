@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Backend {
     /// Native f32 kernels on the CPU.
     Cpu,
@@ -11,6 +11,18 @@ pub enum Backend {
     AneSim,
     /// The Apple Neural Engine (macOS).
     Ane,
+}
+
+impl crate::choice::Choice for Backend {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (Backend::Cpu, "cpu", "Native f32 kernels on the CPU"),
+        (
+            Backend::AneSim,
+            "ane-sim",
+            "The exact MIL programs on the simulated Neural Engine (fp16 interpreter)",
+        ),
+        (Backend::Ane, "ane", "The Apple Neural Engine (macOS)"),
+    ];
 }
 
 impl Backend {

@@ -208,7 +208,9 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// Runs the benchmark and returns its JSON summary.
-pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
+/// Runs the benchmark; `progress` receives one line per step and notes
+/// about the measurement.
+pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_json::Value> {
     if a.steps == 0 || a.seq == 0 || a.batch == 0 {
         bail!("--steps, --seq and --batch must be at least 1");
     }
@@ -236,11 +238,16 @@ pub fn bench(a: &BenchArgs) -> Result<serde_json::Value> {
         model.lora = Some(Lora::init(&model.cfg, lc, 0)?);
     }
     match a.backend {
-        Backend::Cpu => run(a, model, Engine::cpu),
-        Backend::AneSim => run(a, model, |m| Engine::neural(m, ane::SimDevice::new())),
+        Backend::Cpu => run(a, model, Engine::cpu, progress),
+        Backend::AneSim => run(
+            a,
+            model,
+            |m| Engine::neural(m, ane::SimDevice::new()),
+            progress,
+        ),
         Backend::Ane => {
             let device = backend::open_ane()?;
-            run(a, model, move |m| Engine::neural(m, device))
+            run(a, model, move |m| Engine::neural(m, device), progress)
         }
     }
 }
@@ -249,6 +256,7 @@ fn run<R: KernelRunner>(
     a: &BenchArgs,
     mut model: Model,
     make: impl FnOnce(&Model) -> Engine<R>,
+    progress: &mut dyn FnMut(String),
 ) -> Result<serde_json::Value> {
     let mut eng = make(&model);
     let mut opt = AdamW::new(&model, AdamWConfig::default());
@@ -295,12 +303,12 @@ fn run<R: KernelRunner>(
             ),
             _ => String::new(),
         };
-        eprintln!(
+        progress(format!(
             "step {}{}: {:.3} s{stolen}",
             i + 1,
             if i < a.warmup { " (warm-up)" } else { "" },
             total
-        );
+        ));
         if i >= a.warmup {
             steps.push(total);
             fwd.push(tf);
@@ -314,11 +322,11 @@ fn run<R: KernelRunner>(
     // passes; the rank-r adapter products are left out of the count.
     let steal = steal_fraction(timed_from, cpu_steal());
     if let Some(f) = steal.filter(|&f| f >= 0.05) {
-        eprintln!(
+        progress(format!(
             "note: the host (hypervisor) took {:.0}% of this machine's CPU time during the timed \
              steps; times are inflated by it — compare runs made back to back",
             f * 100.0
-        );
+        ));
     }
     let full = step_flops(&model.cfg, a.seq, a.batch);
     let (flops, flop_count) = if model.lora.is_some() {
@@ -396,7 +404,7 @@ mod tests {
             backend: Backend::Cpu,
             lora_rank: None,
         };
-        let r = bench(&args).unwrap();
+        let r = bench(&args, &mut |_| {}).unwrap();
         let step = r["median_step_s"].as_f64().unwrap();
         let floor = r["products_only_s"].as_f64().unwrap();
         assert!(step > 0.0 && floor > 0.0, "{r}");
@@ -404,10 +412,13 @@ mod tests {
             r["flop_per_step"].as_f64(),
             Some(step_flops(&ModelConfig::preset("tiny").unwrap(), 32, 1))
         );
-        let lora = bench(&BenchArgs {
-            lora_rank: Some(2),
-            ..args
-        })
+        let lora = bench(
+            &BenchArgs {
+                lora_rank: Some(2),
+                ..args
+            },
+            &mut |_| {},
+        )
         .unwrap();
         assert!(lora["products_only_s"].is_null(), "{lora}");
     }

@@ -9,12 +9,17 @@ use anyhow::{bail, Context, Result};
 use crate::tokenizer::Tokenizer;
 
 /// Width of a raw token file's entries.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum TokenDtype {
     U16,
     U32,
+}
+
+impl crate::choice::Choice for TokenDtype {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (TokenDtype::U16, "u16", "2-byte little-endian token ids"),
+        (TokenDtype::U32, "u32", "4-byte little-endian token ids"),
+    ];
 }
 
 /// A token stream: in memory (tokenized text, the built-in corpus) or

@@ -3,10 +3,10 @@
 //! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
 //! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
 
-pub mod awake;
 pub mod backend;
 pub mod bench;
 pub mod checkpoint;
+pub mod choice;
 pub mod config;
 pub mod convert;
 pub mod corpus;
@@ -21,7 +21,6 @@ pub mod mem;
 pub mod model;
 pub mod optim;
 pub mod params;
-pub mod plot;
 pub mod rng;
 pub mod runner;
 pub mod safetensors;

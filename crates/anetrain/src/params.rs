@@ -34,17 +34,7 @@ pub struct LayerIds {
 /// One of a decoder layer's seven weight projections (what a LoRA adapter
 /// attaches to, what a kernel multiplies by).
 #[derive(
-    Clone,
-    Copy,
-    Debug,
-    PartialEq,
-    Eq,
-    PartialOrd,
-    Ord,
-    Hash,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Projection {
@@ -167,6 +157,18 @@ impl Projection {
             Projection::Down => l.w2,
         }
     }
+}
+
+impl crate::choice::Choice for Projection {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (Projection::Q, "q", "self_attn.q_proj"),
+        (Projection::K, "k", "self_attn.k_proj"),
+        (Projection::V, "v", "self_attn.v_proj"),
+        (Projection::O, "o", "self_attn.o_proj"),
+        (Projection::Gate, "gate", "mlp.gate_proj"),
+        (Projection::Up, "up", "mlp.up_proj"),
+        (Projection::Down, "down", "mlp.down_proj"),
+    ];
 }
 
 impl Projection {

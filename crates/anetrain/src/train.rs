@@ -1,9 +1,11 @@
 //! The training loop: data windows, micro-batches with gradient
 //! accumulation, clipping, AdamW with warmup and cosine decay, validation,
-//! metrics, progress, and checkpoints with exact resume.
+//! metrics, and checkpoints with exact resume. Progress is reported as
+//! [`Event`]s; the caller decides how to show them and when to stop.
 
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -23,12 +25,27 @@ use crate::rng::Rng;
 use crate::runner::KernelRunner;
 use crate::tokenizer::Tokenizer;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Sample {
     /// Windows at uniformly random offsets.
     Random,
     /// Window k starts at k·seq (wrapping around).
     Sequential,
+}
+
+impl crate::choice::Choice for Sample {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Sample::Random,
+            "random",
+            "Windows at uniformly random offsets",
+        ),
+        (
+            Sample::Sequential,
+            "sequential",
+            "Window k starts at k·seq (wrapping around)",
+        ),
+    ];
 }
 
 /// Settings that define a run; a resume must repeat them (except `steps`).
@@ -66,8 +83,43 @@ pub struct TrainRequest {
     pub resume: bool,
     pub tokenizer: Option<PathBuf>,
     pub save_every: u64,
-    /// Progress lines every this many steps when not on a terminal.
-    pub log_every: u64,
+}
+
+/// What a run reports as it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Before the first step.
+    Started {
+        model: String,
+        params: usize,
+        train_tokens: usize,
+        val_tokens: usize,
+        out: PathBuf,
+        /// `(rank, alpha, projections, trainable parameters)` with LoRA.
+        lora: Option<(usize, f64, Vec<&'static str>, usize)>,
+        /// The step a resumed run continues from.
+        resumed_at: Option<u64>,
+        steps: u64,
+    },
+    /// Something the user should know, in one line.
+    Note(String),
+    /// Step `step` (1-based) was skipped: its loss or gradients were not
+    /// finite.
+    Skipped { step: u64, reason: String },
+    /// Step `step` (1-based) of `steps` finished; `val` is the validation
+    /// loss when this step evaluated it.
+    Step {
+        step: u64,
+        steps: u64,
+        loss: f64,
+        val: Option<f64>,
+        lr: f64,
+        tokens_per_s: f64,
+        /// Seconds left at this run's pace.
+        eta_s: f64,
+    },
+    /// Every step ran and the last checkpoint is saved.
+    Finished { steps: u64, out: PathBuf },
 }
 
 /// Stories in the built-in corpus.
@@ -281,29 +333,10 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
     write_atomic(path, body.as_bytes())
 }
 
-fn fmt_duration(secs: f64) -> String {
-    let s = secs.max(0.0) as u64;
-    if s >= 3600 {
-        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
-    } else {
-        format!("{}m{:02}s", s / 60, s % 60)
-    }
-}
-
-/// Set by SIGINT/SIGTERM: finish the current step, checkpoint, stop.
-static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Installs the SIGINT/SIGTERM handler (once per process).
-fn install_stop_handler() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let _ = ctrlc::set_handler(|| STOP.store(true, std::sync::atomic::Ordering::SeqCst));
-    });
-}
-
-/// Runs (or resumes) training; returns the final train loss.
-pub fn train(r: TrainRequest) -> Result<f64> {
-    install_stop_handler();
+/// Runs (or resumes) training; returns the final train loss. `report`
+/// receives every [`Event`]; when `stop` becomes true the run finishes its
+/// step, saves a checkpoint and returns an error saying how to resume.
+pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool) -> Result<f64> {
     let s = r.settings.clone();
     validate(&s, &r)?;
     // Open the device before any work, so an unusable one fails first.
@@ -366,10 +399,10 @@ pub fn train(r: TrainRequest) -> Result<f64> {
         let corpus = load_corpus(&s, &mut cfg, true, tok)?;
         let model = with_adapters(starting_model(&s, &cfg)?, &s)?;
         if s.lora.is_some() && !from_dir {
-            eprintln!(
-                "note: LoRA on the randomly initialised preset '{}': the base is re-created from --seed {}, and is not saved",
+            report(&Event::Note(format!(
+                "LoRA on the randomly initialised preset '{}': the base is re-created from --seed {}, and is not saved",
                 s.model, s.seed
-            );
+            )));
         }
         if s.seq > model.cfg.max_position_embeddings {
             bail!(
@@ -404,12 +437,14 @@ pub fn train(r: TrainRequest) -> Result<f64> {
         (model, opt, state, corpus)
     };
 
-    let run = Run {
+    let mut run = Run {
         r: &r,
         s: &s,
         out: &out,
         resuming,
         corpus: &corpus,
+        report,
+        stop,
     };
     match (s.backend, ane_device) {
         (Backend::Ane, Some(device)) => run.go(
@@ -435,54 +470,95 @@ struct Run<'a> {
     out: &'a Path,
     resuming: bool,
     corpus: &'a Corpus,
+    report: &'a mut dyn FnMut(&Event),
+    stop: &'a AtomicBool,
+}
+
+/// What one optimizer step did.
+struct StepStats {
+    /// Mean loss over the step's targets.
+    loss: f64,
+    lr: f64,
+    grad_norm: f64,
+    /// Whether the update was applied (loss and gradients finite).
+    finite: bool,
+    loss_scale: f64,
+    /// Seconds in forward, loss, backward and the optimizer.
+    times: [f64; 4],
+}
+
+/// `metrics.jsonl`: one line per step, plus validation lines.
+struct Metrics {
+    file: std::fs::File,
+}
+
+impl Metrics {
+    /// Opens the run's metrics file: a fresh one, or on resume the existing
+    /// one with lines after the checkpoint's `step` dropped.
+    fn open(out: &Path, resume_step: Option<u64>) -> Result<Metrics> {
+        let path = out.join("metrics.jsonl");
+        match resume_step {
+            Some(step) => truncate_metrics(&path, step)?,
+            None => {
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("cannot open '{}'", path.display()))?;
+        Ok(Metrics { file })
+    }
+
+    fn step(&mut self, step: u64, st: &StepStats, tokens_per_s: f64, total: f64) -> Result<()> {
+        let [fwd, loss, bwd, opt] = st.times;
+        let rec = serde_json::json!({
+            "step": step, "split": "train", "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
+            "tokens_per_s": tokens_per_s, "skipped": !st.finite, "loss_scale": st.loss_scale,
+            "time": {"forward": fwd, "loss": loss, "backward": bwd, "optimizer": opt, "total": total},
+        });
+        writeln!(self.file, "{rec}")?;
+        Ok(())
+    }
+
+    fn val(&mut self, step: u64, loss: f64) -> Result<()> {
+        let rec = serde_json::json!({"step": step, "split": "val", "loss": loss});
+        writeln!(self.file, "{rec}")?;
+        Ok(())
+    }
+
+    /// On disk before a checkpoint that covers these lines.
+    fn sync(&self) -> Result<()> {
+        Ok(self.file.sync_all()?)
+    }
 }
 
 impl Run<'_> {
     fn go<R: KernelRunner>(
-        &self,
+        &mut self,
         mut eng: Engine<R>,
         model: &mut Model,
         opt: &mut AdamW,
         state: &mut TrainerState,
     ) -> Result<f64> {
-        let (r, s, out, resuming, corpus) = (self.r, self.s, self.out, self.resuming, self.corpus);
-        let metrics_path = out.join("metrics.jsonl");
-        if resuming {
-            truncate_metrics(&metrics_path, state.step)?;
-        } else {
-            let _ = std::fs::remove_file(&metrics_path);
-        }
-        let mut metrics = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&metrics_path)
-            .with_context(|| format!("cannot open '{}'", metrics_path.display()))?;
-
+        let (r, s, out) = (self.r, self.s, self.out);
+        let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
-        let tty = std::io::stderr().is_terminal();
+        (self.report)(&Event::Started {
+            model: s.model.clone(),
+            params: model.num_params(),
+            train_tokens: self.corpus.train_end,
+            val_tokens: self.corpus.val.len(),
+            out: out.to_path_buf(),
+            lora: model.lora.as_ref().map(|l| {
+                let names = l.cfg.targets.iter().map(|t| t.module()).collect();
+                (l.cfg.rank, l.cfg.alpha, names, l.num_params())
+            }),
+            resumed_at: self.resuming.then_some(state.step),
+            steps: r.steps,
+        });
         let tokens_per_step = (s.batch * s.accum * s.seq) as f64;
-        eprintln!(
-            "training {} ({:.2}M parameters) on {} train / {} val tokens -> {}",
-            s.model,
-            model.num_params() as f64 / 1e6,
-            corpus.train_end,
-            corpus.val.len(),
-            out.display()
-        );
-        if let Some(l) = &model.lora {
-            let names: Vec<&str> = l.cfg.targets.iter().map(|t| t.module()).collect();
-            eprintln!(
-                "LoRA rank {} alpha {} on {}: {:.3}M trainable parameters ({:.2}% of the base)",
-                l.cfg.rank,
-                l.cfg.alpha,
-                names.join(","),
-                l.num_params() as f64 / 1e6,
-                100.0 * l.num_params() as f64 / model.num_params() as f64
-            );
-        }
-        if resuming {
-            eprintln!("resumed at step {} of {}", state.step, r.steps);
-        }
         let run_start = Instant::now();
         let start_step = state.step;
         let mut last_loss = f64::NAN;
@@ -490,170 +566,176 @@ impl Run<'_> {
         // One gradient buffer for the whole run, overwritten each step.
         let mut grads = zero_grads(model);
         while state.step < r.steps {
-            let step = state.step;
             let t0 = Instant::now();
-            let lr = optim::lr_at(
-                step,
-                r.steps,
-                s.warmup.unwrap_or(r.steps / 10),
-                s.lr,
-                s.min_lr_frac,
-            );
-            grads.reset();
-            let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
-            let mut loss_sum = 0f64;
-            let n_targets = (s.batch * s.accum * s.seq) as f32;
-            let loss_scale = state.scaler.scale;
-            for micro in 0..s.accum * s.batch {
-                // LoRA dropout masks depend only on (seed, step, micro-batch),
-                // so a resumed run draws the same ones.
-                if s.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
-                    eng.dropout_key = Some(
-                        s.seed
-                            .wrapping_mul(0x2545_f491_4f6c_dd1d)
-                            .wrapping_add(step.wrapping_mul(1 << 20))
-                            .wrapping_add(micro as u64)
-                            .wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                    );
-                }
-                let w = next_window(
-                    &corpus.tokens,
-                    corpus.train_end,
-                    s.seq,
-                    s.sample,
-                    &mut rng,
-                    &mut state.cursor,
-                );
-                let a = Instant::now();
-                let fwd = eng.forward(model, &w[..s.seq])?;
-                let b = Instant::now();
-                let grad_scale = loss_scale as f32 / n_targets;
-                let (loss, dxf) =
-                    engine::head_loss(model, &fwd.xf, &w[1..], grad_scale, Some(&mut grads))?;
-                let c = Instant::now();
-                eng.backward(model, &fwd, &dxf, &mut grads)?;
-                eng.dropout_key = None;
-                t_fwd += (b - a).as_secs_f64();
-                t_loss += (c - b).as_secs_f64();
-                t_bwd += c.elapsed().as_secs_f64();
-                loss_sum += loss;
-            }
-            let loss = loss_sum / n_targets as f64;
-            let t_opt = Instant::now();
-            grads.finish();
-            // The gradients still carry the loss scale (a power of two, so
-            // dividing it out of the norm and the update is exact); removing
-            // it and clipping both happen inside the AdamW pass.
-            let gnorm = optim::grad_norm(&grads) / loss_scale;
-            let coef = optim::clip_coef(gnorm, s.clip);
-            let finite = loss.is_finite() && gnorm.is_finite();
-            state.scaler.update(finite);
-            if finite {
-                opt.update_scaled(model, &grads, lr, (coef as f64 / loss_scale) as f32);
+            let st = self.step(&mut eng, model, opt, state, &mut rng, &mut grads)?;
+            if st.finite {
                 consecutive_skips = 0;
-                last_loss = loss;
+                last_loss = st.loss;
             } else {
-                state.skipped += 1;
                 // An fp16 overflow with a finite loss is the loss scaler's
                 // business; only other failures count towards divergence.
                 let overflow =
-                    state.scaler.dynamic && loss.is_finite() && state.scaler.scale >= 1.0;
+                    state.scaler.dynamic && st.loss.is_finite() && state.scaler.scale >= 1.0;
                 if !overflow {
                     consecutive_skips += 1;
                 }
-                eprintln!(
-                    "step {}: non-finite {}; step skipped{}",
-                    step + 1,
-                    if loss.is_finite() {
-                        format!("gradients (norm {gnorm})")
-                    } else {
-                        format!("loss ({loss})")
-                    },
-                    if state.scaler.dynamic {
-                        format!(", loss scale now {}", state.scaler.scale)
-                    } else {
-                        String::new()
-                    }
-                );
+                self.report_skip(state, &st);
                 if consecutive_skips >= 3 {
                     bail!(
-                    "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
-                     the last checkpoint is intact — resume with a lower --lr or stronger --clip",
-                    step + 1
-                );
+                        "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
+                         the last checkpoint is intact — resume with a lower --lr or stronger --clip",
+                        state.step + 1
+                    );
                 }
             }
-            let t_opt = t_opt.elapsed().as_secs_f64();
             state.step += 1;
             let dt = t0.elapsed().as_secs_f64();
             let tps = tokens_per_step / dt;
-            let rec = serde_json::json!({
-                "step": state.step, "split": "train", "loss": loss, "lr": lr, "grad_norm": gnorm,
-                "tokens_per_s": tps, "skipped": !finite, "loss_scale": loss_scale,
-                "time": {"forward": t_fwd, "loss": t_loss, "backward": t_bwd, "optimizer": t_opt, "total": dt},
-            });
-            writeln!(metrics, "{rec}")?;
+            metrics.step(state.step, &st, tps, dt)?;
             let mut val = None;
             if s.eval_every > 0
                 && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
             {
-                val = val_loss(&mut eng, model, &corpus.val, s.seq, s.eval_windows)?;
+                val = val_loss(&mut eng, model, &self.corpus.val, s.seq, s.eval_windows)?;
                 if let Some(v) = val {
-                    writeln!(
-                        metrics,
-                        "{}",
-                        serde_json::json!({"step": state.step, "split": "val", "loss": v})
-                    )?;
+                    metrics.val(state.step, v)?;
                 }
             }
-            // progress
             let done = (state.step - start_step) as f64;
-            let eta = run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64;
-            let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
-            if tty {
-                let width = 24;
-                let filled = (width as f64 * state.step as f64 / r.steps as f64) as usize;
-                eprint!(
-                    "\r[{}{}] {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}   ",
-                    "#".repeat(filled),
-                    "-".repeat(width - filled),
-                    state.step,
-                    r.steps,
-                    fmt_duration(eta)
-                );
-                if val.is_some() || state.step == r.steps {
-                    eprintln!();
-                }
-            } else if state.step.is_multiple_of(r.log_every.max(1))
-                || state.step == r.steps
-                || val.is_some()
-            {
-                eprintln!(
-                    "step {}/{} loss {loss:.4}{val_txt} lr {lr:.2e} {tps:.0} tok/s ETA {}",
-                    state.step,
-                    r.steps,
-                    fmt_duration(eta)
-                );
-            }
-            let _ = std::io::stderr().flush();
-            let stop = STOP.load(std::sync::atomic::Ordering::SeqCst);
+            (self.report)(&Event::Step {
+                step: state.step,
+                steps: r.steps,
+                loss: st.loss,
+                val,
+                lr: st.lr,
+                tokens_per_s: tps,
+                eta_s: run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64,
+            });
+            let stop = self.stop.load(Ordering::SeqCst);
             if stop || state.step.is_multiple_of(r.save_every.max(1)) || state.step == r.steps {
-                metrics.sync_all()?;
+                metrics.sync()?;
                 state.rng = rng.state();
                 checkpoint::save(out, model, opt, state.clone())?;
             }
             if stop && state.step < r.steps {
-                if tty {
-                    eprintln!();
-                }
                 bail!(
-                "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
-                state.step,
-                out.display()
-            );
+                    "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
+                    state.step,
+                    out.display()
+                );
             }
         }
-        eprintln!("done: {} steps, model in {}", state.step, out.display());
+        (self.report)(&Event::Finished {
+            steps: state.step,
+            out: out.to_path_buf(),
+        });
         Ok(last_loss)
+    }
+
+    /// One optimizer step: `accum · batch` windows forward and backward
+    /// into `grads` (loss scaled for fp16), then the gradient norm,
+    /// clipping and AdamW, or a skip when anything is not finite.
+    ///   loss = mean over targets of −log softmax(logits)[target]
+    ///   g ← g / scale,  g ← g · min(1, clip / ‖g‖),  AdamW(g, lr(step))
+    fn step<R: KernelRunner>(
+        &self,
+        eng: &mut Engine<R>,
+        model: &mut Model,
+        opt: &mut AdamW,
+        state: &mut TrainerState,
+        rng: &mut Rng,
+        grads: &mut crate::grads::Grads,
+    ) -> Result<StepStats> {
+        let (r, s, corpus) = (self.r, self.s, self.corpus);
+        let step = state.step;
+        let lr = optim::lr_at(
+            step,
+            r.steps,
+            s.warmup.unwrap_or(r.steps / 10),
+            s.lr,
+            s.min_lr_frac,
+        );
+        grads.reset();
+        let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
+        let mut loss_sum = 0f64;
+        let n_targets = (s.batch * s.accum * s.seq) as f32;
+        let loss_scale = state.scaler.scale;
+        for micro in 0..s.accum * s.batch {
+            // LoRA dropout masks depend only on (seed, step, micro-batch),
+            // so a resumed run draws the same ones.
+            if s.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
+                eng.dropout_key = Some(
+                    s.seed
+                        .wrapping_mul(0x2545_f491_4f6c_dd1d)
+                        .wrapping_add(step.wrapping_mul(1 << 20))
+                        .wrapping_add(micro as u64)
+                        .wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                );
+            }
+            let w = next_window(
+                &corpus.tokens,
+                corpus.train_end,
+                s.seq,
+                s.sample,
+                rng,
+                &mut state.cursor,
+            );
+            let a = Instant::now();
+            let fwd = eng.forward(model, &w[..s.seq])?;
+            let b = Instant::now();
+            let grad_scale = loss_scale as f32 / n_targets;
+            let (loss, dxf) = engine::head_loss(model, &fwd.xf, &w[1..], grad_scale, Some(grads))?;
+            let c = Instant::now();
+            eng.backward(model, &fwd, &dxf, grads)?;
+            eng.dropout_key = None;
+            t_fwd += (b - a).as_secs_f64();
+            t_loss += (c - b).as_secs_f64();
+            t_bwd += c.elapsed().as_secs_f64();
+            loss_sum += loss;
+        }
+        let loss = loss_sum / n_targets as f64;
+        let t_opt = Instant::now();
+        grads.finish();
+        // The gradients still carry the loss scale (a power of two, so
+        // dividing it out of the norm and the update is exact); removing
+        // it and clipping both happen inside the AdamW pass.
+        let gnorm = optim::grad_norm(grads) / loss_scale;
+        let coef = optim::clip_coef(gnorm, s.clip);
+        let finite = loss.is_finite() && gnorm.is_finite();
+        state.scaler.update(finite);
+        if finite {
+            opt.update_scaled(model, grads, lr, (coef as f64 / loss_scale) as f32);
+        } else {
+            state.skipped += 1;
+        }
+        Ok(StepStats {
+            loss,
+            lr,
+            grad_norm: gnorm,
+            finite,
+            loss_scale,
+            times: [t_fwd, t_loss, t_bwd, t_opt.elapsed().as_secs_f64()],
+        })
+    }
+
+    /// Reports a skipped step: what was not finite and the loss scale now.
+    fn report_skip(&mut self, state: &TrainerState, st: &StepStats) {
+        let reason = format!(
+            "non-finite {}; step skipped{}",
+            if st.loss.is_finite() {
+                format!("gradients (norm {})", st.grad_norm)
+            } else {
+                format!("loss ({})", st.loss)
+            },
+            if state.scaler.dynamic {
+                format!(", loss scale now {}", state.scaler.scale)
+            } else {
+                String::new()
+            }
+        );
+        (self.report)(&Event::Skipped {
+            step: state.step + 1,
+            reason,
+        });
     }
 }

@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-/// `tests/fixtures/<kind>` (written by `scripts/make_fixtures.py`).
+/// `testdata/fixtures/<kind>` (written by `scripts/make_fixtures.py`).
 pub fn fixture(kind: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+        .join("../../testdata/fixtures")
         .join(kind)
 }
 

@@ -27,10 +27,10 @@ pub struct TrainArgs {
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Entry width of raw token files.
-    #[arg(long, value_enum, default_value = "u16")]
+    #[arg(long, value_parser = crate::choice::<TokenDtype>(), default_value = "u16")]
     token_dtype: TokenDtype,
     /// Engine that runs the kernels [default: ane where available, else cpu].
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = crate::choice::<Backend>())]
     backend: Option<Backend>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
@@ -73,7 +73,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Window sampling.
-    #[arg(long, value_enum, default_value = "random")]
+    #[arg(long, value_parser = crate::choice::<Sample>(), default_value = "random")]
     sample: Sample,
     /// Fraction of the data (from the end) held out for validation.
     #[arg(long, default_value_t = 0.02)]
@@ -117,7 +117,7 @@ pub struct TrainArgs {
     /// Projections that get adapters.
     #[arg(
         long,
-        value_enum,
+        value_parser = crate::choice::<Projection>(),
         value_delimiter = ',',
         default_value = "q,k,v,o,gate,up,down",
         requires = "lora_rank",
@@ -159,7 +159,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_windows: a.eval_windows,
         lora,
     };
-    train::train(TrainRequest {
+    let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
+    let request = TrainRequest {
         settings,
         adamw: AdamWConfig {
             beta1: a.beta1,
@@ -172,7 +173,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         resume: a.resume,
         tokenizer: a.tokenizer,
         save_every: a.save_every,
-        log_every: a.log_every.unwrap_or((a.steps / 20).max(1)),
-    })?;
+    };
+    let stop = crate::progress::stop_flag();
+    train::train(request, &mut |e| progress.event(e), stop)?;
     Ok(())
 }

@@ -32,6 +32,7 @@ use std::thread::JoinHandle;
 pub struct KeepAwake {
     stop: Arc<AtomicBool>,
     /// How many threads are spinning at idle priority.
+    #[cfg_attr(not(test), allow(dead_code))]
     idle: Arc<AtomicUsize>,
     threads: Vec<JoinHandle<()>>,
 }
@@ -67,12 +68,14 @@ impl KeepAwake {
     }
 
     /// How many threads were started (0 when turned off).
-    pub fn threads(&self) -> usize {
+    #[cfg(test)]
+    fn threads(&self) -> usize {
         self.threads.len()
     }
 
     /// How many of them are spinning at idle priority so far.
-    pub fn spinning(&self) -> usize {
+    #[cfg(test)]
+    fn spinning(&self) -> usize {
         self.idle.load(Ordering::Relaxed)
     }
 }

@@ -1,55 +1,23 @@
 //! Every bad-input class ends in exit status 1 with one `error:` line on
 //! stderr naming the problem — no panic, no backtrace, nothing half-written.
 
+mod common;
+
+use common::{bin, fails};
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_anetrain"))
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("anetrain-bad-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn fixture_model() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/model")
-}
-
-fn fixture_tokens() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama/tokens.npy")
-}
-
-/// A copy of the fixture model to break.
-fn model_copy(tag: &str) -> PathBuf {
-    let d = tmp(tag);
+/// A copy of the fixture model to break, in `dir`.
+fn model_copy(dir: &tempfile::TempDir) -> PathBuf {
+    let d = dir.path().to_path_buf();
     for f in ["config.json", "model.safetensors"] {
         std::fs::copy(fixture_model().join(f), d.join(f)).unwrap();
     }
     d
 }
 
-fn fails(args: &[&str], needles: &[&str]) {
-    let o = bin().args(args).output().unwrap();
-    let e = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{args:?}: status {:?}, stderr {e}",
-        o.status
-    );
-    assert!(
-        !e.contains("panicked") && !e.contains("internal error") && !e.contains("backtrace"),
-        "{e}"
-    );
-    assert_eq!(e.lines().count(), 1, "one line expected: {e}");
-    assert!(e.starts_with("error: "), "{e}");
-    for n in needles {
-        assert!(e.contains(n), "stderr should mention {n:?}: {e}");
-    }
+fn fixture_model() -> PathBuf {
+    common::fixture("llama/model")
 }
 
 fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
@@ -66,28 +34,34 @@ fn s(p: &Path) -> &str {
 
 #[test]
 fn eval_rejects_broken_models() {
-    let tokens = fixture_tokens();
+    let tokens = common::fixture("llama/tokens.npy");
     let t = s(&tokens);
     fails(
         &["eval", "--model", "/nonexistent/model", "--tokens", t],
         &["/nonexistent/model", "does not exist"],
     );
 
-    let d = model_copy("json");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     std::fs::write(d.join("config.json"), "{\"hidden_size\": 64,").unwrap();
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
         &["config.json", "invalid JSON"],
     );
 
-    let d = model_copy("heads");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_key_value_heads"] = 3.into());
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
         &["config.json", "multiple of num_key_value_heads"],
     );
 
-    let d = model_copy("huge");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| {
         v["vocab_size"] = 5_000_000.into();
         v["hidden_size"] = 8192.into();
@@ -97,14 +71,18 @@ fn eval_rejects_broken_models() {
         &["billion parameters"],
     );
 
-    let d = model_copy("odd");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["head_dim"] = 11.into());
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
         &["head_dim (11) must be even"],
     );
 
-    let d = model_copy("trunc");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     let st = d.join("model.safetensors");
     let b = std::fs::read(&st).unwrap();
     std::fs::write(&st, &b[..b.len() - 100]).unwrap();
@@ -113,21 +91,27 @@ fn eval_rejects_broken_models() {
         &["model.safetensors", "truncated"],
     );
 
-    let d = model_copy("shape");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["intermediate_size"] = 81.into());
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
         &["gate_proj.weight", "[80, 48]", "[81, 48]"],
     );
 
-    let d = model_copy("layers");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_hidden_layers"] = 3.into());
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
         &["model.layers.2.", "missing"],
     );
 
-    let d = model_copy("extra");
+    let d_tmp = common::tmp();
+
+    let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_hidden_layers"] = 1.into());
     fails(
         &["eval", "--model", s(&d), "--tokens", t],
@@ -135,7 +119,8 @@ fn eval_rejects_broken_models() {
     );
 
     // NaN in the weights.
-    let d = model_copy("nan");
+    let d_tmp = common::tmp();
+    let d = model_copy(&d_tmp);
     let st = d.join("model.safetensors");
     let mut b = std::fs::read(&st).unwrap();
     let n = b.len();
@@ -144,7 +129,8 @@ fn eval_rejects_broken_models() {
     fails(&["eval", "--model", s(&d), "--tokens", t], &["non-finite"]);
 
     // f16 and unsupported dtypes: a tensor declared I64.
-    let d = model_copy("dtype");
+    let d_tmp = common::tmp();
+    let d = model_copy(&d_tmp);
     let st = d.join("model.safetensors");
     let b = std::fs::read(&st).unwrap();
     let text = String::from_utf8_lossy(&b).replacen("\"F32\"", "\"I64\"", 1);
@@ -159,7 +145,9 @@ fn eval_rejects_broken_models() {
 #[test]
 fn eval_rejects_bad_token_inputs() {
     let m = fixture_model();
-    let d = tmp("tokens");
+    let d_tmp = common::tmp();
+
+    let d = d_tmp.path().to_path_buf();
     let big = d.join("big.npy");
     std::fs::write(&big, npy::encode_i64(&[4], &[1, 2, 96, 3])).unwrap();
     fails(
@@ -228,7 +216,9 @@ fn eval_rejects_bad_token_inputs() {
 
 #[test]
 fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
-    let d = tmp("train");
+    let d_tmp = common::tmp();
+
+    let d = d_tmp.path().to_path_buf();
     let out = d.join("run");
     fails(
         &[
@@ -326,7 +316,9 @@ fn a_bad_matmul_override_is_one_line() {
 
 #[test]
 fn an_unloadable_mkl_path_is_one_line() {
-    let dir = tmp("mkl");
+    let dir_tmp = common::tmp();
+
+    let dir = dir_tmp.path().to_path_buf();
     let fake = dir.join("libmkl_rt.so.3");
     std::fs::write(&fake, b"not a shared library").unwrap();
     for path in [fake, dir.join("missing.so")] {

@@ -3,36 +3,11 @@
 //! the run directory is a PEFT adapter that `eval`/`generate --adapter` and
 //! `merge` read, and bad LoRA flags fail with one line.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
 
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_anetrain"))
-}
+use common::{bin, records, run};
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("anetrain-lora-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
-fn run(args: &[&str], out: &Path) -> std::process::Output {
-    let o = bin().args(args).arg("--out").arg(out).output().unwrap();
-    assert!(
-        o.status.success(),
-        "{args:?} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    o
-}
-
-fn records(out: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(out.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
-}
+use std::path::Path;
 
 /// 50 LoRA steps (rank 8) of `tiny` from the same base, adapters and data:
 /// the fp16 device path stays within 0.05 of the f32 CPU loss at every step.
@@ -40,7 +15,9 @@ fn records(out: &Path) -> Vec<serde_json::Value> {
 fn ane_sim_lora_training_tracks_the_cpu_run() {
     let mut losses = vec![];
     for backend in ["cpu", "ane-sim"] {
-        let out = tmp(backend);
+        let out_tmp = common::tmp();
+
+        let out = out_tmp.path().join(backend);
         let args = [
             "train",
             "--model",
@@ -118,9 +95,13 @@ const FLAGS: &[&str] = &[
 
 #[test]
 fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
-    let full = tmp("full");
+    let full_tmp = common::tmp();
+
+    let full = full_tmp.path().join("full");
     run(&[FLAGS, &["--steps", "8"]].concat(), &full);
-    let part = tmp("part");
+    let part_tmp = common::tmp();
+
+    let part = part_tmp.path().join("part");
     run(&[FLAGS, &["--steps", "5"]].concat(), &part);
     run(&[FLAGS, &["--steps", "8", "--resume"]].concat(), &part);
     let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
@@ -145,7 +126,9 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
 
     // The adapter on a real base: save the random `tiny` base as a model
     // directory by full-training it for one step, then fine-tune.
-    let base = tmp("base");
+    let base_tmp = common::tmp();
+
+    let base = base_tmp.path().join("base");
     run(
         &[
             "train",
@@ -164,7 +147,9 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
         ],
         &base,
     );
-    let tuned = tmp("tuned");
+    let tuned_tmp = common::tmp();
+
+    let tuned = tuned_tmp.path().join("tuned");
     let base_s = base.to_str().unwrap();
     run(
         &[
@@ -214,7 +199,9 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
         (plain - adapted).abs() > 1e-4,
         "the adapter changes nothing"
     );
-    let merged = tmp("merged");
+    let merged_tmp = common::tmp();
+
+    let merged = merged_tmp.path().join("merged");
     let o = bin()
         .args(["merge", "--model", base_s, "--adapter", tuned_s, "--out"])
         .arg(&merged)
@@ -277,7 +264,9 @@ fn bad_lora_flags_fail_with_one_line() {
             "only supported with --backend cpu",
         ),
     ] {
-        let out = tmp("bad");
+        let out_tmp = common::tmp();
+
+        let out = out_tmp.path().join("bad");
         let o = bin()
             .args(["train", "--steps", "1"])
             .args(&args)

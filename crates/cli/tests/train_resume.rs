@@ -2,19 +2,13 @@
 //! generator, and resumed runs — after a clean stop or a SIGKILL at an
 //! arbitrary moment — end bit-identical to an uninterrupted run.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::bin;
+
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_anetrain"))
-}
-
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("anetrain-train-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
 
 const FLAGS: &[&str] = &[
     "train",
@@ -69,7 +63,9 @@ fn train_losses(out: &Path) -> Vec<(u64, f64)> {
 
 #[test]
 fn resumed_runs_are_bit_identical() {
-    let full = tmp("full");
+    let full_tmp = common::tmp();
+
+    let full = full_tmp.path().join("full");
     train(&full, 24, false);
     let reference = weights(&full);
     let losses = train_losses(&full);
@@ -78,7 +74,9 @@ fn resumed_runs_are_bit_identical() {
 
     // Clean interrupt (SIGINT: the step finishes, a checkpoint is saved,
     // exit status 1), then resume.
-    let part = tmp("clean");
+    let part_tmp = common::tmp();
+
+    let part = part_tmp.path().join("clean");
     let mut child = bin()
         .args(FLAGS)
         .args(["--steps", "24", "--out"])
@@ -120,7 +118,9 @@ fn resumed_runs_are_bit_identical() {
     assert_eq!(train_losses(&part).len(), 26);
 
     // SIGKILL at several moments, resuming each time, until done.
-    let killed = tmp("kill");
+    let killed_tmp = common::tmp();
+
+    let killed = killed_tmp.path().join("kill");
     let mut delays = [700u64, 1500, 400, 2500].into_iter().cycle();
     let mut done = false;
     for _ in 0..12 {
@@ -177,7 +177,9 @@ fn resumed_runs_are_bit_identical() {
 
 #[test]
 fn resume_refuses_different_flags_and_corrupt_state() {
-    let out = tmp("flags");
+    let out_tmp = common::tmp();
+
+    let out = out_tmp.path().join("flags");
     train(&out, 4, false);
     let o = bin()
         .args(FLAGS)
@@ -225,7 +227,9 @@ fn resume_refuses_different_flags_and_corrupt_state() {
 fn ane_sim_training_tracks_the_cpu_run() {
     let mut losses = vec![];
     for backend in ["cpu", "ane-sim"] {
-        let out = tmp(backend);
+        let out_tmp = common::tmp();
+
+        let out = out_tmp.path().join(backend);
         let o = bin()
             .args([
                 "train",
@@ -277,9 +281,10 @@ fn backend_ane_fails_cleanly_off_macos() {
     if cfg!(target_os = "macos") {
         return;
     }
+    let ane_tmp = common::tmp();
     let o = bin()
         .args(["train", "--backend", "ane", "--steps", "1", "--out"])
-        .arg(tmp("ane"))
+        .arg(ane_tmp.path().join("ane"))
         .output()
         .unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
@@ -290,7 +295,9 @@ fn backend_ane_fails_cleanly_off_macos() {
 
 #[test]
 fn trains_on_a_memory_mapped_token_file_sequentially() {
-    let out = tmp("mapped");
+    let out_tmp = common::tmp();
+
+    let out = out_tmp.path().join("mapped");
     std::fs::create_dir_all(&out).unwrap();
     let data = out.join("data.bin");
     let bytes: Vec<u8> = (0..3000u32)

@@ -1,39 +1,13 @@
 //! `anetrain mil run` / `mil check` end to end, including every bad-input
 //! class: each must exit non-zero with one short error line and no panic.
 
+mod common;
+
+use common::{bin, fails};
+
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_anetrain"))
-}
-
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("anetrain-cli-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
 
 const SMALL: &str = include_str!("../../mil/tests/data/small.mil");
-
-/// Runs the binary, asserts failure with a clean one-line error mentioning
-/// every `needle`.
-fn assert_fails(args: &[&str], needles: &[&str]) {
-    let out = bin().args(args).output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "args {args:?}: stderr {stderr}");
-    assert!(
-        !stderr.contains("panicked") && !stderr.contains("internal error"),
-        "{stderr}"
-    );
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one error line, got {stderr}");
-    assert!(lines[0].starts_with("error: "), "{stderr}");
-    for n in needles {
-        assert!(stderr.contains(n), "stderr should mention {n:?}: {stderr}");
-    }
-}
 
 fn write_input(dir: &Path, name: &str, shape: &[usize]) -> PathBuf {
     let n: usize = shape.iter().product();
@@ -47,7 +21,9 @@ fn write_input(dir: &Path, name: &str, shape: &[usize]) -> PathBuf {
 
 #[test]
 fn run_writes_float32_output_matching_the_library() {
-    let d = tmpdir("run");
+    let d_tmp = common::tmp();
+
+    let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();
     let x = write_input(&d, "x.npy", &[1, 8, 1, 24]);
@@ -98,7 +74,9 @@ fn run_writes_float32_output_matching_the_library() {
 
 #[test]
 fn check_prints_summary_and_rules() {
-    let d = tmpdir("check");
+    let d_tmp = common::tmp();
+
+    let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();
     let out = bin().args(["mil", "check"]).arg(&prog).output().unwrap();
@@ -111,7 +89,7 @@ fn check_prints_summary_and_rules() {
         "{s}"
     );
     // min-surface is off by default; switching it on with --strict fails.
-    assert_fails(
+    fails(
         &[
             "mil",
             "check",
@@ -122,7 +100,7 @@ fn check_prints_summary_and_rules() {
         ],
         &["ANE rule"],
     );
-    assert_fails(
+    fails(
         &["mil", "check", prog.to_str().unwrap(), "--rule", "nope"],
         &["unknown ANE rule 'nope'"],
     );
@@ -130,7 +108,9 @@ fn check_prints_summary_and_rules() {
 
 #[test]
 fn bad_inputs_end_in_one_clear_error() {
-    let d = tmpdir("bad");
+    let d_tmp = common::tmp();
+
+    let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();
     let x = write_input(&d, "x.npy", &[1, 8, 1, 24]);
@@ -142,7 +122,7 @@ fn bad_inputs_end_in_one_clear_error() {
     );
 
     // missing program
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -155,7 +135,7 @@ fn bad_inputs_end_in_one_clear_error() {
         &["/nonexistent/p.mil"],
     );
     // missing input file
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -168,13 +148,13 @@ fn bad_inputs_end_in_one_clear_error() {
         &["/nonexistent/x.npy"],
     );
     // input that is not .npy
-    assert_fails(
+    fails(
         &["mil", "run", p, "--input", p, "--output", ys],
         &["small.mil", "not a .npy"],
     );
     // wrong input shape
     let bad = write_input(&d, "bad.npy", &[1, 8, 1, 23]);
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -189,7 +169,7 @@ fn bad_inputs_end_in_one_clear_error() {
     // integer input for an fp16 program
     let ints = d.join("ints.npy");
     std::fs::write(&ints, npy::encode_i64(&[1, 8, 1, 24], &[1; 192])).unwrap();
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -204,7 +184,7 @@ fn bad_inputs_end_in_one_clear_error() {
     // unknown op, with file:line:col
     let unk = d.join("unknown.mil");
     std::fs::write(&unk, SMALL.replace("softmax(axis=ax,x=ys)", "gelu(x=ys)")).unwrap();
-    assert_fails(
+    fails(
         &["mil", "check", unk.to_str().unwrap()],
         &["unknown.mil:21:2:", "unknown op 'gelu'"],
     );
@@ -215,7 +195,7 @@ fn bad_inputs_end_in_one_clear_error() {
         SMALL.replace("tensor<fp16, [1,1,16,8]> ys", "tensor<fp16, [1,1,16,9]> ys"),
     )
     .unwrap();
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -237,7 +217,7 @@ fn bad_inputs_end_in_one_clear_error() {
         SMALL.replace(" fp16 half", &format!("{line} fp16 half")),
     )
     .unwrap();
-    assert_fails(
+    fails(
         &[
             "mil",
             "run",
@@ -254,5 +234,5 @@ fn bad_inputs_end_in_one_clear_error() {
     // garbage bytes as a program
     let junk = d.join("junk.mil");
     std::fs::write(&junk, [0xff, 0xfe, 0x00, 0x41]).unwrap();
-    assert_fails(&["mil", "check", junk.to_str().unwrap()], &["junk.mil"]);
+    fails(&["mil", "check", junk.to_str().unwrap()], &["junk.mil"]);
 }

@@ -5,12 +5,28 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod awake;
 mod cmd_kernels;
 mod cmd_mil;
 mod cmd_model;
 mod cmd_train;
+mod plot;
+mod progress;
 
+use anetrain::choice::Choice;
 use anetrain::fsutil;
+
+/// A parser for the values of a library [`Choice`], listing them (with
+/// their descriptions) in `--help`.
+fn choice<T: Choice + Clone + Send + Sync>() -> impl clap::builder::TypedValueParser<Value = T> {
+    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
+    let values = T::CHOICES
+        .iter()
+        .map(|&(_, name, help)| PossibleValue::new(name).help(help));
+    PossibleValuesParser::new(values).try_map(|name| {
+        T::from_name(&name).ok_or_else(|| format!("'{name}' is not one of the listed values"))
+    })
+}
 
 /// Train Llama and Qwen3 language models on the Apple Neural Engine — or on
 /// any CPU, with a simulated ANE that runs the exact MIL programs in fp16.
@@ -58,7 +74,7 @@ enum Command {
         #[arg(long, value_name = "FILE.npy")]
         logits_out: Option<PathBuf>,
         /// Entry width of raw token files.
-        #[arg(long, value_enum, default_value = "u16")]
+        #[arg(long, value_parser = crate::choice::<anetrain::data::TokenDtype>(), default_value = "u16")]
         token_dtype: anetrain::data::TokenDtype,
         /// tokenizer.json for text data [default: the model directory's].
         #[arg(long)]
@@ -70,7 +86,7 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
         /// Engine [default: ane where available, else cpu].
-        #[arg(long, value_enum)]
+        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
         backend: Option<anetrain::backend::Backend>,
     },
     /// Generate text from a prompt, streaming tokens to stdout.
@@ -102,7 +118,7 @@ enum Command {
         /// Engine [default: ane where available, else cpu]. The CPU engine
         /// decodes with a KV cache; the Neural Engine paths rerun the
         /// compiled kernels over the whole (padded) sequence per token.
-        #[arg(long, value_enum)]
+        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
         backend: Option<anetrain::backend::Backend>,
     },
     /// Time training steps (forward, backward, AdamW) as `train` runs them;
@@ -125,7 +141,7 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         warmup: usize,
         /// Engine [default: ane where available, else cpu].
-        #[arg(long, value_enum)]
+        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
         backend: Option<anetrain::backend::Backend>,
         /// Time LoRA training with adapters of this rank on every projection
         /// (base frozen) instead of full training.
@@ -169,7 +185,7 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
         /// Entry width (u16 holds ids below 65536).
-        #[arg(long, value_enum, default_value = "u16")]
+        #[arg(long, value_parser = crate::choice::<anetrain::data::TokenDtype>(), default_value = "u16")]
         token_dtype: anetrain::data::TokenDtype,
     },
     /// Draw a run's train/val loss and learning rate as a PNG.
@@ -320,7 +336,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         cli.command,
         Command::Train(_) | Command::Bench { .. } | Command::Eval { .. }
     )
-    .then(anetrain::awake::KeepAwake::start);
+    .then(awake::KeepAwake::start);
     match cli.command {
         Command::Info => info(),
         Command::Convert {
@@ -359,7 +375,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             backend,
             lora_rank,
         } => {
-            let r = anetrain::bench::bench(&anetrain::bench::BenchArgs {
+            let args = anetrain::bench::BenchArgs {
                 lora_rank,
                 model,
                 seq,
@@ -367,7 +383,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 steps,
                 warmup,
                 backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
-            })?;
+            };
+            let r = anetrain::bench::bench(&args, &mut |line| eprintln!("{line}"))?;
             println!("{r}");
         }
         Command::Merge {
@@ -377,7 +394,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         } => cmd_model::merge(&model, &adapter, &out)?,
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
-            anetrain::plot::plot(&run, &out)?;
+            plot::plot(&run, &out)?;
             println!("wrote {}", out.display());
         }
         Command::Train(args) => cmd_train::run(*args)?,

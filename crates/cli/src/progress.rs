@@ -1,0 +1,137 @@
+//! How a training run looks on the terminal: the library reports
+//! [`Event`]s, this draws them — a progress bar on a terminal, a line every
+//! `log_every` steps otherwise (logs, CI) — and turns SIGINT/SIGTERM into a
+//! request to stop after the current step.
+
+use std::io::{IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anetrain::train::Event;
+
+/// Set by SIGINT/SIGTERM: finish the current step, checkpoint, stop.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// The stop flag, with the SIGINT/SIGTERM handler installed (once).
+pub fn stop_flag() -> &'static AtomicBool {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::SeqCst));
+    });
+    &STOP
+}
+
+/// Draws a run's events on stderr.
+pub struct Progress {
+    tty: bool,
+    /// Lines every this many steps when not on a terminal.
+    log_every: u64,
+    /// A progress bar is on the current line.
+    bar_open: bool,
+}
+
+impl Progress {
+    pub fn new(log_every: u64) -> Progress {
+        Progress {
+            tty: std::io::stderr().is_terminal(),
+            log_every: log_every.max(1),
+            bar_open: false,
+        }
+    }
+
+    /// Ends an open progress bar's line.
+    fn close_bar(&mut self) {
+        if std::mem::take(&mut self.bar_open) {
+            eprintln!();
+        }
+    }
+
+    pub fn event(&mut self, e: &Event) {
+        match e {
+            Event::Started {
+                model,
+                params,
+                train_tokens,
+                val_tokens,
+                out,
+                lora,
+                resumed_at,
+                steps,
+            } => {
+                eprintln!(
+                    "training {model} ({:.2}M parameters) on {train_tokens} train / {val_tokens} val tokens -> {}",
+                    *params as f64 / 1e6,
+                    out.display()
+                );
+                if let Some((rank, alpha, names, trainable)) = lora {
+                    eprintln!(
+                        "LoRA rank {rank} alpha {alpha} on {}: {:.3}M trainable parameters ({:.2}% of the base)",
+                        names.join(","),
+                        *trainable as f64 / 1e6,
+                        100.0 * *trainable as f64 / *params as f64
+                    );
+                }
+                if let Some(step) = resumed_at {
+                    eprintln!("resumed at step {step} of {steps}");
+                }
+            }
+            Event::Note(text) => {
+                self.close_bar();
+                eprintln!("note: {text}");
+            }
+            Event::Skipped { step, reason } => {
+                self.close_bar();
+                eprintln!("step {step}: {reason}");
+            }
+            Event::Step {
+                step,
+                steps,
+                loss,
+                val,
+                lr,
+                tokens_per_s,
+                eta_s,
+            } => {
+                let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
+                let eta = fmt_duration(*eta_s);
+                if self.tty {
+                    let width = 24;
+                    let filled = (width as f64 * *step as f64 / *steps as f64) as usize;
+                    eprint!(
+                        "\r[{}{}] {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}   ",
+                        "#".repeat(filled),
+                        "-".repeat(width - filled),
+                    );
+                    self.bar_open = true;
+                    if val.is_some() || step == steps {
+                        self.close_bar();
+                    }
+                } else if step.is_multiple_of(self.log_every) || step == steps || val.is_some() {
+                    eprintln!(
+                        "step {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
+                    );
+                }
+                let _ = std::io::stderr().flush();
+            }
+            Event::Finished { steps, out } => {
+                self.close_bar();
+                eprintln!("done: {steps} steps, model in {}", out.display());
+            }
+        }
+    }
+}
+
+impl Drop for Progress {
+    /// An error message after an interrupted bar starts on its own line.
+    fn drop(&mut self) {
+        self.close_bar();
+    }
+}
+
+fn fmt_duration(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, s % 3600 / 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
+}

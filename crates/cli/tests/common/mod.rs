@@ -1,0 +1,68 @@
+//! Helpers shared by the command-line tests: the binary, temporary
+//! directories, the one-line-error check, runs and their metrics.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The `anetrain` binary under test.
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_anetrain"))
+}
+
+/// A fresh temporary directory, removed when dropped.
+pub fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("anetrain-test-")
+        .tempdir()
+        .expect("a temporary directory")
+}
+
+/// `testdata/fixtures/<path>` (written by `scripts/make_fixtures.py`).
+pub fn fixture(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata/fixtures")
+        .join(path)
+}
+
+/// Runs the binary with `args` and asserts it fails with exit status 1 and
+/// one clean `error:` line on stderr mentioning every `needle`.
+pub fn fails(args: &[&str], needles: &[&str]) {
+    let o = bin().args(args).output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{args:?}: status {:?}, stderr {e}",
+        o.status
+    );
+    assert!(
+        !e.contains("panicked") && !e.contains("internal error") && !e.contains("backtrace"),
+        "{e}"
+    );
+    assert_eq!(e.lines().count(), 1, "one line expected: {e}");
+    assert!(e.starts_with("error: "), "{e}");
+    for n in needles {
+        assert!(e.contains(n), "stderr should mention {n:?}: {e}");
+    }
+}
+
+/// Runs the binary with `args` plus `--out out`; asserts success.
+pub fn run(args: &[&str], out: &Path) -> Output {
+    let o = bin().args(args).arg("--out").arg(out).output().unwrap();
+    assert!(
+        o.status.success(),
+        "{args:?} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    o
+}
+
+/// Every line of a run's `metrics.jsonl`.
+pub fn records(out: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
