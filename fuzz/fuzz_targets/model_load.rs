@@ -12,5 +12,5 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     let rest = data.get(split + 1..).unwrap_or(&[]);
-    let _ = anetrain::safetensors::parse(rest);
+    let _ = anetrain::tensor_file::parse(rest);
 });

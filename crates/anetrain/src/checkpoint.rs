@@ -24,7 +24,7 @@ use crate::config::ModelConfig;
 use crate::fsutil::write_atomic;
 use crate::model::Model;
 use crate::optim::{AdamW, AdamWConfig};
-use crate::safetensors;
+use crate::tensor_file;
 
 /// Everything besides tensors needed to continue a run bit for bit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,9 +52,29 @@ pub struct TrainerState {
 
 pub const FORMAT: u32 = 1;
 
-/// A 64-bit content hash (FNV-1a over 8-byte words, then mixed), to detect
-/// corrupt or mismatched checkpoint files.
+/// A checkpoint file's checksum: SHA-256 in hex, so `sha256sum` verifies
+/// the files of `trainer/` against `state.json` too.
 pub fn content_hash(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Whether `bytes` match `hash`: SHA-256, or for checkpoints written before
+/// SHA-256 (16 hex digits) the 64-bit hash they were written with.
+fn hash_matches(bytes: &[u8], hash: &str) -> bool {
+    if hash.len() == 16 {
+        legacy_hash(bytes) == hash
+    } else {
+        content_hash(bytes) == hash
+    }
+}
+
+/// The checksum of earlier checkpoints (FNV-1a over 8-byte words, then
+/// mixed), kept only so their runs still resume.
+fn legacy_hash(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut chunks = bytes.chunks_exact(8);
     for c in &mut chunks {
@@ -78,7 +98,7 @@ pub fn state_path(out: &Path) -> PathBuf {
     trainer_dir(out).join("state.json")
 }
 
-fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
+fn optim_bytes(model: &Model, opt: &AdamW) -> Result<Vec<u8>> {
     let names: Vec<(String, String)> = model
         .trainable()
         .iter()
@@ -89,7 +109,7 @@ fn optim_bytes(model: &Model, opt: &AdamW) -> Vec<u8> {
         tensors.push((names[i].0.as_str(), p.shape.as_slice(), opt.m[i].as_slice()));
         tensors.push((names[i].1.as_str(), p.shape.as_slice(), opt.v[i].as_slice()));
     }
-    safetensors::encode(&tensors, &[])
+    tensor_file::encode(&tensors, &[])
 }
 
 /// Saves a checkpoint of `model` and `opt` after `state.step` steps.
@@ -116,9 +136,9 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
             .iter()
             .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
             .collect();
-        safetensors::encode(&t, &[("format", "pt")])
+        tensor_file::encode(&t, &[("format", "pt")])?
     };
-    let ob = optim_bytes(model, opt);
+    let ob = optim_bytes(model, opt)?;
     state.format = FORMAT;
     state.model_file = format!("model-{}.safetensors", state.step);
     state.optim_file = format!("optim-{}.safetensors", state.step);
@@ -213,7 +233,7 @@ pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerSta
         }
         let p = dir.join(file);
         let bytes = std::fs::read(&p).with_context(|| format!("cannot read '{}'", p.display()))?;
-        if content_hash(&bytes) != hash {
+        if !hash_matches(&bytes, hash) {
             bail!(
                 "'{}' does not match the checksum in state.json: the checkpoint is corrupt",
                 p.display()
@@ -227,12 +247,12 @@ pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerSta
         Some(m) => m,
         None => Model::init(&state.config, 0)?,
     };
-    let mut weights = safetensors::parse(&mb).context("checkpoint weights")?;
-    let mut moments = safetensors::parse(&ob).context("checkpoint optimizer state")?;
+    let mut weights = tensor_file::parse(&mb).context("checkpoint weights")?;
+    let mut moments = tensor_file::parse(&ob).context("checkpoint optimizer state")?;
     let mut opt = AdamW::new(&model, state.adamw);
     opt.step = state.step - state.skipped;
     for (i, p) in model.trainable_mut().iter_mut().enumerate() {
-        let take = |map: &mut std::collections::BTreeMap<String, safetensors::Tensor>,
+        let take = |map: &mut std::collections::BTreeMap<String, tensor_file::Tensor>,
                     name: &str|
          -> Result<Vec<f32>> {
             let t = map
@@ -252,4 +272,66 @@ pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerSta
         opt.v[i] = take(&mut moments, &format!("v.{}", p.name))?;
     }
     Ok((model, opt, state))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::optim::LossScaler;
+
+    fn state(cfg: &ModelConfig) -> TrainerState {
+        TrainerState {
+            format: FORMAT,
+            step: 3,
+            rng: 1,
+            cursor: 0,
+            skipped: 0,
+            config: cfg.clone(),
+            scaler: LossScaler::fixed(),
+            adamw: AdamWConfig::default(),
+            settings: serde_json::json!({"model": "tiny"}),
+            model_file: String::new(),
+            model_hash: String::new(),
+            optim_file: String::new(),
+            optim_hash: String::new(),
+        }
+    }
+
+    #[test]
+    fn checksums_are_sha256() {
+        // FIPS 180-2 test vector.
+        assert_eq!(
+            content_hash(b"abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+    }
+
+    #[test]
+    fn checkpoints_with_the_earlier_checksum_still_load_and_corruption_is_caught() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let model = Model::init(&cfg, 1).unwrap();
+        let opt = AdamW::new(&model, AdamWConfig::default());
+        let dir = tempfile::tempdir().unwrap();
+        save(dir.path(), &model, &opt, state(&cfg)).unwrap();
+        let (loaded, _, _) = load(dir.path(), None).unwrap();
+        assert_eq!(loaded.params, model.params);
+        // Rewrite the checksums as an earlier anetrain wrote them.
+        let mut s = read_state(dir.path()).unwrap();
+        let tdir = trainer_dir(dir.path());
+        s.model_hash = legacy_hash(&std::fs::read(tdir.join(&s.model_file)).unwrap());
+        s.optim_hash = legacy_hash(&std::fs::read(tdir.join(&s.optim_file)).unwrap());
+        assert_eq!(s.model_hash.len(), 16);
+        let text = serde_json::to_string_pretty(&s).unwrap();
+        std::fs::write(state_path(dir.path()), text).unwrap();
+        let (loaded, _, _) = load(dir.path(), None).unwrap();
+        assert_eq!(loaded.params, model.params);
+        // One flipped byte in the weights is refused.
+        let f = tdir.join(&s.model_file);
+        let mut b = std::fs::read(&f).unwrap();
+        let n = b.len() - 1;
+        b[n] ^= 1;
+        std::fs::write(&f, b).unwrap();
+        let e = load(dir.path(), None).unwrap_err().to_string();
+        assert!(e.contains("checksum"), "{e}");
+    }
 }

@@ -45,31 +45,61 @@ pub const PRESETS: &[&str] = &[
 /// AdamW state is 16 bytes per parameter): 8 billion.
 const MAX_PARAMS: u128 = 8_000_000_000;
 
-/// θ from `rope_theta` (transformers 4) or `rope_parameters.rope_theta`
-/// (transformers 5); other RoPE types (scaled, YaRN, ...) are refused.
-fn rope_theta(obj: &serde_json::Map<String, serde_json::Value>) -> Result<f64> {
-    let mut theta = None;
-    if let Some(v) = obj.get("rope_theta").filter(|v| !v.is_null()) {
-        theta = Some(
-            v.as_f64()
-                .with_context(|| format!("\"rope_theta\" must be a number, got {v}"))?,
-        );
-    }
-    if let Some(p) = obj.get("rope_parameters").filter(|v| !v.is_null()) {
-        let kind = p
-            .get("rope_type")
-            .and_then(|t| t.as_str())
-            .unwrap_or("default");
-        if kind != "default" {
-            bail!("rope_type \"{kind}\" is not supported; only plain RoPE models can be trained");
+/// A Hugging Face `config.json`, as far as anetrain reads it (other keys
+/// are ignored). [`ModelConfig::from_json`] turns it into a [`ModelConfig`]
+/// with transformers' defaults and validates the result.
+#[derive(Deserialize)]
+struct HfConfig {
+    #[serde(default)]
+    model_type: Option<String>,
+    #[serde(default)]
+    architectures: Option<Vec<String>>,
+    hidden_size: Count,
+    intermediate_size: Count,
+    num_hidden_layers: Count,
+    num_attention_heads: Count,
+    num_key_value_heads: Option<Count>,
+    head_dim: Option<Count>,
+    vocab_size: Count,
+    /// θ (transformers 4); transformers 5 writes `rope_parameters`.
+    rope_theta: Option<f64>,
+    rope_parameters: Option<RopeParameters>,
+    rms_norm_eps: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    max_position_embeddings: Option<Count>,
+    /// Refused unless null: scaled RoPE variants are not supported.
+    rope_scaling: Option<serde_json::Value>,
+    use_sliding_window: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+}
+
+/// transformers 5's `rope_parameters`.
+#[derive(Deserialize)]
+struct RopeParameters {
+    rope_type: Option<String>,
+    rope_theta: Option<f64>,
+}
+
+/// A size in a config: a non-negative integer that fits a `usize`.
+struct Count(usize);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Count, D::Error> {
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Count;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a positive integer")
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> std::result::Result<Count, E> {
+                usize::try_from(v)
+                    .map(Count)
+                    .map_err(|_| E::custom(format!("{v} is too large")))
+            }
         }
-        if let Some(v) = p.get("rope_theta").filter(|v| !v.is_null()) {
-            theta = Some(v.as_f64().with_context(|| {
-                format!("\"rope_parameters.rope_theta\" must be a number, got {v}")
-            })?);
-        }
+        d.deserialize_u64(Visitor)
     }
-    Ok(theta.unwrap_or(10000.0))
 }
 
 impl ModelConfig {
@@ -156,13 +186,18 @@ impl ModelConfig {
     /// Parses Hugging Face config JSON (Qwen3 or Llama) and validates it.
     pub fn from_json(text: &str) -> Result<ModelConfig> {
         let v: serde_json::Value = serde_json::from_str(text).context("invalid JSON")?;
-        let obj = v.as_object().context("expected a JSON object")?;
-        let model_type = obj.get("model_type").and_then(|m| m.as_str()).unwrap_or("");
-        let archs: Vec<&str> = obj
-            .get("architectures")
-            .and_then(|a| a.as_array())
-            .map(|a| a.iter().filter_map(|s| s.as_str()).collect())
-            .unwrap_or_default();
+        if !v.is_object() {
+            bail!("expected a JSON object");
+        }
+        let hf: HfConfig = serde_path_to_error::deserialize(v).map_err(|e| {
+            let inner = e.inner().to_string();
+            match inner.strip_prefix("missing field `") {
+                Some(rest) => anyhow::anyhow!("missing \"{}\"", rest.trim_end_matches('`')),
+                None => anyhow::anyhow!("\"{}\": {inner}", e.path()),
+            }
+        })?;
+        let model_type = hf.model_type.as_deref().unwrap_or("");
+        let archs = hf.architectures.unwrap_or_default();
         let arch = if model_type == "qwen3" || archs.iter().any(|a| a.starts_with("Qwen3")) {
             Arch::Qwen3
         } else if model_type == "llama" || archs.iter().any(|a| a.starts_with("Llama")) {
@@ -170,75 +205,69 @@ impl ModelConfig {
         } else {
             bail!("unsupported model_type '{model_type}' (architectures {archs:?}); anetrain trains qwen3 and llama models")
         };
-        let uint = |k: &str| -> Result<usize> {
-            let val = obj.get(k).with_context(|| format!("missing \"{k}\""))?;
-            let n = val
-                .as_u64()
-                .with_context(|| format!("\"{k}\" must be a positive integer, got {val}"))?;
-            usize::try_from(n).with_context(|| format!("\"{k}\" = {n} is too large"))
-        };
-        let opt_uint = |k: &str| -> Result<Option<usize>> {
-            match obj.get(k) {
-                None | Some(serde_json::Value::Null) => Ok(None),
-                Some(_) => uint(k).map(Some),
-            }
-        };
-        let float = |k: &str, default: f64| -> Result<f64> {
-            match obj.get(k) {
-                None | Some(serde_json::Value::Null) => Ok(default),
-                Some(v) => v
-                    .as_f64()
-                    .with_context(|| format!("\"{k}\" must be a number, got {v}")),
-            }
-        };
-        let hidden = uint("hidden_size")?;
-        let heads = uint("num_attention_heads")?;
+        let (hidden, heads) = (hf.hidden_size.0, hf.num_attention_heads.0);
         if heads == 0 {
             bail!("\"num_attention_heads\" must be at least 1");
         }
-        let cfg = ModelConfig {
-            arch,
-            hidden_size: hidden,
-            intermediate_size: uint("intermediate_size")?,
-            num_hidden_layers: uint("num_hidden_layers")?,
-            num_attention_heads: heads,
-            num_key_value_heads: opt_uint("num_key_value_heads")?.unwrap_or(match arch {
-                Arch::Qwen3 => 32,
-                Arch::Llama => heads,
-            }),
-            // transformers' defaults when absent: Qwen3Config 128, LlamaConfig hidden/heads.
-            head_dim: opt_uint("head_dim")?.unwrap_or(match arch {
-                Arch::Qwen3 => 128,
-                Arch::Llama => hidden / heads,
-            }),
-            vocab_size: uint("vocab_size")?,
-            rope_theta: rope_theta(obj)?,
-            rms_norm_eps: float("rms_norm_eps", 1e-6)?,
-            tie_word_embeddings: match obj.get("tie_word_embeddings") {
-                None | Some(serde_json::Value::Null) => false,
-                Some(v) => v
-                    .as_bool()
-                    .context("\"tie_word_embeddings\" must be true or false")?,
-            },
-            max_position_embeddings: opt_uint("max_position_embeddings")?.unwrap_or(match arch {
-                Arch::Qwen3 => 32768,
-                Arch::Llama => 2048,
-            }),
-            qk_norm: arch == Arch::Qwen3,
-        };
-        if let Some(s) = obj.get("rope_scaling") {
-            if !s.is_null() {
-                bail!("\"rope_scaling\" is not supported (got {s}); only plain RoPE models can be trained");
+        let mut rope_theta = hf.rope_theta;
+        if let Some(p) = hf.rope_parameters {
+            let kind = p.rope_type.as_deref().unwrap_or("default");
+            if kind != "default" {
+                bail!(
+                    "rope_type \"{kind}\" is not supported; only plain RoPE models can be trained"
+                );
             }
+            rope_theta = p.rope_theta.or(rope_theta);
         }
-        if obj.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true) {
+        if let Some(s) = hf.rope_scaling.filter(|s| !s.is_null()) {
+            bail!("\"rope_scaling\" is not supported (got {s}); only plain RoPE models can be trained");
+        }
+        if hf.use_sliding_window == Some(true) {
             bail!("\"use_sliding_window\": true is not supported (full causal attention only)");
         }
-        for k in ["attention_bias", "mlp_bias"] {
-            if obj.get(k).and_then(|v| v.as_bool()) == Some(true) {
+        for (k, v) in [
+            ("attention_bias", hf.attention_bias),
+            ("mlp_bias", hf.mlp_bias),
+        ] {
+            if v == Some(true) {
                 bail!("\"{k}\": true is not supported (bias-free projections only)");
             }
         }
+        // transformers' defaults where a key is absent.
+        let cfg = ModelConfig {
+            arch,
+            hidden_size: hidden,
+            intermediate_size: hf.intermediate_size.0,
+            num_hidden_layers: hf.num_hidden_layers.0,
+            num_attention_heads: heads,
+            num_key_value_heads: hf.num_key_value_heads.map_or(
+                match arch {
+                    Arch::Qwen3 => 32,
+                    Arch::Llama => heads,
+                },
+                |c| c.0,
+            ),
+            // Qwen3Config 128, LlamaConfig hidden/heads.
+            head_dim: hf.head_dim.map_or(
+                match arch {
+                    Arch::Qwen3 => 128,
+                    Arch::Llama => hidden / heads,
+                },
+                |c| c.0,
+            ),
+            vocab_size: hf.vocab_size.0,
+            rope_theta: rope_theta.unwrap_or(10000.0),
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            max_position_embeddings: hf.max_position_embeddings.map_or(
+                match arch {
+                    Arch::Qwen3 => 32768,
+                    Arch::Llama => 2048,
+                },
+                |c| c.0,
+            ),
+            qk_norm: arch == Arch::Qwen3,
+        };
         cfg.validate()?;
         Ok(cfg)
     }

@@ -23,7 +23,7 @@ pub mod optim;
 pub mod params;
 pub mod rng;
 pub mod runner;
-pub mod safetensors;
 mod simd;
+pub mod tensor_file;
 pub mod tokenizer;
 pub mod train;

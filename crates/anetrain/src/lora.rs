@@ -20,7 +20,7 @@ use crate::config::ModelConfig;
 use crate::fsutil::write_atomic;
 use crate::params::{Param, Projection};
 use crate::rng::Rng;
-use crate::safetensors;
+use crate::tensor_file;
 
 /// Adapter hyper-parameters (PEFT's `r`, `lora_alpha`, `lora_dropout`,
 /// `target_modules`, `use_rslora`).
@@ -63,6 +63,33 @@ impl LoraConfig {
         }
         Ok(())
     }
+}
+
+/// PEFT's `adapter_config.json`, as far as anetrain reads it.
+#[derive(Deserialize)]
+struct PeftConfig {
+    peft_type: Option<String>,
+    r: Option<u64>,
+    lora_alpha: Option<f64>,
+    lora_dropout: Option<f64>,
+    target_modules: Option<TargetModules>,
+    use_rslora: Option<bool>,
+    // Refused when set: variants of LoRA we do not train or load.
+    use_dora: Option<bool>,
+    fan_in_fan_out: Option<bool>,
+    bias: Option<String>,
+    rank_pattern: Option<serde_json::Map<String, serde_json::Value>>,
+    alpha_pattern: Option<serde_json::Map<String, serde_json::Value>>,
+    modules_to_save: Option<serde_json::Value>,
+    layers_to_transform: Option<serde_json::Value>,
+}
+
+/// `target_modules`: a list of module names, or PEFT's `"all-linear"`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TargetModules {
+    List(Vec<String>),
+    One(String),
 }
 
 /// A and B of one adapted projection, as indices into [`Lora::params`].
@@ -194,7 +221,7 @@ impl Lora {
             }
             tensors.push((p.name.as_str(), p.shape.as_slice(), p.data.as_slice()));
         }
-        Ok(safetensors::encode(&tensors, &[("format", "pt")]))
+        tensor_file::encode(&tensors, &[("format", "pt")])
     }
 
     /// Writes a PEFT adapter directory (each file atomically).
@@ -211,56 +238,45 @@ impl Lora {
     pub fn read_config(path: &Path) -> Result<LoraConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read '{}'", path.display()))?;
-        let j: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("'{}' is not valid JSON", path.display()))?;
         let bad = |what: &str| anyhow::anyhow!("'{}': {what}", path.display());
-        if j.get("peft_type")
-            .and_then(|v| v.as_str())
-            .unwrap_or("LORA")
-            != "LORA"
-        {
+        let j: PeftConfig =
+            serde_path_to_error::deserialize(&mut serde_json::Deserializer::from_str(&text))
+                .map_err(|e| bad(&format!("'{}': {}", e.path(), e.inner())))?;
+        if j.peft_type.as_deref().unwrap_or("LORA") != "LORA" {
             return Err(bad("only LORA adapters are supported"));
         }
-        let flag = |k: &str| j.get(k).and_then(|v| v.as_bool()).unwrap_or(false);
-        if flag("use_dora") {
+        if j.use_dora == Some(true) {
             return Err(bad("DoRA adapters are not supported"));
         }
-        if flag("fan_in_fan_out") {
+        if j.fan_in_fan_out == Some(true) {
             return Err(bad("fan_in_fan_out adapters are not supported"));
         }
-        if j.get("bias").and_then(|v| v.as_str()).unwrap_or("none") != "none" {
+        if j.bias.as_deref().unwrap_or("none") != "none" {
             return Err(bad("adapters with trained biases are not supported"));
         }
-        for k in ["rank_pattern", "alpha_pattern"] {
-            if j.get(k)
-                .and_then(|v| v.as_object())
-                .is_some_and(|o| !o.is_empty())
-            {
+        for (k, pattern) in [
+            ("rank_pattern", &j.rank_pattern),
+            ("alpha_pattern", &j.alpha_pattern),
+        ] {
+            if pattern.as_ref().is_some_and(|o| !o.is_empty()) {
                 return Err(bad(&format!("'{k}' (per-module ranks) is not supported")));
             }
         }
-        for k in ["modules_to_save", "layers_to_transform"] {
-            if j.get(k).is_some_and(|v| !v.is_null()) {
+        for (k, v) in [
+            ("modules_to_save", &j.modules_to_save),
+            ("layers_to_transform", &j.layers_to_transform),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
                 return Err(bad(&format!("'{k}' is not supported")));
             }
         }
-        let rank = j
-            .get("r")
-            .and_then(|v| v.as_u64())
-            .ok_or_else(|| bad("'r' is missing or not a positive integer"))?
-            as usize;
-        let alpha = j.get("lora_alpha").and_then(|v| v.as_f64()).unwrap_or(8.0);
-        let dropout = j
-            .get("lora_dropout")
-            .and_then(|v| v.as_f64())
-            .unwrap_or(0.0);
-        let modules: Vec<String> = match j.get("target_modules") {
-            Some(serde_json::Value::Array(a)) => a
-                .iter()
-                .map(|v| v.as_str().map(str::to_string))
-                .collect::<Option<_>>()
-                .ok_or_else(|| bad("'target_modules' must list module names"))?,
-            Some(serde_json::Value::String(s)) if s == "all-linear" => Projection::ALL
+        let rank =
+            j.r.ok_or_else(|| bad("'r' is missing or not a positive integer"))? as usize;
+        let alpha = j.lora_alpha.unwrap_or(8.0);
+        let dropout = j.lora_dropout.unwrap_or(0.0);
+        let modules: Vec<String> = match j.target_modules {
+            Some(TargetModules::List(list)) => list,
+            Some(TargetModules::One(s)) if s == "all-linear" => Projection::ALL
                 .iter()
                 .map(|t| t.module().to_string())
                 .collect(),
@@ -280,7 +296,7 @@ impl Lora {
             alpha,
             dropout,
             targets,
-            rslora: flag("use_rslora"),
+            rslora: j.use_rslora.unwrap_or(false),
         };
         cfg.validate().map_err(|e| bad(&e.to_string()))?;
         Ok(cfg)
@@ -293,7 +309,7 @@ impl Lora {
         }
         let cfg = Lora::read_config(&dir.join("adapter_config.json"))?;
         let file = dir.join("adapter_model.safetensors");
-        let found = safetensors::read(&file)?;
+        let found = tensor_file::read(&file)?;
         Lora::from_tensors(model, cfg, found, &file.display().to_string())
     }
 
@@ -302,10 +318,10 @@ impl Lora {
     pub fn from_tensors(
         model: &ModelConfig,
         cfg: LoraConfig,
-        tensors: BTreeMap<String, safetensors::Tensor>,
+        tensors: BTreeMap<String, tensor_file::Tensor>,
         file: &str,
     ) -> Result<Lora> {
-        let mut found: BTreeMap<String, safetensors::Tensor> = tensors
+        let mut found: BTreeMap<String, tensor_file::Tensor> = tensors
             .into_iter()
             .map(|(k, t)| (k.replace(".default.weight", ".weight"), t))
             .collect();

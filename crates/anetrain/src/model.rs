@@ -12,7 +12,7 @@ use crate::fsutil::write_atomic;
 use crate::lora::Lora;
 pub use crate::params::{LayerIds, Param, Projection};
 use crate::rng::Rng;
-use crate::safetensors;
+use crate::tensor_file;
 
 /// Parameters in a fixed order: embedding, layers, final norm, lm_head.
 #[derive(Clone, Debug)]
@@ -156,9 +156,9 @@ impl Model {
         }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let files = safetensor_files(dir)?;
-        let mut found: BTreeMap<String, (safetensors::Tensor, String)> = BTreeMap::new();
+        let mut found: BTreeMap<String, (tensor_file::Tensor, String)> = BTreeMap::new();
         for f in &files {
-            for (name, t) in safetensors::read(f)? {
+            for (name, t) in tensor_file::read(f)? {
                 found.insert(name, (t, f.display().to_string()));
             }
         }
@@ -201,13 +201,13 @@ impl Model {
     }
 
     /// The weights as a Hugging Face `model.safetensors` (f32, HF names).
-    pub fn safetensors_bytes(&self) -> Vec<u8> {
+    pub fn safetensors_bytes(&self) -> Result<Vec<u8>> {
         let tensors: Vec<(&str, &[usize], &[f32])> = self
             .params
             .iter()
             .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
             .collect();
-        safetensors::encode(&tensors, &[("format", "pt")])
+        tensor_file::encode(&tensors, &[("format", "pt")])
     }
 
     /// Saves as a Hugging Face model directory (f32 safetensors) that
@@ -224,7 +224,7 @@ impl Model {
         }
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
-        write_atomic(&dir.join("model.safetensors"), &self.safetensors_bytes())?;
+        write_atomic(&dir.join("model.safetensors"), &self.safetensors_bytes()?)?;
         write_atomic(
             &dir.join("config.json"),
             hf_config_json(&self.cfg).as_bytes(),

@@ -324,8 +324,8 @@ fn info() {
         ane::DEFAULT_COMPILE_BUDGET
     );
     println!(
-        "default backend: {:?}",
-        anetrain::backend::Backend::platform_default()
+        "default backend: {}",
+        anetrain::backend::Backend::platform_default().name()
     );
 }
 

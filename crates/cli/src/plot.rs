@@ -1,6 +1,6 @@
 //! `anetrain plot`: train/val loss and learning rate from `metrics.jsonl`,
-//! drawn into a PNG with no dependencies (a small raster, a 3×5 font, and a
-//! deflate encoder using fixed Huffman codes with run-length matches).
+//! drawn into a small raster with a 3×5 font and written as PNG by the
+//! `png` crate.
 
 use std::path::Path;
 
@@ -226,142 +226,63 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     c.text(LEFT + 150, 12, "val loss", ORANGE, 3);
     c.text(LEFT + 280, 12, "lr", GREEN, 3);
     c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
-    crate::fsutil::write_atomic(out, &encode_png(&c.px))
+    anetrain::fsutil::write_atomic(out, &encode_png(&c.px)?)
 }
 
-fn crc32(data: &[u8]) -> u32 {
-    let mut c = 0xFFFF_FFFFu32;
-    for &b in data {
-        c ^= b as u32;
-        for _ in 0..8 {
-            c = if c & 1 == 1 {
-                0xEDB8_8320 ^ (c >> 1)
-            } else {
-                c >> 1
-            };
-        }
-    }
-    !c
+/// The raster as an 8-bit RGB PNG.
+fn encode_png(px: &[Rgb]) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    let mut enc = png::Encoder::new(&mut bytes, W as u32, H as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    let mut w = enc.write_header().context("encoding the PNG")?;
+    w.write_image_data(px.as_flattened())
+        .context("encoding the PNG")?;
+    w.finish().context("encoding the PNG")?;
+    Ok(bytes)
 }
 
-fn adler32(data: &[u8]) -> u32 {
-    let (mut a, mut b) = (1u32, 0u32);
-    for &x in data {
-        a = (a + x as u32) % 65521;
-        b = (b + a) % 65521;
-    }
-    (b << 16) | a
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// LSB-first bit writer.
-struct Bits {
-    out: Vec<u8>,
-    acc: u64,
-    n: u32,
-}
-
-impl Bits {
-    fn put(&mut self, v: u32, n: u32) {
-        self.acc |= (v as u64) << self.n;
-        self.n += n;
-        while self.n >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n -= 8;
-        }
+    /// What we write decodes (with the `png` crate's decoder) to the same
+    /// size, colour type and pixels.
+    #[test]
+    fn png_decodes_to_the_raster() {
+        let px: Vec<Rgb> = (0..W * H)
+            .map(|i| [(i % 251) as u8, (i / W % 256) as u8, 7])
+            .collect();
+        let bytes = encode_png(&px).unwrap();
+        let mut reader = png::Decoder::new(std::io::Cursor::new(bytes))
+            .read_info()
+            .unwrap();
+        let mut buf = vec![0; reader.output_buffer_size()];
+        let info = reader.next_frame(&mut buf).unwrap();
+        assert_eq!((info.width, info.height), (W as u32, H as u32));
+        assert_eq!(info.color_type, png::ColorType::Rgb);
+        assert_eq!(&buf[..info.buffer_size()], px.as_flattened());
     }
 
-    /// A Huffman code (written most significant bit first).
-    fn code(&mut self, code: u32, len: u32) {
-        let rev = code.reverse_bits() >> (32 - len);
-        self.put(rev, len);
+    #[test]
+    fn plot_draws_a_run_and_refuses_an_empty_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines: String = (1..=20)
+            .map(|s| {
+                format!(
+                    "{{\"step\": {s}, \"split\": \"train\", \"loss\": {}, \"lr\": 0.001}}\n",
+                    5.0 / s as f64
+                )
+            })
+            .collect();
+        std::fs::write(dir.path().join("metrics.jsonl"), lines).unwrap();
+        let out = dir.path().join("loss.png");
+        plot(dir.path(), &out).unwrap();
+        let reader = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&out).unwrap()))
+            .read_info()
+            .unwrap();
+        assert_eq!(reader.info().width, W as u32);
+        std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
+        assert!(plot(dir.path(), &out).is_err());
     }
-
-    fn literal_or_length(&mut self, sym: u32) {
-        match sym {
-            0..=143 => self.code(0x30 + sym, 8),
-            144..=255 => self.code(0x190 + sym - 144, 9),
-            256..=279 => self.code(sym - 256, 7),
-            _ => self.code(0xC0 + sym - 280, 8),
-        }
-    }
-}
-
-/// Deflate with the fixed Huffman code; runs of a repeated byte become
-/// distance-1 matches.
-fn deflate_fixed(data: &[u8]) -> Vec<u8> {
-    const BASE: [u32; 29] = [
-        3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115,
-        131, 163, 195, 227, 258,
-    ];
-    const EXTRA: [u32; 29] = [
-        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0,
-    ];
-    let mut b = Bits {
-        out: vec![],
-        acc: 0,
-        n: 0,
-    };
-    b.put(1, 1); // final block
-    b.put(1, 2); // fixed Huffman
-    let mut i = 0;
-    while i < data.len() {
-        let mut run = 0;
-        if i > 0 {
-            while i + run < data.len() && data[i + run] == data[i - 1] && run < 258 {
-                run += 1;
-            }
-        }
-        if run >= 3 {
-            let k = BASE.iter().rposition(|&l| l as usize <= run).unwrap_or(0);
-            b.literal_or_length(257 + k as u32);
-            b.put(run as u32 - BASE[k], EXTRA[k]);
-            b.code(0, 5); // distance 1
-            i += run;
-        } else {
-            b.literal_or_length(data[i] as u32);
-            i += 1;
-        }
-    }
-    b.literal_or_length(256);
-    if b.n > 0 {
-        b.out.push(b.acc as u8);
-    }
-    b.out
-}
-
-fn encode_png(px: &[Rgb]) -> Vec<u8> {
-    // Filter "Up" on every row: unchanged rows become zero runs.
-    let mut raw = Vec::with_capacity(H * (1 + 3 * W));
-    for y in 0..H {
-        raw.push(2u8);
-        for x in 0..W {
-            let above = if y > 0 { px[(y - 1) * W + x] } else { [0; 3] };
-            raw.extend(
-                px[y * W + x]
-                    .iter()
-                    .zip(above)
-                    .map(|(v, a)| v.wrapping_sub(a)),
-            );
-        }
-    }
-    let mut z = vec![0x78, 0x01];
-    z.extend(deflate_fixed(&raw));
-    z.extend(adler32(&raw).to_be_bytes());
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut chunk = |kind: &[u8], data: &[u8]| {
-        png.extend((data.len() as u32).to_be_bytes());
-        let mut c = kind.to_vec();
-        c.extend_from_slice(data);
-        png.extend_from_slice(&c);
-        png.extend(crc32(&c).to_be_bytes());
-    };
-    let mut ihdr = Vec::new();
-    ihdr.extend((W as u32).to_be_bytes());
-    ihdr.extend((H as u32).to_be_bytes());
-    ihdr.extend([8, 2, 0, 0, 0]);
-    chunk(b"IHDR", &ihdr);
-    chunk(b"IDAT", &z);
-    chunk(b"IEND", &[]);
-    png
 }

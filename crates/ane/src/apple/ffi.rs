@@ -5,7 +5,7 @@
 //! selector shape (on arm64 a variadic call would pass arguments on the
 //! stack, where the callee does not look).
 
-use std::ffi::{c_char, c_void, CStr, CString};
+use std::ffi::{c_char, c_void};
 
 /// Objective-C `id`, `Class`, `SEL` and CoreFoundation references are all
 /// plain pointers at this level.
@@ -28,38 +28,33 @@ pub const SINT64: isize = 4;
 /// `kIOSurfaceLockReadOnly`.
 pub const LOCK_READ_ONLY: u32 = 1;
 
-/// A library opened with `dlopen` (never closed: the process keeps the
-/// Objective-C classes it registers).
+/// A library opened with `dlopen(RTLD_NOW)` through `libloading`, never
+/// closed: the process keeps the Objective-C classes it registers (see
+/// [`Api::load`], which forgets the handles).
 pub struct Library {
-    handle: *mut c_void,
+    lib: libloading::os::unix::Library,
     path: &'static str,
 }
 
 impl Library {
     pub fn open(path: &'static str) -> Result<Library, String> {
-        let c = CString::new(path).map_err(|_| format!("bad library path {path}"))?;
-        // SAFETY: dlopen with a valid C string; a null result is handled.
-        let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW) };
-        if handle.is_null() {
-            // SAFETY: dlerror returns null or a valid C string.
-            let why = unsafe {
-                let e = libc::dlerror();
-                if e.is_null() {
-                    "unknown error".to_string()
-                } else {
-                    CStr::from_ptr(e).to_string_lossy().into_owned()
-                }
-            };
-            return Err(format!("cannot load {path}: {why}"));
+        // SAFETY: loading runs the library's initialisers (for the
+        // frameworks: registering their Objective-C classes), which is what
+        // opening it is for.
+        let lib = unsafe {
+            libloading::os::unix::Library::open(Some(path), libloading::os::unix::RTLD_NOW)
         }
-        Ok(Library { handle, path })
+        .map_err(|e| format!("cannot load {path}: {e}"))?;
+        Ok(Library { lib, path })
     }
 
     /// The address of symbol `name`.
     pub fn symbol(&self, name: &str) -> Result<*mut c_void, String> {
-        let c = CString::new(name).map_err(|_| format!("bad symbol name {name}"))?;
-        // SAFETY: dlsym on a live handle with a valid C string.
-        let p = unsafe { libc::dlsym(self.handle, c.as_ptr()) };
+        // SAFETY: the address is only used as the type its declaration in
+        // this module gives it.
+        let p = unsafe { self.lib.get::<*mut c_void>(name.as_bytes()) }
+            .map(|s| *s)
+            .unwrap_or(std::ptr::null_mut());
         if p.is_null() {
             return Err(format!("{} has no symbol {name}", self.path));
         }
@@ -94,12 +89,12 @@ macro_rules! api {
                 let foundation = Library::open(FOUNDATION)?;
                 let iosurface = Library::open(IOSURFACE)?;
                 // Loading registers the _ANE* classes with the runtime.
-                Library::open(ANE_FRAMEWORK)?;
+                let ane = Library::open(ANE_FRAMEWORK)?;
                 let libs = Libs { objc, cf, foundation, iosurface };
                 // SAFETY: each symbol is transmuted to the prototype declared
                 // for it above (from Apple's headers; see the module docs).
-                unsafe {
-                    Ok(Api {
+                let api = unsafe {
+                    Api {
                         $( $name: std::mem::transmute::<*mut c_void, unsafe extern "C" fn($($arg),*) $(-> $ret)?>(
                             libs.$lib.symbol(stringify!($name))?,
                         ), )*
@@ -108,8 +103,11 @@ macro_rules! api {
                         kCFTypeDictionaryValueCallBacks: libs.cf.symbol("kCFTypeDictionaryValueCallBacks")?,
                         kCFTypeArrayCallBacks: libs.cf.symbol("kCFTypeArrayCallBacks")?,
                         surface_keys: SurfaceKeys::load(&libs.iosurface)?,
-                    })
-                }
+                    }
+                };
+                // The function pointers above stay valid for the process.
+                std::mem::forget((libs, ane));
+                Ok(api)
             }
         }
     };
