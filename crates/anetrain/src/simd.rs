@@ -16,10 +16,14 @@ macro_rules! vectorized {
             fn body($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
+                /// # Safety
+                /// The CPU has AVX-512 (checked before the call).
                 #[target_feature(enable = "avx512f")]
                 unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
+                /// # Safety
+                /// The CPU has AVX2 and FMA (checked before the call).
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)

@@ -179,6 +179,11 @@ const fn step_len<const P: usize>() -> usize {
 }
 
 /// One thread's multiply: blocked and packed as in the module comment.
+///
+/// # Safety
+/// As [`serial`]: [`available`] is true, both views lie inside their
+/// slices, and `c` is an `m × n` block with row stride `ldc` that nothing
+/// else touches during the call.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn split_serial<const P: usize>(
     products: &[(usize, usize)],
@@ -253,6 +258,11 @@ unsafe fn split_serial<const P: usize>(
 /// `C[rows × cols] (+)= A panel · B panel` over `steps` packed steps: in
 /// place when the block is whole, through a 32 × 32 scratch block at the
 /// edges of C.
+///
+/// # Safety
+/// Called within [`split_serial`] (tiles configured); the panels hold
+/// `steps` packed steps and `c` (row stride `ldc`) has `rows × cols`
+/// writable elements.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn block<const P: usize>(
@@ -275,6 +285,7 @@ unsafe fn block<const P: usize>(
     if load_c {
         for r in 0..rows {
             for q in 0..cols {
+                // SAFETY: (r, q) lies inside the caller's block of C.
                 scratch[r * BLOCK + q] = unsafe { *c.add(r * ldc + q) };
             }
         }
@@ -298,6 +309,11 @@ unsafe fn block<const P: usize>(
 /// tiles of the current B piece. Each piece pair is four tile products;
 /// the last (tmm3 += tmm5·tmm7) is deferred past the next pair's first
 /// load so that the load does not wait for it.
+///
+/// # Safety
+/// The tiles are configured (as in [`split_serial`]); the panels hold the
+/// packed steps `products` reads; `c` points at a whole 32 × 32 block with
+/// row stride `ldc`.
 #[inline(always)]
 unsafe fn micro_kernel<const P: usize>(
     products: &[(usize, usize)],
@@ -309,7 +325,7 @@ unsafe fn micro_kernel<const P: usize>(
     load_c: bool,
 ) {
     let half_down = c.cast::<u8>().wrapping_add(16 * c_bytes);
-    // SAFETY (all asm blocks): the tile configuration is loaded; every
+    // SAFETY: (all asm blocks) the tile configuration is loaded; every
     // address read lies inside a packed panel (two 1 KB tiles per piece
     // and step) or inside the 32 × 32 block of C the caller owns.
     unsafe {
@@ -407,6 +423,10 @@ unsafe fn micro_kernel<const P: usize>(
 /// `out[r][q] = v(r0 + r, c0 + q)` for `r < rows`, `q < cols`, zero
 /// elsewhere in the 32 × 32 block; reads along whichever index is
 /// contiguous in memory.
+///
+/// # Safety
+/// Every element of `v` in rows `r0..r0+rows` and columns `c0..c0+cols`
+/// lies inside its slice.
 #[inline(always)]
 unsafe fn gather(
     v: &MatRef<'_>,
@@ -445,6 +465,9 @@ unsafe fn gather(
 
 /// The `P` bf16 pieces of 16 values: piece 0 rounds the value to bf16,
 /// each next piece rounds what the previous ones left.
+///
+/// # Safety
+/// The CPU has AVX-512 BF16.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn split16<const P: usize>(x: __m512) -> [__m256i; P] {
@@ -462,6 +485,10 @@ unsafe fn split16<const P: usize>(x: __m512) -> [__m256i; P] {
 
 /// Packs rows `i0..i0+rows` (≤ 32) × columns `p0..p0+kc` of A as one
 /// panel: per 32-deep step, per piece, a top and a bottom 16 × 32 tile.
+///
+/// # Safety
+/// The CPU has AVX-512 BF16; the rows and columns packed lie inside `a`'s
+/// slice and `dst` holds a whole panel.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_a<const P: usize>(
     a: &MatRef<'_>,
@@ -493,6 +520,10 @@ unsafe fn pack_a<const P: usize>(
 /// Packs rows `p0..p0+kc` × columns `j0..j0+cols` (≤ 32) of B as one
 /// panel: per 32-deep step, per piece, a left and a right tile of 16 rows
 /// of (k, k+1) pairs for 16 columns.
+///
+/// # Safety
+/// The CPU has AVX-512 BF16; the rows and columns packed lie inside `b`'s
+/// slice and `dst` holds a whole panel.
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn pack_b<const P: usize>(
     b: &MatRef<'_>,

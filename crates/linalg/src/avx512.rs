@@ -200,6 +200,10 @@ impl Lookahead {
 /// Packs rows `i0..i0+mc` × columns `p0..p0+kc` of A as MR-tall panels,
 /// each `kc` groups of `MR` values (column `p` of panel `q` at
 /// `dst[q·kc·MR + p·MR..]`), zero-padding the last panel's missing rows.
+///
+/// # Safety
+/// The CPU has AVX-512; rows `i0..i0+mc` × columns `p0..p0+kc` of `a` lie
+/// inside its slice and `dst` holds `mc` rounded up to MR × `kc` floats.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_a(a: &MatRef<'_>, i0: usize, mc: usize, p0: usize, kc: usize, dst: &mut [f32]) {
     let src = a
@@ -252,6 +256,10 @@ unsafe fn pack_a(a: &MatRef<'_>, i0: usize, mc: usize, p0: usize, kc: usize, dst
 
 /// Packs rows `p0..p0+kc` × columns `j0..j0+nr` of B as `kc` rows of `NR`
 /// values, zero-padding columns past `nr`.
+///
+/// # Safety
+/// The CPU has AVX-512; rows `p0..p0+kc` × columns `j0..j0+nr` of `b` lie
+/// inside its slice and `dst` holds `kc` × NR floats.
 #[target_feature(enable = "avx512f")]
 unsafe fn pack_b(b: &MatRef<'_>, p0: usize, kc: usize, j0: usize, nr: usize, dst: &mut [f32]) {
     let src = b
@@ -295,6 +303,11 @@ unsafe fn pack_b(b: &MatRef<'_>, p0: usize, kc: usize, j0: usize, nr: usize, dst
 /// Transposes a 16 × 16 block: row `r < rows` is the 16 floats at
 /// `src + r·stride` (rows past `rows` read as zero), and column `q` of the
 /// block is written to `dst + q·dst_stride`, lanes selected by `mask`.
+///
+/// # Safety
+/// The CPU has AVX-512; `src + r·stride` has 16 readable floats for every
+/// `r < rows`, and `dst + q·dst_stride` 16 writable floats (the lanes in
+/// `mask`) for every `q < 16`.
 #[target_feature(enable = "avx512f")]
 unsafe fn transpose16(
     src: *const f32,
@@ -346,6 +359,11 @@ unsafe fn transpose16(
 }
 
 /// `C[MR × NR] = (accumulate ? C : 0) + A panel · B panel` over `kc` steps.
+///
+/// # Safety
+/// The CPU has AVX-512; `a` and `b` are packed panels of `kc` steps (MR and
+/// NR floats each); `c` points at an MR × NR block with row stride `ldc`
+/// that nothing else touches during the call.
 #[target_feature(enable = "avx512f")]
 unsafe fn micro_kernel(
     kc: usize,
@@ -393,6 +411,10 @@ unsafe fn micro_kernel(
 
 /// A partial tile (`mr ≤ MR` rows, `nr ≤ NR` columns): the full kernel into
 /// a scratch tile, then the valid part into C.
+///
+/// # Safety
+/// As [`micro_kernel`], except that `c` need only have `mr × nr` writable
+/// elements.
 #[allow(clippy::too_many_arguments)]
 unsafe fn edge_tile(
     kc: usize,

@@ -274,7 +274,7 @@ fn through_backend(
     let parts = if threaded { part_count(m, n, k) } else { 1 };
     let ptr = c.as_mut_ptr();
     let ldc = c.row_stride;
-    // SAFETY (each arm): `multiply` proved both views and the m × n block
+    // SAFETY: (each arm) `multiply` proved both views and the m × n block
     // of `c` lie inside their slices; `c` is a unique borrow, so it cannot
     // alias `a` or `b`; each backend writes only the block it is given;
     // each arm checks its CPU or library support first.

@@ -142,6 +142,7 @@ impl Runtime {
         // SAFETY: balanced push/pop around f on this thread.
         let token = unsafe { (self.api.objc_autoreleasePoolPush)() };
         let out = f();
+        // SAFETY: pops the pool pushed above, on the same thread.
         unsafe { (self.api.objc_autoreleasePoolPop)(token) };
         out
     }
