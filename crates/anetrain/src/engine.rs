@@ -14,7 +14,7 @@ use linalg::{matmul, MatMut, MatRef};
 
 pub use crate::grads::{zero_grads, Grads};
 use crate::kernels::{self, maths, KernelOptions, Shape};
-use crate::model::{Model, Projection};
+use crate::model::{LayerIds, Model, Projection};
 use crate::rng::Rng;
 use crate::runner::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
 
@@ -304,7 +304,8 @@ impl<R: KernelRunner> Engine<R> {
     }
 
     /// Backward from `dxf` (gradient of the final-normed state), accumulating
-    /// into `grads`.
+    /// into `grads`: the final norm, each layer from the last (its FFN block,
+    /// then its attention block), then the embedding.
     pub fn backward(
         &mut self,
         model: &Model,
@@ -313,18 +314,14 @@ impl<R: KernelRunner> Engine<R> {
         grads: &mut Grads,
     ) -> Result<()> {
         let cfg = &model.cfg;
-        let (d, seq, hd) = (cfg.hidden_size, fwd.tokens.len(), cfg.head_dim);
-        let shape = Shape::new(cfg, seq);
+        let (d, seq) = (cfg.hidden_size, fwd.tokens.len());
         let eps = cfg.rms_norm_eps as f32;
-        let alpha = self.opts.residual_scale as f32;
-        let (cos, sin) = self.opts.rope_tables(seq, hd);
-        let w = |id: usize| model.params[id].data.as_slice();
+        let rope = self.opts.rope_tables(seq, cfg.head_dim);
         let mut scratch = Vec::new();
-        let overlap = self.runner.overlaps_host();
         // xf = rmsnorm(x)·w_final
         let mut dx = maths::head_rms_norm_backward(
             &fwd.x_last,
-            w(model.final_norm),
+            &model.params[model.final_norm].data,
             dxf,
             d,
             seq,
@@ -332,190 +329,16 @@ impl<R: KernelRunner> Engine<R> {
             base_grad(model, grads, model.final_norm, &mut scratch),
         );
         for (i, (l, a)) in model.layers.iter().zip(&fwd.layers).enumerate().rev() {
-            // x' = x2 + α·ffn:  dx2 = dx',  dffn = α·dx'
-            let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-            let m = &a.masks;
-            let mask = |t: Projection| m[t.index()].as_deref();
-            // Each group of weight gradients runs beside the kernel that
-            // needs the same upstream gradient (on a worker thread when the
-            // kernels run on a device).
-            let dgate = overlapped(
-                overlap,
-                || {
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::Down,
-                        &dffn,
-                        &a.gate,
-                        mask(Projection::Down),
-                    )
-                },
-                || {
-                    let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
-                    let out = self
-                        .runner
-                        .run::<kernels::FfnBackwardW2>(model, i, &shape, m, &acts)?;
-                    Ok(out.dgate)
-                },
-            )?;
-            let (dh1, dh3) = maths::swiglu_backward(&a.h1, &a.h3, &dgate);
-            let dx2n = overlapped(
-                overlap,
-                || {
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::Gate,
-                        &dh1,
-                        &a.x2n,
-                        mask(Projection::Gate),
-                    );
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::Up,
-                        &dh3,
-                        &a.x2n,
-                        mask(Projection::Up),
-                    );
-                },
-                || {
-                    let acts = kernels::ffn_backward_w13::Acts {
-                        dh1: &dh1,
-                        dh3: &dh3,
-                    };
-                    let out = self
-                        .runner
-                        .run::<kernels::FfnBackwardW13>(model, i, &shape, m, &acts)?;
-                    Ok(out.dx)
-                },
-            )?;
-            let dnorm = maths::head_rms_norm_backward(
-                &a.x2,
-                w(l.ffn_norm),
-                &dx2n,
-                d,
-                seq,
-                eps,
-                base_grad(model, grads, l.ffn_norm, &mut scratch),
-            );
-            add_scaled(&mut dx, &dnorm, 1.0);
-            // x2 = x + α·Wo·attn:  dx = dx2,  do = α·dx2
-            let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-            let da = overlapped(
-                overlap,
-                || {
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::O,
-                        &dout,
-                        &a.attn,
-                        mask(Projection::O),
-                    )
-                },
-                || {
-                    let acts = kernels::wo_backward::Acts { dy: &dout };
-                    let out = self
-                        .runner
-                        .run::<kernels::WoBackward>(model, i, &shape, m, &acts)?;
-                    Ok(out.da)
-                },
-            )?;
-            let b1 = self.runner.run::<kernels::SdpaBackward1>(
+            let c = LayerCtx {
                 model,
-                i,
-                &shape,
-                m,
-                &kernels::sdpa_backward1::Acts {
-                    q_rope: &a.q_rope,
-                    k_rope: &a.k_rope,
-                    v: &a.v,
-                    da: &da,
-                },
-            )?;
-            let dv = b1.dv;
-            let b2 = self.runner.run::<kernels::SdpaBackward2>(
-                model,
-                i,
-                &shape,
-                m,
-                &kernels::sdpa_backward2::Acts {
-                    probs: &b1.probs,
-                    dp: &b1.dp,
-                    q_rope: &a.q_rope,
-                    k_rope: &a.k_rope,
-                },
-            )?;
-            // RoPE is a rotation: its backward is the inverse rotation.
-            let unrope =
-                |g: &[f32]| maths::apply_rope(g, hd, seq, &cos, &sin, self.opts.rope, -1.0);
-            let (mut dq, mut dk) = (unrope(&b2.dq), unrope(&b2.dk));
-            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                let gq = base_grad(model, grads, qn, &mut scratch);
-                dq = maths::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
-                let gk = base_grad(model, grads, kn, &mut scratch);
-                dk = maths::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
-            }
-            let (mut dxn, dxkv) = overlapped(
-                overlap,
-                || {
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::Q,
-                        &dq,
-                        &a.xn,
-                        mask(Projection::Q),
-                    );
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::K,
-                        &dk,
-                        &a.xn,
-                        mask(Projection::K),
-                    );
-                    projection_grad(
-                        model,
-                        grads,
-                        i,
-                        Projection::V,
-                        &dv,
-                        &a.xn,
-                        mask(Projection::V),
-                    );
-                },
-                || {
-                    let acts = kernels::q_backward::Acts { dq: &dq };
-                    let dxq = self
-                        .runner
-                        .run::<kernels::QBackward>(model, i, &shape, m, &acts)?;
-                    let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
-                    let dxkv = self
-                        .runner
-                        .run::<kernels::KvBackward>(model, i, &shape, m, &acts)?;
-                    Ok((dxq.dx, dxkv.dx))
-                },
-            )?;
-            add_scaled(&mut dxn, &dxkv, 1.0);
-            let dnorm = maths::head_rms_norm_backward(
-                &a.x,
-                w(l.attn_norm),
-                &dxn,
-                d,
-                seq,
+                layer: i,
+                ids: l,
+                acts: a,
+                shape: Shape::new(cfg, seq),
                 eps,
-                base_grad(model, grads, l.attn_norm, &mut scratch),
-            );
-            add_scaled(&mut dx, &dnorm, 1.0);
+            };
+            self.ffn_backward(&c, &mut dx, grads, &mut scratch)?;
+            self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch)?;
         }
         if model.lora.is_some() {
             return Ok(()); // the embedding is frozen
@@ -528,6 +351,166 @@ impl<R: KernelRunner> Engine<R> {
             }
         }
         Ok(())
+    }
+
+    /// The FFN block backward, `dx` from the block's output to its input:
+    ///   x' = x2 + α·W2·(silu(W1·x2n)·W3·x2n),  x2n = rmsnorm(x2)·w_ffn
+    ///   dx2 = dx' + rmsnorm'(W1ᵀ·dh1 + W3ᵀ·dh3),  dh1, dh3 = swiglu'(W2ᵀ·α·dx')
+    /// Each group of weight gradients runs beside the kernel that needs the
+    /// same upstream gradient (on a worker thread when kernels run on a
+    /// device).
+    fn ffn_backward(
+        &mut self,
+        c: &LayerCtx,
+        dx: &mut [f32],
+        grads: &mut Grads,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (a, overlap) = (c.acts, self.runner.overlaps_host());
+        let alpha = self.opts.residual_scale as f32;
+        let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
+        let dgate = overlapped(
+            overlap,
+            || c.grad(grads, Projection::Down, &dffn, &a.gate),
+            || {
+                let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
+                Ok(self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate)
+            },
+        )?;
+        let (dh1, dh3) = maths::swiglu_backward(&a.h1, &a.h3, &dgate);
+        let dx2n = overlapped(
+            overlap,
+            || {
+                c.grad(grads, Projection::Gate, &dh1, &a.x2n);
+                c.grad(grads, Projection::Up, &dh3, &a.x2n);
+            },
+            || {
+                let acts = kernels::ffn_backward_w13::Acts {
+                    dh1: &dh1,
+                    dh3: &dh3,
+                };
+                Ok(self.run::<kernels::FfnBackwardW13>(c, &acts)?.dx)
+            },
+        )?;
+        let dnorm = c.norm_backward(&a.x2, c.ids.ffn_norm, &dx2n, grads, scratch);
+        add_scaled(dx, &dnorm, 1.0);
+        Ok(())
+    }
+
+    /// The attention block backward, `dx` from the block's output to its
+    /// input:
+    ///   x2 = x + α·Wo·attn(q, k, v),  q = rope(qknorm(Wq·xn)), … ,  xn = rmsnorm(x)·w_attn
+    ///   da = Woᵀ·α·dx2 → dq, dk, dv (two device kernels) → unrope, QK-norm'
+    ///   dx = dx2 + rmsnorm'(Wqᵀ·dq + Wkᵀ·dk + Wvᵀ·dv)
+    fn attention_backward(
+        &mut self,
+        c: &LayerCtx,
+        (cos, sin): &(Vec<f32>, Vec<f32>),
+        dx: &mut [f32],
+        grads: &mut Grads,
+        scratch: &mut Vec<f32>,
+    ) -> Result<()> {
+        let (a, overlap) = (c.acts, self.runner.overlaps_host());
+        let (hd, seq) = (c.shape.head_dim, c.shape.seq);
+        let alpha = self.opts.residual_scale as f32;
+        let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
+        let da = overlapped(
+            overlap,
+            || c.grad(grads, Projection::O, &dout, &a.attn),
+            || {
+                let acts = kernels::wo_backward::Acts { dy: &dout };
+                Ok(self.run::<kernels::WoBackward>(c, &acts)?.da)
+            },
+        )?;
+        let b1 = self.run::<kernels::SdpaBackward1>(
+            c,
+            &kernels::sdpa_backward1::Acts {
+                q_rope: &a.q_rope,
+                k_rope: &a.k_rope,
+                v: &a.v,
+                da: &da,
+            },
+        )?;
+        let dv = b1.dv;
+        let b2 = self.run::<kernels::SdpaBackward2>(
+            c,
+            &kernels::sdpa_backward2::Acts {
+                probs: &b1.probs,
+                dp: &b1.dp,
+                q_rope: &a.q_rope,
+                k_rope: &a.k_rope,
+            },
+        )?;
+        // RoPE is a rotation: its backward is the inverse rotation.
+        let unrope = |g: &[f32]| maths::apply_rope(g, hd, seq, cos, sin, self.opts.rope, -1.0);
+        let (mut dq, mut dk) = (unrope(&b2.dq), unrope(&b2.dk));
+        if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
+            let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
+            let gq = base_grad(c.model, grads, qn, scratch);
+            dq = maths::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
+            let gk = base_grad(c.model, grads, kn, scratch);
+            dk = maths::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
+        }
+        let (mut dxn, dxkv) = overlapped(
+            overlap,
+            || {
+                c.grad(grads, Projection::Q, &dq, &a.xn);
+                c.grad(grads, Projection::K, &dk, &a.xn);
+                c.grad(grads, Projection::V, &dv, &a.xn);
+            },
+            || {
+                let dxq =
+                    self.run::<kernels::QBackward>(c, &kernels::q_backward::Acts { dq: &dq })?;
+                let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
+                let dxkv = self.run::<kernels::KvBackward>(c, &acts)?;
+                Ok((dxq.dx, dxkv.dx))
+            },
+        )?;
+        add_scaled(&mut dxn, &dxkv, 1.0);
+        let dnorm = c.norm_backward(&a.x, c.ids.attn_norm, &dxn, grads, scratch);
+        add_scaled(dx, &dnorm, 1.0);
+        Ok(())
+    }
+
+    /// Runs kernel `K` for the layer of `c`, with its dropout masks.
+    fn run<K: kernels::Kernel>(&mut self, c: &LayerCtx, acts: &K::Acts<'_>) -> Result<K::Out> {
+        self.runner
+            .run::<K>(c.model, c.layer, &c.shape, &c.acts.masks, acts)
+    }
+}
+
+/// What one layer's backward reads besides the gradients.
+struct LayerCtx<'a> {
+    model: &'a Model,
+    layer: usize,
+    ids: &'a LayerIds,
+    acts: &'a LayerActs,
+    shape: Shape,
+    eps: f32,
+}
+
+impl LayerCtx<'_> {
+    /// Projection `t`'s weight gradient from its output gradient `dy` and
+    /// input `x` (see [`projection_grad`]).
+    fn grad(&self, grads: &mut Grads, t: Projection, dy: &[f32], x: &[f32]) {
+        let mask = self.acts.masks[t.index()].as_deref();
+        projection_grad(self.model, grads, self.layer, t, dy, x, mask);
+    }
+
+    /// Backward of `rmsnorm(x)·w` (w = parameter `norm`) for `dy`; the
+    /// weight's gradient accumulates into `grads`.
+    fn norm_backward(
+        &self,
+        x: &[f32],
+        norm: usize,
+        dy: &[f32],
+        grads: &mut Grads,
+        scratch: &mut Vec<f32>,
+    ) -> Vec<f32> {
+        let (d, seq) = (self.shape.dim, self.shape.seq);
+        let w = &self.model.params[norm].data;
+        let g = base_grad(self.model, grads, norm, scratch);
+        maths::head_rms_norm_backward(x, w, dy, d, seq, self.eps, g)
     }
 }
 
