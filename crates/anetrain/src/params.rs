@@ -47,62 +47,18 @@ pub enum Projection {
     Down,
 }
 
-/// The names one projection goes by.
-struct ProjectionNames {
-    /// Hugging Face module name (`q_proj`).
-    module: &'static str,
-    /// Module path inside a decoder layer (`self_attn.q_proj`).
-    path: &'static str,
-    /// Kernel weight region of the base projection (`wq`).
-    region: &'static str,
-    /// Kernel regions of LoRA's A and B (`wq_lora_a`, `wq_lora_b`).
-    adapter: (&'static str, &'static str),
-}
-
-/// Names by [`Projection::index`].
-const PROJECTION_NAMES: [ProjectionNames; 7] = [
-    ProjectionNames {
-        module: "q_proj",
-        path: "self_attn.q_proj",
-        region: "wq",
-        adapter: ("wq_lora_a", "wq_lora_b"),
-    },
-    ProjectionNames {
-        module: "k_proj",
-        path: "self_attn.k_proj",
-        region: "wk",
-        adapter: ("wk_lora_a", "wk_lora_b"),
-    },
-    ProjectionNames {
-        module: "v_proj",
-        path: "self_attn.v_proj",
-        region: "wv",
-        adapter: ("wv_lora_a", "wv_lora_b"),
-    },
-    ProjectionNames {
-        module: "o_proj",
-        path: "self_attn.o_proj",
-        region: "wo",
-        adapter: ("wo_lora_a", "wo_lora_b"),
-    },
-    ProjectionNames {
-        module: "gate_proj",
-        path: "mlp.gate_proj",
-        region: "w1",
-        adapter: ("w1_lora_a", "w1_lora_b"),
-    },
-    ProjectionNames {
-        module: "up_proj",
-        path: "mlp.up_proj",
-        region: "w3",
-        adapter: ("w3_lora_a", "w3_lora_b"),
-    },
-    ProjectionNames {
-        module: "down_proj",
-        path: "mlp.down_proj",
-        region: "w2",
-        adapter: ("w2_lora_a", "w2_lora_b"),
-    },
+/// The names each projection goes by, by [`Projection::index`]: Hugging
+/// Face module, module path inside a decoder layer, kernel weight region,
+/// kernel regions of LoRA's A and B.
+#[rustfmt::skip]
+const PROJECTION_NAMES: [(&str, &str, &str, &str, &str); 7] = [
+    ("q_proj", "self_attn.q_proj", "wq", "wq_lora_a", "wq_lora_b"),
+    ("k_proj", "self_attn.k_proj", "wk", "wk_lora_a", "wk_lora_b"),
+    ("v_proj", "self_attn.v_proj", "wv", "wv_lora_a", "wv_lora_b"),
+    ("o_proj", "self_attn.o_proj", "wo", "wo_lora_a", "wo_lora_b"),
+    ("gate_proj", "mlp.gate_proj", "w1", "w1_lora_a", "w1_lora_b"),
+    ("up_proj", "mlp.up_proj", "w3", "w3_lora_a", "w3_lora_b"),
+    ("down_proj", "mlp.down_proj", "w2", "w2_lora_a", "w2_lora_b"),
 ];
 
 impl Projection {
@@ -123,22 +79,23 @@ impl Projection {
 
     /// Hugging Face module name (`q_proj`).
     pub fn module(self) -> &'static str {
-        PROJECTION_NAMES[self.index()].module
+        PROJECTION_NAMES[self.index()].0
     }
 
     /// Module path inside a decoder layer (`self_attn.q_proj`).
     pub fn path(self) -> &'static str {
-        PROJECTION_NAMES[self.index()].path
+        PROJECTION_NAMES[self.index()].1
     }
 
     /// The kernel weight region of the base projection (`wq`).
     pub fn region(self) -> &'static str {
-        PROJECTION_NAMES[self.index()].region
+        PROJECTION_NAMES[self.index()].2
     }
 
     /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
     pub fn adapter_regions(self) -> (&'static str, &'static str) {
-        PROJECTION_NAMES[self.index()].adapter
+        let n = PROJECTION_NAMES[self.index()];
+        (n.3, n.4)
     }
 
     pub fn from_module(name: &str) -> Option<Projection> {

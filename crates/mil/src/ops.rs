@@ -89,6 +89,21 @@ const fn opt_konst(name: &'static str, domain: Domain) -> InputSpec {
     }
 }
 
+const fn opt_input(name: &'static str, domain: Domain) -> InputSpec {
+    InputSpec {
+        optional: true,
+        ..input(name, domain)
+    }
+}
+
+/// A tuple of values (`values=(a, b, c)`).
+const fn tuple_input(name: &'static str, domain: Domain) -> InputSpec {
+    InputSpec {
+        tuple: true,
+        ..input(name, domain)
+    }
+}
+
 /// Argument types (and constant values) handed to type inference, in the
 /// op's declared input order.
 pub struct InferArgs<'a> {
@@ -1054,13 +1069,7 @@ impl OpDef for Concat {
         const I: &[InputSpec] = &[
             konst("axis", Domain::Int),
             opt_konst("interleave", Domain::Bool),
-            InputSpec {
-                name: "values",
-                domain: Domain::Any,
-                konst: false,
-                optional: false,
-                tuple: true,
-            },
+            tuple_input("values", Domain::Any),
         ];
         I
     }
@@ -1415,13 +1424,7 @@ impl OpDef for Conv {
         const I: &[InputSpec] = &[
             input("x", Domain::Float),
             input("weight", Domain::Float),
-            InputSpec {
-                name: "bias",
-                domain: Domain::Float,
-                konst: false,
-                optional: true,
-                tuple: false,
-            },
+            opt_input("bias", Domain::Float),
             opt_konst("strides", Domain::Int),
             opt_konst("pad_type", Domain::Str),
             opt_konst("pad", Domain::Int),

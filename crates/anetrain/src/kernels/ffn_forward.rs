@@ -4,13 +4,9 @@
 //!
 //! (+ LoRA on each projection); h1, h3 and gate are kept for the backward.
 
-use mil::builder::Value;
+use super::prelude::*;
 
-use super::io::{activations, outputs, LayerWeights, Port};
 use super::maths::{add_adapter, swiglu_forward, w_x};
-use super::Encoding::*;
-use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
-use crate::model::Projection;
 
 pub struct FfnForward;
 

@@ -19,6 +19,16 @@ pub mod io;
 pub mod layout;
 pub mod maths;
 mod program;
+mod projections_backward;
+
+/// What every kernel module writes with.
+mod prelude {
+    pub(crate) use super::io::{activations, outputs, LayerWeights, Port};
+    pub(crate) use super::Encoding::*;
+    pub(crate) use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
+    pub(crate) use crate::model::Projection;
+    pub(crate) use mil::builder::Value;
+}
 
 pub mod ffn_backward_w13;
 pub mod ffn_backward_w2;

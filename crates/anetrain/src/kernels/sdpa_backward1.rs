@@ -5,13 +5,10 @@
 //!
 //! P and dP are passed on to `sdpa_backward2` (`[heads·S, S]` each).
 
-use mil::builder::Value;
+use super::prelude::*;
 use rayon::prelude::*;
 
-use super::io::{activations, outputs, LayerWeights, Port};
 use super::maths::{causal_blocks, head_probs};
-use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
-use crate::model::Projection;
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaBackward1;

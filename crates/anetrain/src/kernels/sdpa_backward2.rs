@@ -4,12 +4,9 @@
 //!
 //! (on roped q and k; the engine rotates dq and dk back on the CPU).
 
-use mil::builder::Value;
+use super::prelude::*;
 use rayon::prelude::*;
 
-use super::io::{activations, outputs, LayerWeights, Port};
-use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
-use crate::model::Projection;
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaBackward2;

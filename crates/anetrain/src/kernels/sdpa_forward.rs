@@ -10,14 +10,11 @@
 //! Outputs keep what the backward needs: roped q and k, v, and (with
 //! QK-norm) the pre-norm q and k.
 
-use mil::builder::Value;
+use super::prelude::*;
 use rayon::prelude::*;
 
-use super::io::{activations, outputs, LayerWeights, Port};
 use super::maths::{add_adapter, apply_rope, causal_blocks, head_probs, head_rms_norm, w_x};
-use super::{Encoding::*, BLOB_COS, BLOB_SIN};
-use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
-use crate::model::Projection;
+use super::{BLOB_COS, BLOB_SIN};
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaForward;

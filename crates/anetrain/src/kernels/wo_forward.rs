@@ -1,12 +1,8 @@
 //! `wo_forward`: attention's output projection, `o = Wo·attn` (+ LoRA).
 
-use mil::builder::Value;
+use super::prelude::*;
 
-use super::io::{activations, outputs, LayerWeights, Port};
 use super::maths::{add_adapter, w_x};
-use super::Encoding::*;
-use super::{Gen, Kernel, KernelKind, KernelOptions, LayoutBuilder, Product, Shape};
-use crate::model::Projection;
 
 pub struct WoForward;
 
