@@ -26,7 +26,7 @@ fn main() {
     }
     // Re-run when this script or the library found changes (a path that
     // does not exist would make Cargo re-run the script, and rebuild this
-    // crate, on every build: after installing OpenBLAS, `cargo clean -p linalg`).
+    // crate, on every build: after installing OpenBLAS, `cargo clean --release -p linalg`).
     println!("cargo:rerun-if-changed=build.rs");
     let mut found = None;
     'search: for dir in DIRS {

@@ -10,6 +10,7 @@
 //! | backend | when | measured |
 //! |---|---|---|
 //! | [`Backend::Mkl`] | Intel MKL's `cblas_sgemm` loads at run time (`ANETRAIN_MKL` or the loader's path) | fastest at training shapes on x86 (Qwen3-0.6B step 7–8% faster than the next) |
+//! | [`Backend::Accelerate`] | macOS: Apple's Accelerate framework loads at run time | the BLAS Apple tunes for its CPUs (not measured by us: no Mac in our loop) |
 //! | [`Backend::Avx512`] | the CPU has AVX-512 | level with OpenBLAS, no system library |
 //! | [`Backend::OpenBlas`] | the build found the system OpenBLAS (`build.rs`) | about 1.6× the `gemm` crate in a training step |
 //! | [`Backend::GemmCrate`] | always (feature `backends`) | the portable fallback |
@@ -28,6 +29,8 @@
 //! (the split is in whole tiles, so results do not depend on the thread
 //! count); OpenBLAS and the `gemm` crate thread themselves.
 
+#[cfg(all(feature = "backends", unix))]
+mod accelerate;
 #[cfg(all(feature = "amx", target_arch = "x86_64"))]
 mod amx;
 #[cfg(all(feature = "backends", target_arch = "x86_64"))]
@@ -48,6 +51,7 @@ pub use view::{MatMut, MatRef};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Backend {
     Mkl,
+    Accelerate,
     Avx512,
     OpenBlas,
     GemmCrate,
@@ -62,6 +66,7 @@ impl Backend {
     /// Every backend of this build, in order of preference.
     pub const ALL: &'static [Backend] = &[
         Backend::Mkl,
+        Backend::Accelerate,
         Backend::Avx512,
         Backend::OpenBlas,
         Backend::GemmCrate,
@@ -76,6 +81,7 @@ impl Backend {
     pub fn key(self) -> &'static str {
         match self {
             Backend::Mkl => "mkl",
+            Backend::Accelerate => "accelerate",
             Backend::Avx512 => "avx512",
             Backend::OpenBlas => "openblas",
             Backend::GemmCrate => "gemm",
@@ -91,6 +97,7 @@ impl Backend {
     pub fn describe(self) -> &'static str {
         match self {
             Backend::Mkl => "Intel MKL (loaded at run time, sequential, one call per thread)",
+            Backend::Accelerate => "Apple Accelerate (loaded at run time, threads itself)",
             Backend::Avx512 => "anetrain AVX-512 kernel (packed, cache-blocked)",
             Backend::OpenBlas => "OpenBLAS (system library)",
             Backend::GemmCrate => "gemm crate (pure Rust)",
@@ -109,6 +116,8 @@ impl Backend {
         match self {
             #[cfg(all(feature = "backends", target_os = "linux", target_arch = "x86_64"))]
             Backend::Mkl => mkl::sgemm().is_some(),
+            #[cfg(all(feature = "backends", unix))]
+            Backend::Accelerate => accelerate::sgemm().is_some(),
             #[cfg(all(feature = "backends", target_arch = "x86_64"))]
             Backend::Avx512 => avx512::available(),
             #[cfg(feature = "backends")]
@@ -183,6 +192,10 @@ pub fn check_env() -> Result<(), String> {
     if let Some(e) = mkl::env_error() {
         return Err(e);
     }
+    #[cfg(all(feature = "backends", unix))]
+    if let Some(e) = accelerate::env_error() {
+        return Err(e);
+    }
     choose().map(|_| ())
 }
 
@@ -204,11 +217,14 @@ pub fn matmul(a: MatRef<'_>, b: MatRef<'_>, c: MatMut<'_>, accumulate: bool) {
 
 /// [`matmul`] on the calling thread only, for callers that already run
 /// independent products in parallel (attention heads): our AVX-512 kernel
-/// where the CPU has it, else the portable backend without threads
-/// (OpenBLAS cannot be told to keep one call on one thread).
+/// where the CPU has it, Accelerate on macOS, else the portable backend
+/// without threads (OpenBLAS cannot be told to keep one call on one
+/// thread).
 pub fn matmul_serial(a: MatRef<'_>, b: MatRef<'_>, c: MatMut<'_>, accumulate: bool) {
     let backend = if Backend::Avx512.available() {
         Backend::Avx512
+    } else if cfg!(target_os = "macos") && Backend::Accelerate.available() {
+        Backend::Accelerate
     } else {
         portable()
     };
@@ -301,6 +317,12 @@ fn through_backend(
             }),
             Backend::OpenBlas if threaded => {
                 cblas::OPENBLAS.is_some_and(|f| cblas::call(f, &a, &b, ptr, ldc, accumulate))
+            }
+            // One call: Accelerate threads itself (and is safe to call
+            // from several threads at once, as `matmul_serial` callers do).
+            #[cfg(unix)]
+            Backend::Accelerate => {
+                accelerate::sgemm().is_some_and(|f| cblas::call(f, &a, &b, ptr, ldc, accumulate))
             }
             #[cfg(all(feature = "amx", target_arch = "x86_64"))]
             Backend::Amx | Backend::AmxBf16x3 if amx::available() => {
@@ -449,6 +471,18 @@ mod tests {
                 let want: f32 = (0..k).map(|p| a[i * k + p] * bt[j * k + p]).sum();
                 assert!((out[i * n + j] - want).abs() < 1e-5);
             }
+        }
+    }
+
+    /// CI names a stand-in library (OpenBLAS) for Accelerate so its loader
+    /// and calls run on Linux; the products themselves are checked by the
+    /// tests below, which take every available backend.
+    #[test]
+    #[cfg(unix)]
+    fn a_named_accelerate_library_is_loaded() {
+        if std::env::var_os("ANETRAIN_ACCELERATE").is_some() {
+            assert!(Backend::Accelerate.available(), "{:?}", check_env());
+            assert_eq!(default_backend(), Backend::Accelerate);
         }
     }
 
