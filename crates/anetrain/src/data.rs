@@ -270,8 +270,8 @@ mod tests {
     fn tokenize_file_roundtrips_through_the_token_reader() {
         let texts = crate::corpus::stories(50, 2);
         let tok = crate::corpus::train_tokenizer(&texts, 300).unwrap();
-        let dir = std::env::temp_dir().join(format!("anetrain-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let input = dir.join("in.txt");
         std::fs::write(&input, texts.join("\n")).unwrap();
         for dtype in [TokenDtype::U16, TokenDtype::U32] {
@@ -289,6 +289,5 @@ mod tests {
             windows(&[1, 2, 3, 4, 5], 2),
             vec![vec![1, 2, 3], vec![3, 4, 5]]
         );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

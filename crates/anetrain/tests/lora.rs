@@ -155,7 +155,8 @@ fn adapters_run_through_the_simulated_neural_engine() {
 fn adapters_save_load_and_merge() {
     let model = adapted("qwen3");
     let lora = model.lora.as_ref().unwrap();
-    let tmp = std::env::temp_dir().join(format!("anetrain-lora-{}", std::process::id()));
+    let tmp_dir = tempfile::tempdir().unwrap();
+    let tmp = tmp_dir.path().join("adapter");
     lora.save(&tmp, "base").unwrap();
     let back = Lora::load(&model.cfg, &tmp).unwrap();
     assert_eq!(back.cfg, lora.cfg);
@@ -191,5 +192,4 @@ fn adapters_save_load_and_merge() {
     .unwrap();
     let err = Lora::load(&model.cfg, &tmp).unwrap_err().to_string();
     assert!(err.contains("DoRA"), "{err}");
-    std::fs::remove_dir_all(&tmp).unwrap();
 }

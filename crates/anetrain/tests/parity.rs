@@ -123,7 +123,8 @@ fn reused_gradient_buffers_match_fresh_ones() {
 fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
     let dir = fixture("qwen3");
     let model = Model::load(&dir.join("model")).unwrap();
-    let tmp = std::env::temp_dir().join(format!("anetrain-save-{}", std::process::id()));
+    let tmp_dir = tempfile::tempdir().unwrap();
+    let tmp = tmp_dir.path().join("model");
     model.save(&tmp).unwrap();
     let back = Model::load(&tmp).unwrap();
     assert_eq!(back.cfg, model.cfg);
@@ -156,7 +157,6 @@ fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
     let mut bad = model.clone();
     bad.params[3].data[0] = f32::NAN;
     assert!(format!("{:#}", bad.save(&tmp).unwrap_err()).contains("NaN"));
-    std::fs::remove_dir_all(&tmp).unwrap();
 }
 
 #[test]
@@ -205,8 +205,8 @@ fn sharded_and_half_precision_checkpoints_load() {
     // bf16 and the first in f16 (values rounded accordingly).
     let dir = fixture("qwen3");
     let model = Model::load(&dir.join("model")).unwrap();
-    let tmp = std::env::temp_dir().join(format!("anetrain-shards-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
+    let tmp_dir = tempfile::tempdir().unwrap();
+    let tmp = tmp_dir.path();
     std::fs::copy(dir.join("model/config.json"), tmp.join("config.json")).unwrap();
     let half = model.params.len() / 2;
     let mut map = serde_json::Map::new();
@@ -241,13 +241,12 @@ fn sharded_and_half_precision_checkpoints_load() {
         serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
     )
     .unwrap();
-    let back = Model::load(&tmp).unwrap();
+    let back = Model::load(tmp).unwrap();
     for (i, (a, b)) in back.params.iter().zip(&model.params).enumerate() {
         let tol = if i < half { 1e-3 } else { 8e-3 };
         let d = max_diff(&a.data, &b.data) / max_abs(&b.data).max(1e-6);
         assert!(d <= tol, "{}: {d}", a.name);
     }
-    std::fs::remove_dir_all(&tmp).unwrap();
 }
 
 #[test]

@@ -142,7 +142,8 @@ mod tests {
 
     #[test]
     fn resolve_refuses_escapes() {
-        let dir = std::env::temp_dir().join(format!("mil-blob-{}", std::process::id()));
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let w = dir.join("weights");
         std::fs::create_dir_all(&w).unwrap();
         std::fs::write(w.join("a.bin"), encode(&[1.0])).unwrap();
@@ -163,6 +164,5 @@ mod tests {
             let e = resolve(&w, "@model_path/weights/link.bin").unwrap_err();
             assert!(e.msg.contains("outside"), "{e}");
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
