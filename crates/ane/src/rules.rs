@@ -123,6 +123,49 @@ pub fn all() -> &'static [Rule] {
             },
         },
         Rule {
+            id: "no-rsqrt-after-reduce",
+            summary: "no rsqrt/sqrt fed by a reduction: working trainers normalise with add(eps) then \
+                      pow(-0.5) (maderix/ANE training/stories_mil.h:30-33), and the compiler is \
+                      reported to reject rsqrt/sqrt after a reduce",
+            default_on: true,
+            check: |f, out| {
+                for op in f.ops.iter().filter(|o| o.op == "rsqrt" || o.op == "sqrt") {
+                    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { continue };
+                    if let Some(src) = f.ops.iter().find(|o| &o.output.name == x) {
+                        if src.op.starts_with("reduce_") {
+                            out.push(format!(
+                                "{} '{}' takes {} '{}'",
+                                op.op, op.output.name, src.op, src.output.name
+                            ));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "no-subnormal-const",
+            summary: "no fp16 constant is subnormal (below 2^-14 = 6.1e-5 in magnitude): a device \
+                      that flushes subnormals reads it as 0 (an eps of 0 turns zero padding into \
+                      0*inf = NaN)",
+            default_on: true,
+            check: |f, out| {
+                for op in f.ops.iter().filter(|o| o.op == "const") {
+                    let Some(v) = &op.val else { continue };
+                    let ConstData::Floats(values) = &v.data else { continue };
+                    if v.ty.dtype != DType::Fp16 {
+                        continue;
+                    }
+                    let subnormal = |x: &f64| {
+                        let h = half::f16::from_f64(*x);
+                        h.is_finite() && h != half::f16::ZERO && h != half::f16::NEG_ZERO && !h.is_normal()
+                    };
+                    if let Some(x) = values.iter().find(|x| subnormal(x)) {
+                        out.push(format!("const '{}' holds {x}, an fp16 subnormal", op.output.name));
+                    }
+                }
+            },
+        },
+        Rule {
             id: "min-surface",
             summary: "each input/output buffer is at least ~48 KiB (49152 bytes)",
             default_on: false,
@@ -301,4 +344,55 @@ pub fn check(p: &Program, set: &RuleSet) -> Vec<Finding> {
         .into_iter()
         .filter(|f| set.is_on(f.rule))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn findings(body: &str) -> Vec<&'static str> {
+        let text = format!(
+            "program(1.3)\n{{\n func main<ios18>(tensor<fp16, [1, 4, 1, 16]> x) {{\n{body}\n }} -> (y);\n}}\n"
+        );
+        let p = mil::parse_and_validate(&text).unwrap();
+        let mut set = RuleSet::none();
+        set.set("no-rsqrt-after-reduce", true).unwrap();
+        set.set("no-subnormal-const", true).unwrap();
+        check(&p, &set).into_iter().map(|f| f.rule).collect()
+    }
+
+    const MEAN: &str =
+        " tensor<int32, [1]> ax = const()[name=string(\"ax\"), val=tensor<int32, [1]>([1])];
+ bool kd = const()[name=string(\"kd\"), val=bool(true)];
+ tensor<fp16, [1,1,1,16]> m = reduce_mean(x=x,axes=ax,keep_dims=kd)[name=string(\"m\")];";
+
+    #[test]
+    fn rsqrt_after_a_reduction_is_reported_and_pow_is_not() {
+        let rsqrt = format!(
+            "{MEAN}\n fp16 e = const()[name=string(\"e\"), val=fp16(0.001)];\n \
+             tensor<fp16, [1,1,1,16]> y = rsqrt(x=m,epsilon=e)[name=string(\"y\")];"
+        );
+        assert_eq!(findings(&rsqrt), ["no-rsqrt-after-reduce"]);
+        let pow = format!(
+            "{MEAN}\n fp16 e = const()[name=string(\"e\"), val=fp16(0.001)];\n \
+             tensor<fp16, [1,1,1,16]> me = add(x=m,y=e)[name=string(\"me\")];\n \
+             fp16 nh = const()[name=string(\"nh\"), val=fp16(-0.5)];\n \
+             tensor<fp16, [1,1,1,16]> y = pow(x=me,y=nh)[name=string(\"y\")];"
+        );
+        assert!(findings(&pow).is_empty());
+    }
+
+    #[test]
+    fn subnormal_fp16_constants_are_reported() {
+        let with = |v: &str| {
+            format!(
+                " fp16 e = const()[name=string(\"e\"), val=fp16({v})];\n \
+                 tensor<fp16, [1,4,1,16]> y = add(x=x,y=e)[name=string(\"y\")];"
+            )
+        };
+        assert_eq!(findings(&with("0.000001")), ["no-subnormal-const"]);
+        // 2^-14 is fp16's smallest normal value; zero is not subnormal.
+        assert!(findings(&with("0.00006103515625")).is_empty());
+        assert!(findings(&with("0")).is_empty());
+    }
 }

@@ -301,7 +301,8 @@ fn info_fails_in_one_line(var: &str, value: &std::ffi::OsStr) -> String {
 fn a_bad_matmul_override_is_one_line() {
     let err = info_fails_in_one_line("ANETRAIN_MATMUL", "blas9000".as_ref());
     assert!(
-        err.contains("ANETRAIN_MATMUL=blas9000") && err.contains("mkl, avx512, openblas, gemm"),
+        err.contains("ANETRAIN_MATMUL=blas9000")
+            && err.contains("mkl, accelerate, avx512, openblas, gemm"),
         "{err}"
     );
     // The fallback always exists and is reported by `info`.

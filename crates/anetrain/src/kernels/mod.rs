@@ -364,6 +364,28 @@ impl KernelOptions {
         }
     }
 
+    /// The epsilon QK-norm adds on the device: the config's, raised to
+    /// fp16's smallest normal value (2⁻¹⁴ ≈ 6.1e-5) when smaller. Qwen3's
+    /// 1e-6 is an fp16 *subnormal*: a device that flushes subnormals would
+    /// read it as 0, and a zero-padded position would then normalise as
+    /// 0·(0)^(−1/2) = 0·∞ = NaN, which attention spreads into real rows.
+    /// For a row whose mean square is above 0.12 the change is below fp16's
+    /// rounding (2⁻¹¹ relative); the CPU engine keeps the config's value.
+    pub fn device_eps(&self) -> f64 {
+        self.eps.max(F16_MIN_NORMAL)
+    }
+
+    /// The QK-norm epsilon as the twin should use it: the device's (as
+    /// fp16) when computing with the program's constants, else the
+    /// config's (Hugging Face parity).
+    pub fn norm_eps(&self) -> f32 {
+        if self.fp16_constants {
+            self.constant(self.device_eps())
+        } else {
+            self.eps as f32
+        }
+    }
+
     /// RoPE tables as the twin should use them.
     pub fn rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         let (mut c, mut s) = rope_tables(seq, hd, self.rope_theta, self.rope);
@@ -495,6 +517,9 @@ pub fn run_cpu(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> T
     }
     kind.with(Run(s, o, t))
 }
+
+/// fp16's smallest normal value, 2⁻¹⁴.
+pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
 
 pub(crate) const BLOB_MASK: &str = "mask.bin";
 pub(crate) const BLOB_COS: &str = "rope_cos.bin";

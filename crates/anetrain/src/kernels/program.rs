@@ -196,7 +196,11 @@ impl<'a> Gen<'a> {
     }
 
     /// Per-head RMSNorm over the last axis with weight region `w` (`[HD]`):
-    /// y = x · rsqrt(mean(x²) + eps) · w.
+    ///   y = x · (mean(x²) + eps)^(−1/2) · w
+    /// in the pattern working ANE trainers run on hardware — add eps, then
+    /// `pow(·, −0.5)` (maderix/ANE training/stories_mil.h lines 30–33) —
+    /// never `rsqrt`/`sqrt` straight after a reduction. `eps` must be an
+    /// fp16 normal value ([`KernelOptions::device_eps`]).
     pub fn head_rms_norm(&mut self, out: &str, x: &Value, w: Port, eps: f64) -> Result<Value> {
         let hd = x.dims()[3];
         let sq = self.b.mul(&format!("{out}_sq"), x, x)?;
@@ -205,11 +209,13 @@ impl<'a> Gen<'a> {
         let ms = self
             .b
             .reduce("reduce_mean", &format!("{out}_ms"), &sq, &axes, &keep)?;
-        let e = self.scalar(&format!("{out}_eps"), eps)?;
+        let e = self.scalar("norm_eps", eps)?;
+        let mse = self.b.add(&format!("{out}_mse"), &ms, &e)?;
+        let nh = self.scalar("neg_half", -0.5)?;
         let r = self.b.op(
-            "rsqrt",
+            "pow",
             &format!("{out}_rs"),
-            &[("x", (&ms).into()), ("epsilon", (&e).into())],
+            &[("x", (&mse).into()), ("y", (&nh).into())],
         )?;
         let xn = self.b.mul(&format!("{out}_n"), x, &r)?;
         let wr = self.region(w)?;

@@ -86,8 +86,8 @@ impl Kernel for SdpaForward {
         let mut k = g.rows_to_heads("k", &km, kvh)?;
         let v = g.rows_to_heads("v", &vm, kvh)?;
         if o.qk_norm {
-            q = g.head_rms_norm("q_normed", &q, Port::QNorm, o.eps)?;
-            k = g.head_rms_norm("k_normed", &k, Port::KNorm, o.eps)?;
+            q = g.head_rms_norm("q_normed", &q, Port::QNorm, o.device_eps())?;
+            k = g.head_rms_norm("k_normed", &k, Port::KNorm, o.device_eps())?;
         }
         let cos = g.blob("rope_cos", [1, 1, seq, hd], BLOB_COS)?;
         let sin = g.blob("rope_sin", [1, 1, seq, hd], BLOB_SIN)?;
@@ -117,7 +117,7 @@ impl Kernel for SdpaForward {
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
         let (d, q, kv, seq, hd, r) = (s.dim, s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
         let scale = o.constant(1.0 / (hd as f64).sqrt());
-        let eps = o.constant(o.eps);
+        let eps = o.norm_eps();
         let x = a.xnorm;
         let project = |p: Projection, rows: usize| {
             let mut y = w_x(w.projection(p), x, rows, d, seq);
