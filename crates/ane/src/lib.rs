@@ -123,6 +123,7 @@ pub struct SimDevice {
     rules: RuleSet,
     budget: usize,
     compiles: usize,
+    precision: Precision,
 }
 
 /// A program compiled by [`SimDevice`].
@@ -149,7 +150,19 @@ impl SimDevice {
             rules: RuleSet::default(),
             budget: DEFAULT_COMPILE_BUDGET,
             compiles: 0,
+            precision: Precision::Fp16,
         }
+    }
+
+    /// Flushes fp16 subnormals to zero in every evaluation (inputs,
+    /// constants, results), as a device without subnormal support would.
+    pub fn with_flush_subnormals(mut self, flush: bool) -> SimDevice {
+        self.precision = if flush {
+            Precision::Fp16FlushSubnormals
+        } else {
+            Precision::Fp16
+        };
+        self
     }
 
     /// Sets which ANE constraint rules `compile` enforces.
@@ -244,7 +257,7 @@ impl Device for SimDevice {
         let x = Tensor::float(DType::Fp16, p.input_shape.clone(), xs);
         let out = p
             .exe
-            .run(vec![x], Precision::Fp16)
+            .run(vec![x], self.precision)
             .map_err(|e| DeviceError(format!("evaluation failed: {e}")))?;
         let y = out[0].f32s().map_err(DeviceError)?;
         output.0.convert_from_f32_slice(y);

@@ -23,8 +23,24 @@ use crate::types::{shape_str, DType, Ty};
 pub enum Precision {
     /// Every fp16-typed result (and input, and constant) rounded to fp16.
     Fp16,
+    /// As `Fp16`, and every fp16 value smaller in magnitude than 2⁻¹⁴ —
+    /// inputs, constants and results — flushed to a zero of its sign, as a
+    /// device without fp16 subnormals would (whether the ANE keeps them is
+    /// not documented: programs must be right either way).
+    Fp16FlushSubnormals,
     /// fp16-typed values kept in full f32 precision.
     Fp32,
+}
+
+impl Precision {
+    /// Applies this mode to a value just loaded or computed.
+    fn apply(self, t: Tensor) -> Tensor {
+        match self {
+            Precision::Fp16 => t.round_fp16(),
+            Precision::Fp16FlushSubnormals => t.round_fp16().flush_fp16_subnormals(),
+            Precision::Fp32 => t,
+        }
+    }
 }
 
 struct Step {
@@ -251,14 +267,13 @@ impl Executable {
                 dtype: ty.dtype,
                 ..t
             };
-            slots[i] = Some(if precision == Precision::Fp16 {
-                t.round_fp16()
-            } else {
-                t
-            });
+            slots[i] = Some(precision.apply(t));
         }
         for (slot, value) in &self.consts {
-            slots[*slot] = Some(value.clone());
+            slots[*slot] = Some(match precision {
+                Precision::Fp16FlushSubnormals => value.clone().flush_fp16_subnormals(),
+                _ => value.clone(),
+            });
         }
         for step in &self.steps {
             let result = {
@@ -277,11 +292,7 @@ impl Executable {
             result
                 .check_type(&step.ty, &step.locate)
                 .map_err(MilError::new)?;
-            slots[step.out] = Some(if precision == Precision::Fp16 {
-                result.round_fp16()
-            } else {
-                result
-            });
+            slots[step.out] = Some(precision.apply(result));
             for &f in &step.free {
                 slots[f] = None;
             }

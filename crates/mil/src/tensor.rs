@@ -133,6 +133,28 @@ impl Tensor {
         }
     }
 
+    /// Flushes fp16 values below 2⁻¹⁴ in magnitude to a zero of their sign
+    /// (no-op for other dtypes).
+    pub fn flush_fp16_subnormals(self) -> Tensor {
+        const MIN_NORMAL: f32 = 6.103_515_6e-5;
+        if self.dtype != DType::Fp16 {
+            return self;
+        }
+        match self.data {
+            Data::F32(v) if v.iter().any(|x| *x != 0.0 && x.abs() < MIN_NORMAL) => {
+                let mut v = Arc::try_unwrap(v).unwrap_or_else(|a| (*a).clone());
+                for x in v.iter_mut().filter(|x| x.abs() < MIN_NORMAL) {
+                    *x = 0.0f32.copysign(*x);
+                }
+                Tensor {
+                    data: Data::F32(Arc::new(v)),
+                    ..self
+                }
+            }
+            _ => self,
+        }
+    }
+
     /// Checks that this value has type `ty` (dtype and dims).
     pub fn check_type(&self, ty: &Ty, what: &str) -> Result<(), String> {
         if self.dtype != ty.dtype || self.shape != ty.dims() {

@@ -486,3 +486,48 @@ fn parser_never_panics_on_truncations_of_a_real_program() {
     }
     assert!(mil::parse_and_validate(text).is_ok());
 }
+
+/// `x·pow(mean(x²) + eps, −½)` on a zero row (a padded position): finite
+/// in fp16 mode, but with an fp16-subnormal eps (1e-6) a device that
+/// flushes subnormals computes 0·pow(0, −½) = 0·∞ = NaN; with eps = 2⁻¹⁴
+/// (fp16's smallest normal value) both modes stay finite.
+#[test]
+fn flushing_subnormals_turns_a_subnormal_eps_into_nan_on_zero_rows() {
+    let run = |eps: f64, precision: Precision| -> Vec<f32> {
+        let mut b = FunctionBuilder::new("main", "ios18");
+        let x = b.input("x", Ty::tensor(DType::Fp16, [1, 1, 2, 4]));
+        let sq = b.mul("sq", &x, &x).unwrap();
+        let axes = b.ints("axes", &[-1]).unwrap();
+        let keep = b.bool("keep", true).unwrap();
+        let ms = b.reduce("reduce_mean", "ms", &sq, &axes, &keep).unwrap();
+        let e = b.float("eps", DType::Fp16, eps).unwrap();
+        let mse = b.add("mse", &ms, &e).unwrap();
+        let nh = b.float("nh", DType::Fp16, -0.5).unwrap();
+        let r = b
+            .op("pow", "r", &[("x", (&mse).into()), ("y", (&nh).into())])
+            .unwrap();
+        let y = b.mul("y", &x, &r).unwrap();
+        b.output(&y);
+        let f = b.finish().unwrap();
+        let exe = Executable::new(&f, None).unwrap();
+        // Row 0 real, row 1 zero padding.
+        let input = vec![1., -2., 0.5, 3., 0., 0., 0., 0.];
+        let out = exe
+            .run(
+                vec![Tensor::float(DType::Fp16, vec![1, 1, 2, 4], input)],
+                precision,
+            )
+            .unwrap();
+        vals(&out[0])
+    };
+    let finite = |v: &[f32]| v.iter().all(|x| x.is_finite());
+    assert!(finite(&run(1e-6, Precision::Fp16)));
+    assert!(!finite(&run(1e-6, Precision::Fp16FlushSubnormals)));
+    let normal_eps = 6.103515625e-5;
+    let (kept, flushed) = (
+        run(normal_eps, Precision::Fp16),
+        run(normal_eps, Precision::Fp16FlushSubnormals),
+    );
+    assert!(finite(&kept) && finite(&flushed));
+    assert_eq!(kept, flushed);
+}
