@@ -312,7 +312,10 @@ pub struct AneDevice {
 pub struct AneProgram {
     rt: Rc<Runtime>,
     model: Id,
-    dir: PathBuf,
+    /// Its share of the model's temporary directory (removed with the last
+    /// program that uses it).
+    #[allow(dead_code)]
+    dir: DirClaim,
     input_elems: usize,
     output_elems: usize,
 }
@@ -401,7 +404,44 @@ impl Drop for AneProgram {
                 (rt.api.objc_release)(self.model);
             }
         });
-        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The temporary directories of live programs. The framework names a
+/// model's directory after a hash of its text and weights
+/// (`hexStringIdentifier`), so two live programs with the same text share
+/// one: a claim counts its users, and the last one to go removes it.
+struct TempDirs;
+
+/// One program's share of a temporary directory.
+struct DirClaim(PathBuf);
+
+impl TempDirs {
+    fn users() -> &'static std::sync::Mutex<std::collections::BTreeMap<PathBuf, usize>> {
+        static USERS: std::sync::OnceLock<
+            std::sync::Mutex<std::collections::BTreeMap<PathBuf, usize>>,
+        > = std::sync::OnceLock::new();
+        USERS.get_or_init(Default::default)
+    }
+
+    fn claim(dir: &Path) -> DirClaim {
+        let mut users = Self::users().lock().unwrap_or_else(|e| e.into_inner());
+        *users.entry(dir.to_path_buf()).or_insert(0) += 1;
+        DirClaim(dir.to_path_buf())
+    }
+}
+
+impl Drop for DirClaim {
+    fn drop(&mut self) {
+        let mut users = TempDirs::users().lock().unwrap_or_else(|e| e.into_inner());
+        let left = users.get_mut(&self.0).map(|n| {
+            *n -= 1;
+            *n
+        });
+        if left == Some(0) {
+            users.remove(&self.0);
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
     }
 }
 
@@ -429,7 +469,7 @@ impl Device for AneDevice {
             .map(|(k, b)| Ok((blob_file(k)?, b.as_slice())))
             .collect::<Result<_>>()?;
         let rt = self.rt.clone();
-        let (model, dir) = rt.pool(|| -> Result<(Id, PathBuf)> {
+        let (model, dir) = rt.pool(|| -> Result<(Id, DirClaim)> {
             let api = &rt.api;
             let mil = rt.data(text.as_bytes());
             let (offset_key, data_key) = (rt.string("offset"), rt.string("data"));
@@ -491,12 +531,21 @@ impl Device for AneDevice {
                     std::fs::write(&p, bytes)
                         .map_err(|e| DeviceError(format!("cannot write '{}': {e}", p.display())))
                 };
+                // `weights/` exists even for a program without weights, as
+                // the references create it (maderix/ANE training/ane_runtime.h:71).
+                let weights_dir = dir.join("weights");
+                std::fs::create_dir_all(&weights_dir).map_err(|e| {
+                    DeviceError(format!("cannot create '{}': {e}", weights_dir.display()))
+                })?;
+                // Claimed before anything is written: a live program with
+                // the same text shares the directory (see `TempDirs`).
+                let claim = TempDirs::claim(&dir);
                 write(Path::new("model.mil"), text.as_bytes())?;
                 for (rel, bytes) in &files {
                     write(rel, bytes)?;
                 }
                 if qos_opts(model, rt.sel(S::Compile), QOS, options.p as Id, &mut err) == 0 {
-                    let _ = std::fs::remove_dir_all(&dir);
+                    drop(claim);
                     return Err(DeviceError(format!(
                         "ANE compile failed: {}",
                         rt.error_text(err)
@@ -504,13 +553,13 @@ impl Device for AneDevice {
                 }
                 err = std::ptr::null_mut();
                 if qos_opts(model, rt.sel(S::Load), QOS, options.p as Id, &mut err) == 0 {
-                    let _ = std::fs::remove_dir_all(&dir);
+                    drop(claim);
                     return Err(DeviceError(format!(
                         "ANE load failed: {}",
                         rt.error_text(err)
                     )));
                 }
-                Ok(((api.objc_retain)(model), dir))
+                Ok(((api.objc_retain)(model), claim))
             }
         })?;
         self.compiles += 1;
@@ -661,6 +710,20 @@ impl Device for AneDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two live programs with the same text share one temporary directory:
+    /// dropping one leaves it for the other; the last removes it.
+    #[test]
+    fn a_shared_temporary_directory_outlives_all_but_its_last_program() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("0123abcd");
+        std::fs::create_dir_all(dir.join("weights")).unwrap();
+        let (a, b) = (TempDirs::claim(&dir), TempDirs::claim(&dir));
+        drop(a);
+        assert!(dir.join("weights").is_dir());
+        drop(b);
+        assert!(!dir.exists());
+    }
 
     #[test]
     fn opening_off_macos_fails_with_one_line() {
