@@ -50,6 +50,26 @@ pub trait Device {
     fn buffer(&mut self, elems: usize) -> Result<Self::Buffer>;
     /// Stores f32 values (rounded to fp16) at `offset` elements into `buf`.
     fn write(&mut self, buf: &mut Self::Buffer, offset: usize, data: &[f32]) -> Result<()>;
+    /// Stores `data` (row-major, rows of `width` values) as rows starting
+    /// `stride` elements apart from `offset`: one region of a packed
+    /// `[1, C, 1, S]` input. A device that must lock its buffer to write
+    /// locks it once for all rows (the references lock once per buffer:
+    /// maderix/ANE training/training_dynamic/io.h:79-88 writes every
+    /// channel of a dynamic-weight input between one IOSurfaceLock and
+    /// IOSurfaceUnlock).
+    fn write_rows(
+        &mut self,
+        buf: &mut Self::Buffer,
+        offset: usize,
+        stride: usize,
+        width: usize,
+        data: &[f32],
+    ) -> Result<()> {
+        for (r, row) in data.chunks(width.max(1)).enumerate() {
+            self.write(buf, offset + r * stride, row)?;
+        }
+        Ok(())
+    }
     /// Loads fp16 values starting at `offset` elements into `out` as f32.
     fn read(&self, buf: &Self::Buffer, offset: usize, out: &mut [f32]) -> Result<()>;
     /// Evaluates `p` from `input` into `output`.
@@ -280,6 +300,18 @@ mod tests {
             Ok(_) => panic!("compile should fail"),
             Err(e) => e,
         }
+    }
+
+    #[test]
+    fn rows_land_a_stride_apart() {
+        let mut d = SimDevice::new();
+        let mut b = d.buffer(12).unwrap();
+        d.write_rows(&mut b, 1, 4, 2, &[1., 2., 3., 4., 5., 6.])
+            .unwrap();
+        let mut out = vec![0f32; 12];
+        d.read(&b, 0, &mut out).unwrap();
+        assert_eq!(out, [0., 1., 2., 0., 0., 3., 4., 0., 0., 5., 6., 0.]);
+        assert!(d.write_rows(&mut b, 1, 4, 2, &[0.; 8]).is_err());
     }
 
     #[test]

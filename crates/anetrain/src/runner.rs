@@ -301,15 +301,15 @@ fn write_region<D: Device>(
             r.channels.len() * width
         );
     }
-    for (ci, c) in r.channels.clone().enumerate() {
-        device
-            .write(
-                buf,
-                c * l.in_spatial + r.spatial.start,
-                &values[ci * width..(ci + 1) * width],
-            )
-            .map_err(|e| anyhow!("{e}"))?;
-    }
+    device
+        .write_rows(
+            buf,
+            r.channels.start * l.in_spatial + r.spatial.start,
+            l.in_spatial,
+            width,
+            values,
+        )
+        .map_err(|e| anyhow!("{e}"))?;
     Ok(())
 }
 

@@ -627,6 +627,39 @@ impl Device for AneDevice {
         self.with_surface(buf, false, |v| v[offset..end].convert_from_f32_slice(data))
     }
 
+    /// All rows under one lock of the surface.
+    fn write_rows(
+        &mut self,
+        buf: &mut AneBuffer,
+        offset: usize,
+        stride: usize,
+        width: usize,
+        data: &[f32],
+    ) -> Result<()> {
+        let (elems, w) = (buf.elems, width.max(1));
+        let rows = data.len().div_ceil(w);
+        // One past the last element written: the last row's start plus its length.
+        let end = match rows {
+            0 => offset,
+            n => (n - 1)
+                .checked_mul(stride)
+                .and_then(|o| o.checked_add(offset))
+                .and_then(|o| o.checked_add(data.len() - (n - 1) * w))
+                .unwrap_or(usize::MAX),
+        };
+        if end > elems || (rows > 1 && stride < w) {
+            return Err(DeviceError(format!(
+                "write of {rows} rows of {w} at {offset} (stride {stride}) overruns a buffer of {elems}"
+            )));
+        }
+        self.with_surface(buf, false, |v| {
+            for (r, row) in data.chunks(width.max(1)).enumerate() {
+                let o = offset + r * stride;
+                v[o..o + row.len()].convert_from_f32_slice(row);
+            }
+        })
+    }
+
     fn read(&self, buf: &AneBuffer, offset: usize, out: &mut [f32]) -> Result<()> {
         let elems = buf.elems;
         let end = offset
