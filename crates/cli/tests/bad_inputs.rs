@@ -42,7 +42,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     std::fs::write(d.join("config.json"), "{\"hidden_size\": 64,").unwrap();
     fails(
@@ -51,7 +50,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_key_value_heads"] = 3.into());
     fails(
@@ -60,7 +58,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| {
         v["vocab_size"] = 5_000_000.into();
@@ -72,7 +69,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["head_dim"] = 11.into());
     fails(
@@ -81,7 +77,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     let st = d.join("model.safetensors");
     let b = std::fs::read(&st).unwrap();
@@ -92,7 +87,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["intermediate_size"] = 81.into());
     fails(
@@ -101,7 +95,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_hidden_layers"] = 3.into());
     fails(
@@ -110,7 +103,6 @@ fn eval_rejects_broken_models() {
     );
 
     let d_tmp = common::tmp();
-
     let d = model_copy(&d_tmp);
     edit_config(&d, |v| v["num_hidden_layers"] = 1.into());
     fails(
@@ -146,7 +138,6 @@ fn eval_rejects_broken_models() {
 fn eval_rejects_bad_token_inputs() {
     let m = fixture_model();
     let d_tmp = common::tmp();
-
     let d = d_tmp.path().to_path_buf();
     let big = d.join("big.npy");
     std::fs::write(&big, npy::encode_i64(&[4], &[1, 2, 96, 3])).unwrap();
@@ -217,7 +208,6 @@ fn eval_rejects_bad_token_inputs() {
 #[test]
 fn train_rejects_bad_inputs_before_writing_a_checkpoint() {
     let d_tmp = common::tmp();
-
     let d = d_tmp.path().to_path_buf();
     let out = d.join("run");
     fails(
@@ -318,7 +308,6 @@ fn a_bad_matmul_override_is_one_line() {
 #[test]
 fn an_unloadable_mkl_path_is_one_line() {
     let dir_tmp = common::tmp();
-
     let dir = dir_tmp.path().to_path_buf();
     let fake = dir.join("libmkl_rt.so.3");
     std::fs::write(&fake, b"not a shared library").unwrap();

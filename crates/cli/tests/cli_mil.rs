@@ -22,7 +22,6 @@ fn write_input(dir: &Path, name: &str, shape: &[usize]) -> PathBuf {
 #[test]
 fn run_writes_float32_output_matching_the_library() {
     let d_tmp = common::tmp();
-
     let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();
@@ -75,7 +74,6 @@ fn run_writes_float32_output_matching_the_library() {
 #[test]
 fn check_prints_summary_and_rules() {
     let d_tmp = common::tmp();
-
     let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();
@@ -109,7 +107,6 @@ fn check_prints_summary_and_rules() {
 #[test]
 fn bad_inputs_end_in_one_clear_error() {
     let d_tmp = common::tmp();
-
     let d = d_tmp.path().to_path_buf();
     let prog = d.join("small.mil");
     std::fs::write(&prog, SMALL).unwrap();

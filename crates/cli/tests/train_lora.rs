@@ -16,7 +16,6 @@ fn ane_sim_lora_training_tracks_the_cpu_run() {
     let mut losses = vec![];
     for backend in ["cpu", "ane-sim"] {
         let out_tmp = common::tmp();
-
         let out = out_tmp.path().join(backend);
         let args = [
             "train",
@@ -96,11 +95,9 @@ const FLAGS: &[&str] = &[
 #[test]
 fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
     let full_tmp = common::tmp();
-
     let full = full_tmp.path().join("full");
     run(&[FLAGS, &["--steps", "8"]].concat(), &full);
     let part_tmp = common::tmp();
-
     let part = part_tmp.path().join("part");
     run(&[FLAGS, &["--steps", "5"]].concat(), &part);
     run(&[FLAGS, &["--steps", "8", "--resume"]].concat(), &part);
@@ -127,7 +124,6 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
     // The adapter on a real base: save the random `tiny` base as a model
     // directory by full-training it for one step, then fine-tune.
     let base_tmp = common::tmp();
-
     let base = base_tmp.path().join("base");
     run(
         &[
@@ -148,7 +144,6 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
         &base,
     );
     let tuned_tmp = common::tmp();
-
     let tuned = tuned_tmp.path().join("tuned");
     let base_s = base.to_str().unwrap();
     run(
@@ -200,7 +195,6 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
         "the adapter changes nothing"
     );
     let merged_tmp = common::tmp();
-
     let merged = merged_tmp.path().join("merged");
     let o = bin()
         .args(["merge", "--model", base_s, "--adapter", tuned_s, "--out"])
@@ -265,7 +259,6 @@ fn bad_lora_flags_fail_with_one_line() {
         ),
     ] {
         let out_tmp = common::tmp();
-
         let out = out_tmp.path().join("bad");
         let o = bin()
             .args(["train", "--steps", "1"])

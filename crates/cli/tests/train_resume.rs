@@ -64,7 +64,6 @@ fn train_losses(out: &Path) -> Vec<(u64, f64)> {
 #[test]
 fn resumed_runs_are_bit_identical() {
     let full_tmp = common::tmp();
-
     let full = full_tmp.path().join("full");
     train(&full, 24, false);
     let reference = weights(&full);
@@ -75,7 +74,6 @@ fn resumed_runs_are_bit_identical() {
     // Clean interrupt (SIGINT: the step finishes, a checkpoint is saved,
     // exit status 1), then resume.
     let part_tmp = common::tmp();
-
     let part = part_tmp.path().join("clean");
     let mut child = bin()
         .args(FLAGS)
@@ -119,7 +117,6 @@ fn resumed_runs_are_bit_identical() {
 
     // SIGKILL at several moments, resuming each time, until done.
     let killed_tmp = common::tmp();
-
     let killed = killed_tmp.path().join("kill");
     let mut delays = [700u64, 1500, 400, 2500].into_iter().cycle();
     let mut done = false;
@@ -178,7 +175,6 @@ fn resumed_runs_are_bit_identical() {
 #[test]
 fn resume_refuses_different_flags_and_corrupt_state() {
     let out_tmp = common::tmp();
-
     let out = out_tmp.path().join("flags");
     train(&out, 4, false);
     let o = bin()
@@ -228,7 +224,6 @@ fn ane_sim_training_tracks_the_cpu_run() {
     let mut losses = vec![];
     for backend in ["cpu", "ane-sim"] {
         let out_tmp = common::tmp();
-
         let out = out_tmp.path().join(backend);
         let o = bin()
             .args([
@@ -296,7 +291,6 @@ fn backend_ane_fails_cleanly_off_macos() {
 #[test]
 fn trains_on_a_memory_mapped_token_file_sequentially() {
     let out_tmp = common::tmp();
-
     let out = out_tmp.path().join("mapped");
     std::fs::create_dir_all(&out).unwrap();
     let data = out.join("data.bin");
