@@ -11,8 +11,9 @@
 //! Sequences shorter than the compiled length are zero-padded on the right:
 //! attention is causal and every other op is per position, so real
 //! positions never see the padding, and zero upstream gradients keep the
-//! padding out of every backward result. Lengths are padded to a multiple of
-//! 16 (the `spatial-multiple-16` ANE rule).
+//! padding out of every backward result. Lengths are padded to a
+//! power-of-two multiple of 16 (the `spatial-multiple-16` ANE rule, and a
+//! bounded number of compiled sets: see `NeuralKernels::padded`).
 
 use std::collections::BTreeMap;
 
@@ -179,13 +180,28 @@ impl<D: Device> NeuralKernels<D> {
         self.fixed_seq = Some(seq.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE);
     }
 
+    /// The compiled length a sequence of `seq` tokens runs at: the fixed
+    /// length when there is one; else the live set's length when the
+    /// sequence fits in it; else the smallest power-of-two multiple of 16
+    /// that fits. Compiled lengths only grow and a new set replaces the
+    /// smaller one (its programs are unloaded), so `eval` on rows of any mix
+    /// of lengths compiles at most one set per power of two — 10 programs
+    /// each, 110 for every length up to 16384, within the ~119-compile
+    /// budget — at the price of padding short rows to the longest seen.
     fn padded(&self, seq: usize) -> Result<usize> {
-        let sp = seq.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE;
         match self.fixed_seq {
             Some(f) if seq > f => bail!("sequence of {seq} tokens exceeds the compiled length {f}"),
             Some(f) => Ok(f),
-            None => Ok(sp),
+            None => Ok(match self.sets.keys().next_back() {
+                Some(&sp) if sp >= seq => sp,
+                _ => seq.div_ceil(SEQ_MULTIPLE).next_power_of_two() * SEQ_MULTIPLE,
+            }),
         }
+    }
+
+    /// The lengths with a compiled kernel set (for tests and reports).
+    pub fn compiled_lengths(&self) -> Vec<usize> {
+        self.sets.keys().copied().collect()
     }
 
     fn build_set(&mut self, model: &Model, sp: usize) -> Result<()> {
@@ -221,6 +237,8 @@ impl<D: Device> NeuralKernels<D> {
             }
             inputs.push(per);
         }
+        // The smaller sets are no longer used (see `padded`): unload them.
+        self.sets.retain(|&len, _| len > sp);
         self.sets.insert(
             sp,
             KernelSet {

@@ -143,3 +143,22 @@ fn a_device_that_flushes_subnormals_gives_the_same_gradients_with_padding() {
         }
     }
 }
+
+/// Rows of many lengths (as `eval` sees them) compile one kernel set per
+/// power-of-two bucket that grows, never one per length; the live set is
+/// the largest, and short rows padded into it give the CPU engine's result.
+#[test]
+fn many_lengths_stay_within_the_compile_budget() {
+    let model = Model::load(&fixture("qwen3").join("model")).unwrap();
+    let mut cpu = Engine::cpu(&model);
+    let mut sim = Engine::neural(&model, ane::SimDevice::new());
+    for n in [5usize, 20, 40, 17, 100, 3, 64, 33] {
+        let row: Vec<u32> = (0..n).map(|i| (i * 31 % 128) as u32).collect();
+        let fs = sim.forward(&model, &row).unwrap();
+        let fc = cpu.forward(&model, &row).unwrap();
+        assert!(rel(&fs.xf, &fc.xf) < 3e-2, "length {n}");
+    }
+    // 16, 32, 64, 128: ten programs each; only the last set is loaded.
+    assert_eq!(ane::Device::compiles(&sim.runner.device), 40);
+    assert_eq!(sim.runner.compiled_lengths(), [128]);
+}
