@@ -1,7 +1,11 @@
 //! anetrain: training Llama and Qwen3 models on the Apple Neural Engine.
 //!
-//! Data flows one way: [`config`] → [`kernels`] (MIL + layout + CPU twin)
-//! → [`engine`] → trainer. [`model`] holds parameters and Hugging Face I/O.
+//! Data flows one way: [`config`] → [`kernels`] (one module per kernel:
+//! layout + MIL + CPU twin) → [`runner`] (CPU twins, or the programs on a
+//! Neural Engine device) → [`engine`] → [`train`], which reports
+//! [`train::Event`]s and prints nothing. [`params`] and [`model`] hold the
+//! parameters and their Hugging Face I/O, [`lora`] the adapters. The
+//! command line is the `anetrain-cli` crate.
 
 pub mod backend;
 pub mod bench;

@@ -1,7 +1,9 @@
-//! The dynamic-weight kernel set. For any model shape each kernel is
-//! defined three times — a MIL program (built with the typed builder), a
-//! [`KernelLayout`] saying where its inputs and outputs live, and a native
-//! f32 CPU twin — and tests hold them equal.
+//! The dynamic-weight kernel set. Each kernel is one module implementing
+//! [`Kernel`]: a [`KernelLayout`] saying where its inputs and outputs live,
+//! a MIL program (built with the typed builder through [`Gen`]) and a
+//! native f32 CPU twin, side by side; tests hold program and twin equal.
+//! Its activations and results are typed structs ([`Activations`],
+//! [`Outputs`]) keyed by [`Port`]s.
 //!
 //! Conventions (see `docs/kernels.md`):
 //! * activations are channel-first `[C, S]`; weights are Hugging Face
