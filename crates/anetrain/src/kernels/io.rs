@@ -1,7 +1,7 @@
 //! What flows in and out of a kernel, typed: every region of a packed input
 //! and every block of an output is a [`Port`]; each kernel's activations
-//! and results are a struct with one field per port ([`activations!`],
-//! [`outputs!`]); weights come from one layer's [`LayerWeights`]. A kernel
+//! and results are a struct with one field per port (`activations!`,
+//! `outputs!`); weights come from one layer's [`LayerWeights`]. A kernel
 //! that asks for a buffer it does not have is a compile error, not a
 //! string that fails to match at run time.
 

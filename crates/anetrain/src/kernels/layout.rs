@@ -13,11 +13,11 @@ use super::io::{LayerWeights, Port};
 /// How a logical tensor is laid into a region of the packed input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Encoding {
-    /// An activation `[C, S]` (or a vector `[C]` in one column): region[c][s] = a[c][s].
+    /// An activation `[C, S]` (or a vector `[C]` in one column): `region[c][s] = a[c][s]`.
     Activation,
-    /// A weight `W [out, in]` with `in` along channels: region[c][j] = W[j][c].
+    /// A weight `W [out, in]` with `in` along channels: `region[c][j] = W[j][c]`.
     Transposed,
-    /// A weight `W [rows, cols]` with rows along channels: region[c][j] = W[c][j].
+    /// A weight `W [rows, cols]` with rows along channels: `region[c][j] = W[c][j]`.
     AsIs,
 }
 
