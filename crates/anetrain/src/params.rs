@@ -15,7 +15,7 @@ pub struct Param {
     pub decay: bool,
 }
 
-/// Indices into [`Model::params`] of one layer's tensors.
+/// Indices into [`Model::params`](crate::model::Model::params) of one layer's tensors.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerIds {
     pub attn_norm: usize,

@@ -411,7 +411,7 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
     kind.with(Layout(s, o))
 }
 
-/// [`layout`] for a kernel type: its own regions, then its projections'
+/// [`layout()`] for a kernel type: its own regions, then its projections'
 /// LoRA regions (padded so the width stays a multiple of 16).
 pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
     use Encoding::*;
