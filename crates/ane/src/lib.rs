@@ -295,6 +295,13 @@ mod tests {
 
     const DOUBLE: &str = "program(1.3)\n{\n func main<ios18>(tensor<fp16, [1, 2, 1, 4]> x) {\n tensor<fp16, [1,2,1,4]> y = add(x=x,y=x)[name=string(\"y\")];\n } -> (y);\n}\n";
 
+    /// The default rules without `min-surface`, for programs small enough to read.
+    fn small_programs() -> RuleSet {
+        let mut r = RuleSet::default();
+        r.set("min-surface", false).unwrap();
+        r
+    }
+
     fn compile_err(d: &mut SimDevice, text: &str) -> DeviceError {
         match d.compile(text, &[]) {
             Ok(_) => panic!("compile should fail"),
@@ -316,7 +323,9 @@ mod tests {
 
     #[test]
     fn compiles_evaluates_and_counts() {
-        let mut d = SimDevice::new().with_compile_budget(2);
+        let mut d = SimDevice::new()
+            .with_rules(small_programs())
+            .with_compile_budget(2);
         let p = d.compile(DOUBLE, &[]).unwrap();
         assert_eq!(d.io_elems(&p), (8, 8));
         let mut x = d.buffer(8).unwrap();
@@ -342,11 +351,12 @@ mod tests {
             "(tensor<fp16, [1, 2, 1, 4]> x)",
             "(tensor<fp16, [1, 2, 1, 4]> x, tensor<fp16, [1, 2, 1, 4]> z)",
         );
-        let e = compile_err(&mut SimDevice::new(), &two_inputs);
+        let e = compile_err(
+            &mut SimDevice::new().with_rules(small_programs()),
+            &two_inputs,
+        );
         assert!(e.0.contains("single-input"), "{e}");
-        let mut strict = RuleSet::default();
-        strict.set("min-surface", true).unwrap();
-        let e = compile_err(&mut SimDevice::new().with_rules(strict), DOUBLE);
+        let e = compile_err(&mut SimDevice::new(), DOUBLE);
         assert!(e.0.contains("min-surface"), "{e}");
     }
 }

@@ -282,10 +282,10 @@ enum MilCommand {
         /// Exit non-zero when an enabled ANE rule is broken.
         #[arg(long)]
         strict: bool,
-        /// Switch a rule on (repeatable), e.g. --rule min-surface.
+        /// Switch a rule on (repeatable), e.g. --rule no-concat.
         #[arg(long = "rule", value_name = "ID")]
         enable: Vec<String>,
-        /// Switch a rule off (repeatable).
+        /// Switch a rule off (repeatable), e.g. --no-rule min-surface.
         #[arg(long = "no-rule", value_name = "ID")]
         disable: Vec<String>,
     },

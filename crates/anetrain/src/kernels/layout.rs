@@ -79,6 +79,17 @@ impl KernelLayout {
         self.out_channels * self.out_spatial
     }
 
+    /// Output channels below the last block that only pad the surface.
+    pub fn out_padding(&self) -> usize {
+        let used = self
+            .outputs
+            .iter()
+            .map(|b| b.channels.end)
+            .max()
+            .unwrap_or(0);
+        self.out_channels - used
+    }
+
     /// The input region of `port`; a kernel asking its own layout for a
     /// region it did not declare is a bug in that kernel's module.
     pub fn region(&self, port: Port) -> &Region {
@@ -225,6 +236,22 @@ impl LayoutBuilder {
         self
     }
 
+    /// Pads the input with unused columns (keeping the width a multiple of
+    /// 16) and the output with unused channels until each holds at least
+    /// `min` elements: the device rejects smaller surfaces. Call last.
+    pub fn pad_to_min_elems(&mut self, min: usize) -> &mut Self {
+        if min == 0 {
+            return self;
+        }
+        if self.channels * self.spatial < min {
+            self.spatial = self
+                .spatial
+                .max(min.div_ceil(self.channels).div_ceil(16) * 16);
+        }
+        self.out_channels = self.out_channels.max(min.div_ceil(self.seq));
+        self
+    }
+
     /// Channel stacking: an activation `[channels, seq]` below the previous ones.
     pub fn rows(&mut self, port: Port, channels: usize) -> &mut Self {
         self.spatial = self.seq;
@@ -286,5 +313,25 @@ mod tests {
         );
         let out = [1., 2., 3., 4.];
         assert_eq!(l.unpack(Port::Attn, &out), &out);
+    }
+
+    #[test]
+    fn padding_reaches_the_minimum_on_both_sides() {
+        let mut b = LayoutBuilder::new("t", 16);
+        b.columns(Port::Xnorm, 8, 16, Encoding::Activation)
+            .output(Port::Attn, 8)
+            .pad_to_min_elems(1000);
+        let l = b.build();
+        // 1000 / 8 channels = 125 columns, rounded up to a multiple of 16
+        assert_eq!((l.in_channels, l.in_spatial), (8, 128));
+        // 1000 / 16 positions = 63 channels, 55 of them padding
+        assert_eq!((l.out_channels, l.out_padding()), (63, 55));
+        assert_eq!(l.region(Port::Xnorm).spatial, 0..16);
+        let big = LayoutBuilder::new("t", 16)
+            .columns(Port::Xnorm, 8, 16, Encoding::Activation)
+            .output(Port::Attn, 8)
+            .pad_to_min_elems(64)
+            .build();
+        assert_eq!((big.in_spatial, big.out_padding()), (16, 0));
     }
 }

@@ -168,6 +168,11 @@ pub struct KernelOptions {
     pub fp16_constants: bool,
     /// LoRA adapters as extra dynamic-weight regions, if any.
     pub lora: Option<LoraKernel>,
+    /// Smallest input and output surface in bytes: the layout pads the
+    /// input with unused columns and the output with zero channels up to
+    /// it (the device rejects smaller surfaces; see
+    /// [`ane::rules::MIN_SURFACE_BYTES`]). 0 in seed-compatible mode.
+    pub min_surface_bytes: usize,
 }
 
 /// What the kernels need to know about LoRA adapters: every adapted
@@ -266,6 +271,7 @@ impl KernelOptions {
             seed_compat: false,
             fp16_constants: false,
             lora: None,
+            min_surface_bytes: ane::rules::MIN_SURFACE_BYTES,
         }
     }
 
@@ -298,6 +304,7 @@ impl KernelOptions {
             seed_compat: true,
             fp16_constants: false,
             lora: None,
+            min_surface_bytes: 0,
         }
     }
 }
@@ -435,6 +442,8 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
     if adapted {
         b.pad_spatial_to(16);
     }
+    // fp16 surfaces: two bytes an element.
+    b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2));
     b.build()
 }
 
@@ -477,17 +486,26 @@ pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<Kern
 fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
     let layout = layout_of::<K>(s, o);
     let mut g = Gen::new(&layout);
-    let out = K::mil(&mut g, s, o)?;
+    let mut out = K::mil(&mut g, s, o)?;
+    let pad = layout.out_padding();
+    if pad > 0 {
+        // Zero channels below the results, so the output surface reaches
+        // the minimum size (concat along channels as the seed's outputs are).
+        let file = format!("{BLOB_ZEROS}{pad}x{}.bin", s.seq);
+        let zeros = g.blob("out_pad", [1, pad, 1, s.seq], &file)?;
+        out = g.concat("out_padded", &[&out, &zeros], 1)?;
+    }
     let (function, blob_names) = g.finish(&out)?;
     let blobs = blob_names
         .into_iter()
         .map(|name| {
-            let data = match name {
+            let data = match name.as_str() {
                 BLOB_MASK => causal_mask(s.seq, s.ratio()),
                 BLOB_COS => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).0,
+                n if n.starts_with(BLOB_ZEROS) => vec![0.0; layout.out_padding() * s.seq],
                 _ => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).1,
             };
-            (name.to_string(), mil::blob::encode(&data))
+            (name, mil::blob::encode(&data))
         })
         .collect();
     Ok(KernelProgram {
@@ -526,6 +544,8 @@ pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
 pub(crate) const BLOB_MASK: &str = "mask.bin";
 pub(crate) const BLOB_COS: &str = "rope_cos.bin";
 pub(crate) const BLOB_SIN: &str = "rope_sin.bin";
+/// Zero channels padding an output, `zeros_{channels}x{seq}.bin`.
+pub(crate) const BLOB_ZEROS: &str = "zeros_";
 
 /// Additive causal mask for `ratio` query heads folded along the sequence:
 /// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` with −65504 (fp16's

@@ -24,7 +24,7 @@ pub struct Gen<'a> {
     pub b: FunctionBuilder,
     x: Value,
     layout: &'a KernelLayout,
-    blobs: Vec<&'static str>,
+    blobs: Vec<String>,
     regions: std::collections::HashMap<Port, Value>,
 }
 
@@ -99,9 +99,9 @@ impl<'a> Gen<'a> {
         self.b.concat(out, values, &ax, &il)
     }
 
-    pub fn blob(&mut self, name: &str, dims: [usize; 4], file: &'static str) -> Result<Value> {
-        if !self.blobs.contains(&file) {
-            self.blobs.push(file);
+    pub fn blob(&mut self, name: &str, dims: [usize; 4], file: &str) -> Result<Value> {
+        if !self.blobs.iter().any(|b| b == file) {
+            self.blobs.push(file.to_string());
         }
         self.b.blob(name, Ty::tensor(F16, dims), file)
     }
@@ -310,7 +310,7 @@ impl<'a> Gen<'a> {
     }
 
     /// The finished function and the blob files it reads.
-    pub fn finish(mut self, out: &Value) -> Result<(Function, Vec<&'static str>)> {
+    pub fn finish(mut self, out: &Value) -> Result<(Function, Vec<String>)> {
         self.b.output(out);
         Ok((self.b.finish()?, self.blobs))
     }
