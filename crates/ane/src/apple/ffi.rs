@@ -33,11 +33,11 @@ pub const LOCK_READ_ONLY: u32 = 1;
 /// [`Api::load`], which forgets the handles).
 pub struct Library {
     lib: libloading::os::unix::Library,
-    path: &'static str,
+    path: String,
 }
 
 impl Library {
-    pub fn open(path: &'static str) -> Result<Library, String> {
+    pub fn open(path: &str) -> Result<Library, String> {
         // SAFETY: loading runs the library's initialisers (for the
         // frameworks: registering their Objective-C classes), which is what
         // opening it is for.
@@ -45,7 +45,10 @@ impl Library {
             libloading::os::unix::Library::open(Some(path), libloading::os::unix::RTLD_NOW)
         }
         .map_err(|e| format!("cannot load {path}: {e}"))?;
-        Ok(Library { lib, path })
+        Ok(Library {
+            lib,
+            path: path.to_string(),
+        })
     }
 
     /// The address of symbol `name`.
@@ -81,15 +84,17 @@ macro_rules! api {
         }
 
         impl Api {
-            /// Opens the five libraries and resolves every symbol; the error
-            /// names the first library or symbol that is missing.
-            pub fn load() -> Result<Api, String> {
-                let objc = Library::open(OBJC)?;
-                let cf = Library::open(CORE_FOUNDATION)?;
-                let foundation = Library::open(FOUNDATION)?;
-                let iosurface = Library::open(IOSURFACE)?;
+            /// Opens the five libraries — or, given `stand_in`, that one
+            /// library in place of all five — and resolves every symbol;
+            /// the error names the first library or symbol that is missing.
+            pub fn load(stand_in: Option<&str>) -> Result<Api, String> {
+                let open = |system: &str| Library::open(stand_in.unwrap_or(system));
+                let objc = open(OBJC)?;
+                let cf = open(CORE_FOUNDATION)?;
+                let foundation = open(FOUNDATION)?;
+                let iosurface = open(IOSURFACE)?;
                 // Loading registers the _ANE* classes with the runtime.
-                let ane = Library::open(ANE_FRAMEWORK)?;
+                let ane = open(ANE_FRAMEWORK)?;
                 let libs = Libs { objc, cf, foundation, iosurface };
                 // SAFETY: each symbol is transmuted to the prototype declared
                 // for it above (from Apple's headers; see the module docs).

@@ -93,8 +93,8 @@ impl Drop for Cf<'_> {
 }
 
 impl Runtime {
-    fn load() -> std::result::Result<Runtime, String> {
-        let api = Api::load()?;
+    fn load(stand_in: Option<&str>) -> std::result::Result<Runtime, String> {
+        let api = Api::load(stand_in)?;
         let mut classes = [std::ptr::null_mut(); 4];
         for (slot, name) in classes.iter_mut().zip(CLASSES) {
             let c = std::ffi::CString::new(name).map_err(|e| e.to_string())?;
@@ -327,18 +327,41 @@ pub struct AneBuffer {
     elems: usize,
 }
 
+/// Environment variable naming a library to load in place of Apple's
+/// runtime (the `ane-standin` crate's `libane_standin.so`): a testing aid
+/// that runs this device on Linux.
+pub const RUNTIME_ENV: &str = "ANETRAIN_ANE_RUNTIME";
+
 impl AneDevice {
     /// Loads the frameworks and checks the private API is what this code
     /// expects. Off macOS, or where anything is missing, the error says so
-    /// in one line.
+    /// in one line. With `ANETRAIN_ANE_RUNTIME` set, loads that library
+    /// instead ([`AneDevice::with_runtime`]).
     pub fn open() -> Result<AneDevice> {
+        if let Some(path) = std::env::var_os(RUNTIME_ENV).filter(|p| !p.is_empty()) {
+            return AneDevice::with_runtime(Path::new(&path));
+        }
         if !cfg!(target_os = "macos") {
             return Err(DeviceError(format!(
                 "ANE not available on this platform ({})",
                 std::env::consts::OS
             )));
         }
-        let rt = Runtime::load().map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
+        AneDevice::load(None)
+    }
+
+    /// The device over the library at `path`, which exports every symbol
+    /// of Apple's runtime the device uses (a stand-in for testing).
+    pub fn with_runtime(path: &Path) -> Result<AneDevice> {
+        let path = path.to_str().ok_or_else(|| {
+            DeviceError(format!("{RUNTIME_ENV}: '{}' is not UTF-8", path.display()))
+        })?;
+        AneDevice::load(Some(path))
+    }
+
+    fn load(stand_in: Option<&str>) -> Result<AneDevice> {
+        let rt = Runtime::load(stand_in)
+            .map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
         Ok(AneDevice {
             rt: Rc::new(rt),
             rules: RuleSet::default(),
@@ -774,7 +797,7 @@ mod tests {
         if cfg!(target_os = "macos") {
             return;
         }
-        let e = Runtime::load().err().expect("no Objective-C runtime here");
+        let e = Runtime::load(None).err().expect("no Objective-C runtime here");
         assert!(e.contains(ffi::OBJC), "{e}");
     }
 
