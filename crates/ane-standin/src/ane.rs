@@ -180,7 +180,12 @@ fn weight_entries(t: &mut Table, weights: Handle) -> Vec<(String, Vec<u8>)> {
 
 /// `modelWithMILText:weights:optionsPlist:`; `None` (nil) when the
 /// arguments are not what the references pass.
-pub fn descriptor(t: &mut Table, mil: Handle, weights: Handle, options: Handle) -> Option<Descriptor> {
+pub fn descriptor(
+    t: &mut Table,
+    mil: Handle,
+    weights: Handle,
+    options: Handle,
+) -> Option<Descriptor> {
     // Orion docs/ane_constraints.md §9: an NSString here crashes or fails.
     if data(t, mil).is_none() {
         t.violation(format!(
@@ -274,17 +279,38 @@ pub fn compile(t: &mut Table, model: Handle, compiles: &mut usize) -> Outcome {
     }
     match std::fs::read(dir.join("model.mil")) {
         Ok(on_disk) if on_disk == text => {}
-        Ok(_) => return fail(1, "ANECCompile() FAILED: model.mil differs from the descriptor's MIL text"),
-        Err(e) => return fail(1, format!("ANECCompile() FAILED: cannot read {}/model.mil: {e}", dir.display())),
+        Ok(_) => {
+            return fail(
+                1,
+                "ANECCompile() FAILED: model.mil differs from the descriptor's MIL text",
+            )
+        }
+        Err(e) => {
+            return fail(
+                1,
+                format!(
+                    "ANECCompile() FAILED: cannot read {}/model.mil: {e}",
+                    dir.display()
+                ),
+            )
+        }
     }
     let mut blobs = vec![];
     for (key, bytes) in &weights {
         let Some(rel) = key.strip_prefix("@model_path/") else {
-            return fail(1, format!("ANECCompile() FAILED: weight key '{key}' is not under @model_path/"));
+            return fail(
+                1,
+                format!("ANECCompile() FAILED: weight key '{key}' is not under @model_path/"),
+            );
         };
         match std::fs::read(dir.join(rel)) {
             Ok(on_disk) if &on_disk == bytes => blobs.push((key.clone(), on_disk)),
-            Ok(_) => return fail(1, format!("ANECCompile() FAILED: {rel} differs from the descriptor's weights")),
+            Ok(_) => {
+                return fail(
+                    1,
+                    format!("ANECCompile() FAILED: {rel} differs from the descriptor's weights"),
+                )
+            }
             Err(e) => return fail(1, format!("ANECCompile() FAILED: cannot read {rel}: {e}")),
         }
     }
@@ -336,7 +362,12 @@ pub fn unload(t: &mut Table, model: Handle) -> Outcome {
 /// The surfaces of a request's input or output array, in index order;
 /// indices are NSNumbers 0..n (maderix ane_runtime.h:114 and :121,
 /// training_dynamic/io.h:129 `@[@0]`).
-fn request_surfaces(t: &mut Table, arr: Handle, idx: Handle, what: &str) -> Result<Vec<Handle>, Failure> {
+fn request_surfaces(
+    t: &mut Table,
+    arr: Handle,
+    idx: Handle,
+    what: &str,
+) -> Result<Vec<Handle>, Failure> {
     let (Some(objs), Some(idx)) = (items(t, arr), items(t, idx)) else {
         return Err(Failure {
             code: 4,
@@ -344,8 +375,16 @@ fn request_surfaces(t: &mut Table, arr: Handle, idx: Handle, what: &str) -> Resu
         });
     };
     let numbers: Vec<Option<i64>> = idx.iter().map(|&h| number(t, h)).collect();
-    if numbers.len() != objs.len() || numbers.iter().enumerate().any(|(i, n)| *n != Some(i as i64)) {
-        t.violation(format!("the request's {what} indices are not @0..@{}", objs.len()));
+    if numbers.len() != objs.len()
+        || numbers
+            .iter()
+            .enumerate()
+            .any(|(i, n)| *n != Some(i as i64))
+    {
+        t.violation(format!(
+            "the request's {what} indices are not @0..@{}",
+            objs.len()
+        ));
     }
     let mut out = vec![];
     for o in objs {
@@ -354,7 +393,10 @@ fn request_surfaces(t: &mut Table, arr: Handle, idx: Handle, what: &str) -> Resu
             _ => {
                 return Err(Failure {
                     code: 4,
-                    description: format!("the request's {what} hold a {}, not an _ANEIOSurfaceObject", t.kind(o)),
+                    description: format!(
+                        "the request's {what} hold a {}, not an _ANEIOSurfaceObject",
+                        t.kind(o)
+                    ),
                 })
             }
         }
@@ -367,21 +409,21 @@ fn request_surfaces(t: &mut Table, arr: Handle, idx: Handle, what: &str) -> Resu
 /// writes each output the same way.
 pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
     let (ins, in_idx, outs, out_idx, procedure) = match t.get(request) {
-        Some(Obj::Request(r)) => (r.inputs, r.input_indices, r.outputs, r.output_indices, r.procedure),
+        Some(Obj::Request(r)) => (
+            r.inputs,
+            r.input_indices,
+            r.outputs,
+            r.output_indices,
+            r.procedure,
+        ),
         _ => return fail(4, "evaluateWithQoS: the request is not an _ANERequest"),
     };
     // procedureIndex @0 (maderix ane_runtime.h:125, Orion core/ane_runtime.m:166).
     if number(t, procedure) != Some(0) {
         t.violation("the request's procedureIndex is not @0".into());
     }
-    let inputs = match request_surfaces(t, ins, in_idx, "inputs") {
-        Ok(v) => v,
-        Err(f) => return Err(f),
-    };
-    let outputs = match request_surfaces(t, outs, out_idx, "outputs") {
-        Ok(v) => v,
-        Err(f) => return Err(f),
-    };
+    let inputs = request_surfaces(t, ins, in_idx, "inputs")?;
+    let outputs = request_surfaces(t, outs, out_idx, "outputs")?;
     let (in_types, out_types) = match t.get(model) {
         Some(Obj::Model(m)) if m.loaded => {
             let exe = m.exe.as_ref().expect("a loaded model is compiled");
@@ -411,7 +453,11 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
     };
     let (in_sorted, out_sorted) = (sorted(&in_types), sorted(&out_types));
     let mut sizes = vec![];
-    for (&s, (name, ty)) in inputs.iter().zip(&in_sorted).chain(outputs.iter().zip(&out_sorted)) {
+    for (&s, (name, ty)) in inputs
+        .iter()
+        .zip(&in_sorted)
+        .chain(outputs.iter().zip(&out_sorted))
+    {
         let Some(Obj::Surface(surf)) = t.get(s) else {
             return fail(5, format!("the surface for '{name}' was freed"));
         };
@@ -420,7 +466,9 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
         // (maderix training_dynamic/io.h:53-96, Orion
         // core/iosurface_tensor.m:50-62).
         if locked {
-            t.violation(format!("evaluateWithQoS: the surface for '{name}' is locked by the CPU"));
+            t.violation(format!(
+                "evaluateWithQoS: the surface for '{name}' is locked by the CPU"
+            ));
         }
         let need = ty.elems() * 2;
         if len < MIN_SURFACE_BYTES || len < need || ty.dtype != DType::Fp16 {
@@ -439,16 +487,22 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
     // Several inputs or outputs must all be allocated alike (Orion §2, §12).
     let (n_in, n_out) = (inputs.len(), outputs.len());
     let uniform = |s: &[usize]| s.windows(2).all(|w| w[0] == w[1]);
-    if (n_in > 1 && !uniform(&sizes[..n_in])) || (n_out > 1 && !uniform(&sizes[n_in..n_in + n_out])) {
+    if (n_in > 1 && !uniform(&sizes[..n_in])) || (n_out > 1 && !uniform(&sizes[n_in..n_in + n_out]))
+    {
         return fail(5, format!("{STATUS_0X1D} (surfaces of different sizes)"));
     }
     // Inputs in the program's declaration order.
     let mut xs = vec![];
     let exe_inputs: Vec<String> = in_types.iter().map(|(n, _)| n.clone()).collect();
     for name in &exe_inputs {
-        let k = in_sorted.iter().position(|(n, _)| n == name).expect("same names");
+        let k = in_sorted
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("same names");
         let ty = &in_sorted[k].1;
-        let Some(Obj::Surface(surf)) = t.get(inputs[k]) else { unreachable!("checked above") };
+        let Some(Obj::Surface(surf)) = t.get(inputs[k]) else {
+            unreachable!("checked above")
+        };
         // Packed from the first byte whatever the surface's size (Orion §14).
         let mut v = vec![0f32; ty.elems()];
         let halves: Vec<f16> = surf.bytes()[..ty.elems() * 2]
@@ -458,20 +512,27 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
         halves.convert_to_f32_slice(&mut v);
         xs.push(Tensor::float(DType::Fp16, ty.dims().to_vec(), v));
     }
-    let Some(Obj::Model(m)) = t.get(model) else { unreachable!("checked above") };
+    let Some(Obj::Model(m)) = t.get(model) else {
+        unreachable!("checked above")
+    };
     let results = match m.exe.as_ref().expect("loaded").run(xs, Precision::Fp16) {
         Ok(r) => r,
         Err(e) => return fail(6, format!("evaluation failed: {e}")),
     };
     for ((name, _), y) in out_types.iter().zip(results) {
-        let k = out_sorted.iter().position(|(n, _)| n == name).expect("same names");
+        let k = out_sorted
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("same names");
         let values = match y.f32s() {
             Ok(v) => v.to_vec(),
             Err(e) => return fail(6, e),
         };
         let mut halves = vec![f16::ZERO; values.len()];
         halves.convert_from_f32_slice(&values);
-        let Some(Obj::Surface(surf)) = t.get_mut(outputs[k]) else { unreachable!("checked above") };
+        let Some(Obj::Surface(surf)) = t.get_mut(outputs[k]) else {
+            unreachable!("checked above")
+        };
         for (dst, h) in surf.bytes_mut().chunks_exact_mut(2).zip(&halves) {
             dst.copy_from_slice(&h.to_le_bytes());
         }

@@ -24,7 +24,7 @@ pub mod objects;
 
 use objects::{Handle, Obj, Surface, Table};
 
-// SAFETY (for the impl below): a surface's base pointer is only touched by
+// SAFETY: a surface's base pointer is only touched by
 // the single thread that drives the device, under the table's mutex or
 // between IOSurfaceLock and IOSurfaceUnlock, as on macOS.
 unsafe impl Send for Surface {}
@@ -161,7 +161,9 @@ pub unsafe extern "C" fn objc_getClass(name: *const c_char) -> Handle {
 #[no_mangle]
 pub unsafe extern "C" fn sel_registerName(name: *const c_char) -> Handle {
     // SAFETY: the caller passes a C string.
-    let name = unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned();
+    let name = unsafe { CStr::from_ptr(name) }
+        .to_string_lossy()
+        .into_owned();
     let mut s = state();
     let i = match s.selectors.iter().position(|n| *n == name) {
         Some(i) => i,
@@ -283,8 +285,9 @@ pub unsafe extern "C" fn objc_msgSend(
     let mut s = state();
     constants(&mut s.table);
     let Some(name) = selector_name(&s, sel) else {
-        s.table
-            .violation(format!("objc_msgSend with an unregistered selector {sel:#x}"));
+        s.table.violation(format!(
+            "objc_msgSend with an unregistered selector {sel:#x}"
+        ));
         return 0;
     };
     let class = class_index(recv);
@@ -347,12 +350,24 @@ pub unsafe extern "C" fn objc_msgSend(
 /// # Safety
 /// The arguments are those of `name`'s prototype; the `NSError **` one is
 /// null or writable.
-unsafe fn model_message(s: &mut State, recv: Handle, name: &str, a: usize, b: usize, c: usize, d: usize) -> usize {
+unsafe fn model_message(
+    s: &mut State,
+    recv: Handle,
+    name: &str,
+    a: usize,
+    b: usize,
+    c: usize,
+    d: usize,
+) -> usize {
     let t = &mut s.table;
     let hex = match t.get(recv) {
         Some(Obj::Model(m)) => m.hex.clone(),
         other => {
-            let what = if other.is_some() { t.kind(recv) } else { "object that is not alive" };
+            let what = if other.is_some() {
+                t.kind(recv)
+            } else {
+                "object that is not alive"
+            };
             t.violation(format!("-{name} sent to a {what} ({recv:#x})"));
             return 0;
         }
@@ -422,11 +437,16 @@ pub unsafe extern "C" fn CFDataCreate(_alloc: usize, bytes: *const u8, len: isiz
 /// # Safety
 /// `value` points to a number of type `kind`.
 #[no_mangle]
-pub unsafe extern "C" fn CFNumberCreate(_alloc: usize, kind: isize, value: *const c_void) -> Handle {
+pub unsafe extern "C" fn CFNumberCreate(
+    _alloc: usize,
+    kind: isize,
+    value: *const c_void,
+) -> Handle {
     let mut s = state();
     if kind != SINT64 || value.is_null() {
-        s.table
-            .violation(format!("CFNumberCreate with type {kind}, not kCFNumberSInt64Type"));
+        s.table.violation(format!(
+            "CFNumberCreate with type {kind}, not kCFNumberSInt64Type"
+        ));
         return 0;
     }
     // SAFETY: a kCFNumberSInt64Type value is an i64.
@@ -446,8 +466,9 @@ pub unsafe extern "C" fn CFStringCreateWithBytes(
 ) -> Handle {
     let mut s = state();
     if encoding != UTF8 {
-        s.table
-            .violation(format!("CFStringCreateWithBytes with encoding {encoding:#x}"));
+        s.table.violation(format!(
+            "CFStringCreateWithBytes with encoding {encoding:#x}"
+        ));
         return 0;
     }
     let v = if len > 0 {
@@ -480,12 +501,17 @@ pub extern "C" fn CFStringGetLength(h: Handle) -> isize {
 /// # Safety
 /// `buf` points to `size` writable bytes.
 #[no_mangle]
-pub unsafe extern "C" fn CFStringGetCString(h: Handle, buf: *mut c_char, size: isize, encoding: u32) -> u8 {
+pub unsafe extern "C" fn CFStringGetCString(
+    h: Handle,
+    buf: *mut c_char,
+    size: isize,
+    encoding: u32,
+) -> u8 {
     let mut s = state();
     constants(&mut s.table);
     let Some(text) = s.table.text(h) else {
         let msg = format!("CFStringGetCString of a {}", s.table.kind(h));
-            s.table.violation(msg);
+        s.table.violation(msg);
         return 0;
     };
     if encoding != UTF8 || size <= text.len() as isize || buf.is_null() {
@@ -514,8 +540,9 @@ pub unsafe extern "C" fn CFDictionaryCreate(
     if key_callbacks != addr(&kCFTypeDictionaryKeyCallBacks)
         || value_callbacks != addr(&kCFTypeDictionaryValueCallBacks)
     {
-        s.table
-            .violation("CFDictionaryCreate without the kCFType callbacks (contents not retained)".into());
+        s.table.violation(
+            "CFDictionaryCreate without the kCFType callbacks (contents not retained)".into(),
+        );
     }
     let n = n.max(0) as usize;
     let pairs = if n == 0 {
@@ -536,11 +563,17 @@ pub unsafe extern "C" fn CFDictionaryCreate(
 /// # Safety
 /// `items` points to `n` handles.
 #[no_mangle]
-pub unsafe extern "C" fn CFArrayCreate(_alloc: usize, items: *const Handle, n: isize, callbacks: usize) -> Handle {
+pub unsafe extern "C" fn CFArrayCreate(
+    _alloc: usize,
+    items: *const Handle,
+    n: isize,
+    callbacks: usize,
+) -> Handle {
     let mut s = state();
     if callbacks != addr(&kCFTypeArrayCallBacks) {
-        s.table
-            .violation("CFArrayCreate without kCFTypeArrayCallBacks (contents not retained)".into());
+        s.table.violation(
+            "CFArrayCreate without kCFTypeArrayCallBacks (contents not retained)".into(),
+        );
     }
     let n = n.max(0) as usize;
     let v = if n == 0 {
@@ -642,7 +675,11 @@ pub extern "C" fn IOSurfaceCreate(props: Handle) -> Handle {
     t.create(Obj::Surface(Surface::new(bytes)))
 }
 
-fn with_surface<T>(h: Handle, what: &str, f: impl FnOnce(&mut Table, &mut Surface) -> T) -> Option<T> {
+fn with_surface<T>(
+    h: Handle,
+    what: &str,
+    f: impl FnOnce(&mut Table, &mut Surface) -> T,
+) -> Option<T> {
     let mut s = state();
     let t = &mut s.table;
     // Take the surface out while `f` may record violations, then put it back.

@@ -148,6 +148,12 @@ pub struct Table {
     pub violations: Vec<String>,
 }
 
+impl Default for Table {
+    fn default() -> Self {
+        Table::new()
+    }
+}
+
 impl Table {
     pub const fn new() -> Table {
         Table {

@@ -15,6 +15,7 @@ pub mod config;
 pub mod convert;
 pub mod corpus;
 pub mod data;
+pub mod doctor;
 pub mod engine;
 pub mod fsutil;
 pub mod generate;

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod awake;
+mod cmd_doctor;
 mod cmd_kernels;
 mod cmd_mil;
 mod cmd_model;
@@ -198,6 +199,33 @@ enum Command {
     },
     /// Print the platform, Neural Engine availability and versions.
     Info,
+    /// Check the Neural Engine on this machine: run it first on a Mac.
+    ///
+    /// For each kernel of the model: compile time, evaluation time (median)
+    /// and the largest relative difference from the simulator (ane-sim) on
+    /// the same random inputs; then training steps on the device beside the
+    /// same steps on ane-sim. Prints a markdown summary ending in a verdict
+    /// (exit status 1 on FAIL); --report writes everything as JSON, to
+    /// attach to an issue. Without a Neural Engine the simulator stands in
+    /// as the device (and with ANETRAIN_ANE_RUNTIME set, the stand-in
+    /// runtime library), so the report says nothing about hardware then.
+    Doctor {
+        /// A preset or a model directory with config.json.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequence length the kernels are built and trained at.
+        #[arg(long, default_value_t = 128)]
+        seq: usize,
+        /// Training steps on each of the device and ane-sim (0: skip).
+        #[arg(long, default_value_t = 10)]
+        steps: u64,
+        /// Timed evaluations per kernel.
+        #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+        evals: u64,
+        /// Write the full report here as JSON.
+        #[arg(long, value_name = "FILE")]
+        report: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -334,11 +362,18 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     // (see `awake`): on virtual machines a halted CPU comes back late.
     let _awake = matches!(
         cli.command,
-        Command::Train(_) | Command::Bench { .. } | Command::Eval { .. }
+        Command::Train(_) | Command::Bench { .. } | Command::Eval { .. } | Command::Doctor { .. }
     )
     .then(awake::KeepAwake::start);
     match cli.command {
         Command::Info => info(),
+        Command::Doctor {
+            model,
+            seq,
+            steps,
+            evals,
+            report,
+        } => cmd_doctor::run(&model, seq, steps, evals as usize, report.as_deref())?,
         Command::Convert {
             input,
             out,

@@ -360,8 +360,8 @@ impl AneDevice {
     }
 
     fn load(stand_in: Option<&str>) -> Result<AneDevice> {
-        let rt = Runtime::load(stand_in)
-            .map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
+        let rt =
+            Runtime::load(stand_in).map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
         Ok(AneDevice {
             rt: Rc::new(rt),
             rules: RuleSet::default(),
@@ -797,7 +797,9 @@ mod tests {
         if cfg!(target_os = "macos") {
             return;
         }
-        let e = Runtime::load(None).err().expect("no Objective-C runtime here");
+        let e = Runtime::load(None)
+            .err()
+            .expect("no Objective-C runtime here");
         assert!(e.contains(ffi::OBJC), "{e}");
     }
 
