@@ -4,7 +4,9 @@
 //! AVX-512, for AVX2 + FMA, and for the baseline — and picks the widest the
 //! CPU has at run time. The arithmetic is the same IEEE operations in the
 //! same order in every version (Rust never fuses a multiply and an add on
-//! its own), so results are identical bit for bit whichever runs.
+//! its own), so results are identical bit for bit whichever runs. On
+//! aarch64 (Apple Silicon) only the plain loop exists: NEON is that
+//! target's baseline, so it is already compiled 4 lanes wide.
 
 /// Defines `fn NAME(args) -> RET` whose body is compiled per instruction
 /// set as described in the module comment.

@@ -101,7 +101,16 @@ pub fn run_check(
         "kernel", "fp32 maxabs", "fp32 rel", "fp16 maxabs", "fp16 rel", "time"
     );
     let mut failed = vec![];
+    let rules = ane::rules::RuleSet::default();
+    let mut broken = vec![];
     for kind in selected(only)? {
+        let program = anetrain::kernels::build(kind, &shape, &opts)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
+        broken.extend(
+            ane::rules::check(&program.program, &rules)
+                .into_iter()
+                .map(|f| format!("{}: {f}", kind.name())),
+        );
         let t = Instant::now();
         let r = check::check_kernel(kind, &shape, &opts, seed)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
@@ -125,12 +134,39 @@ pub fn run_check(
         check::FP32_TOL,
         check::FP16_TOL
     );
+    if broken.is_empty() {
+        println!(
+            "ANE rules: every kernel meets all {} default rules (`mil check` lists them)",
+            ane::rules::all()
+                .iter()
+                .filter(|r| rules.is_on(r.id))
+                .count()
+        );
+    }
+    for b in &broken {
+        println!("ANE rule broken: {b}");
+    }
+    let mut problems = vec![];
     if !failed.is_empty() {
-        bail!(
+        problems.push(format!(
             "{} kernel(s) out of tolerance: {}",
             failed.len(),
             failed.join(", ")
-        );
+        ));
+    }
+    if !broken.is_empty() {
+        problems.push(format!(
+            "{} ANE rule finding(s){}",
+            broken.len(),
+            if seed_compat {
+                " (the seed's layouts are not padded to the device's minimum surface)"
+            } else {
+                ""
+            }
+        ));
+    }
+    if !problems.is_empty() {
+        bail!("{}", problems.join("; "));
     }
     Ok(())
 }

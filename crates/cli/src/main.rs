@@ -339,7 +339,13 @@ fn info() {
             others.join(", ")
         );
     }
+    let stand_in = std::env::var_os(ane::apple::RUNTIME_ENV).filter(|p| !p.is_empty());
     match ane::AneDevice::open() {
+        Ok(_) if stand_in.is_some() => println!(
+            "neural engine: AneDevice over the stand-in runtime {} ({} is set: a testing aid, not the ANE)",
+            std::path::Path::new(stand_in.as_deref().unwrap_or_default()).display(),
+            ane::apple::RUNTIME_ENV
+        ),
         Ok(_) => println!(
             "neural engine: the ANE framework loads (AppleNeuralEngine.framework, private API); \
              compile budget {} programs per process",

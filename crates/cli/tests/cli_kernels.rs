@@ -25,6 +25,10 @@ fn kernels_check_passes_for_qwen3_0_6b_at_seq_256() {
         10,
         "{table}"
     );
+    assert!(
+        table.contains("ANE rules: every kernel meets all"),
+        "{table}"
+    );
 }
 
 #[test]

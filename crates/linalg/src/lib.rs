@@ -286,8 +286,14 @@ fn through_backend(
     mut c: MatMut<'_>,
     accumulate: bool,
 ) {
-    let (m, k, n) = (a.rows, a.cols, b.cols);
-    let parts = if threaded { part_count(m, n, k) } else { 1 };
+    // Our own kernels and MKL split a product into parts (x86-64 only);
+    // the BLAS libraries elsewhere thread themselves.
+    #[cfg(target_arch = "x86_64")]
+    let parts = if threaded {
+        part_count(a.rows, b.cols, a.cols)
+    } else {
+        1
+    };
     let ptr = c.as_mut_ptr();
     let ldc = c.row_stride;
     // SAFETY: (each arm) `multiply` proved both views and the m × n block
@@ -359,12 +365,12 @@ fn naive(a: MatRef<'_>, b: MatRef<'_>, mut c: MatMut<'_>, accumulate: bool) {
     }
 }
 
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 /// Below this many multiply-adds a product runs on the calling thread:
 /// splitting it would cost more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 21;
 
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 /// How many parts [`in_parts`] should split an `m × k · k × n` product
 /// into: every thread of the pool when the product is large enough.
 fn part_count(m: usize, n: usize, k: usize) -> usize {
@@ -385,7 +391,7 @@ fn part_count(m: usize, n: usize, k: usize) -> usize {
 /// `c` points at an `m × n` block with row stride `ldc` that nothing else
 /// reads or writes during the call, and `part` writes only the block it is
 /// given.
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn in_parts(
     a: MatRef<'_>,
@@ -439,15 +445,15 @@ unsafe fn in_parts(
     });
 }
 
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: the threads of `in_parts` only write disjoint parts of the
 // destination through it.
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
-#[cfg(feature = "backends")]
+#[cfg(all(feature = "backends", target_arch = "x86_64"))]
 unsafe impl Sync for SendPtr {}
 
 #[cfg(test)]

@@ -15,7 +15,9 @@
 //! Unsafe code is confined to the calls into the resolved symbols; each
 //! block states what it relies on. **This device has not been run on Apple
 //! hardware**: it follows the call sequence of the public reverse-engineered
-//! projects, and everything before these calls is exercised by the simulator.
+//! projects. On Linux every line of it runs against `crates/ane-standin`, a
+//! stand-in of Apple's runtime whose behaviour is taken from those projects
+//! (`ANETRAIN_ANE_RUNTIME`, [`AneDevice::with_runtime`]).
 
 pub mod ffi;
 
