@@ -33,29 +33,49 @@ fn permute_rope_rows(w: &[f32], heads: usize, hd: usize, cols: usize) -> Vec<f32
 
 /// Reads a llama2.c checkpoint into a Hugging Face-layout model.
 pub fn load_llama2c(path: &Path) -> Result<Model> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    use std::io::Read;
     let what = path.display().to_string();
-    if bytes.len() < 28 {
-        bail!(
-            "'{what}' is {} bytes, too short for a llama2.c header",
-            bytes.len()
-        );
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot read '{what}'"))?;
+    let len = file
+        .metadata()
+        .with_context(|| format!("cannot read '{what}'"))?
+        .len();
+    if !file.metadata().map(|m| m.is_file()).unwrap_or(false) {
+        bail!("'{what}' is not a file");
     }
-    let hdr: Vec<i64> = bytes[..28]
+    let not_llama2c = |why: String| anyhow::anyhow!("'{what}' is not a llama2.c checkpoint: {why}");
+    let mut header = [0u8; 28];
+    if len < 28 || file.read_exact(&mut header).is_err() {
+        return Err(not_llama2c(format!(
+            "{len} bytes, shorter than the 28-byte header"
+        )));
+    }
+    let hdr: Vec<i64> = header
         .chunks_exact(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
         .collect();
     let (dim, hidden, layers, heads, kv_heads, vocab_signed, seq_len) =
         (hdr[0], hdr[1], hdr[2], hdr[3], hdr[4], hdr[5], hdr[6]);
-    if [dim, hidden, layers, heads, kv_heads, seq_len]
-        .iter()
-        .any(|&v| v <= 0)
-        || vocab_signed == 0
-    {
-        bail!("'{what}': header {hdr:?} is not a llama2.c checkpoint (sizes must be positive)");
+    // Sizes any llama2.c model has (the largest, Llama-2 70B, has dim
+    // 8192, 80 layers, 64 heads).
+    let sane = [
+        ("dim", dim, 1 << 16),
+        ("hidden_dim", hidden, 1 << 18),
+        ("n_layers", layers, 1 << 10),
+        ("n_heads", heads, 1 << 10),
+        ("n_kv_heads", kv_heads, 1 << 10),
+        ("vocab_size", vocab_signed.abs(), 1 << 24),
+        ("seq_len", seq_len, 1 << 20),
+    ];
+    if let Some((name, v, max)) = sane.iter().find(|(_, v, max)| *v <= 0 || v > max) {
+        return Err(not_llama2c(format!(
+            "header field {name} is {v} (expected 1 to {max})"
+        )));
     }
-    if dim % heads != 0 {
-        bail!("'{what}': dim {dim} is not a multiple of n_heads {heads}");
+    if dim % heads != 0 || heads % kv_heads != 0 {
+        return Err(not_llama2c(format!(
+            "dim {dim}, n_heads {heads} and n_kv_heads {kv_heads} do not divide"
+        )));
     }
     let shared = vocab_signed > 0;
     let cfg = ModelConfig {
@@ -73,7 +93,7 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         max_position_embeddings: seq_len as usize,
         qk_norm: false,
     };
-    cfg.validate().with_context(|| format!("'{what}'"))?;
+    cfg.validate().map_err(|e| not_llama2c(e.to_string()))?;
     let (d, h, l, v) = (
         cfg.hidden_size,
         cfg.intermediate_size,
@@ -98,20 +118,15 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         cfg.max_position_embeddings * half_hd,
         if shared { 0 } else { v * d },
     ];
-    let need = 28 + 4 * sizes.iter().sum::<usize>();
-    if bytes.len() < need {
-        bail!(
-            "'{what}' holds {} bytes but its header implies {need} (truncated?)",
-            bytes.len()
-        );
+    let need = 28 + 4 * sizes.iter().sum::<usize>() as u64;
+    if len != need {
+        return Err(not_llama2c(format!(
+            "the header (dim {dim}, {layers} layers, vocab {}) implies {need} bytes, the file holds {len}{}",
+            vocab_signed.abs(),
+            if len < need { " (truncated?)" } else { "" }
+        )));
     }
-    if bytes.len() > need {
-        bail!(
-            "'{what}' holds {} bytes, {} more than its header implies (not a llama2.c checkpoint?)",
-            bytes.len(),
-            bytes.len() - need
-        );
-    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{what}'"))?;
     let mut at = 28;
     let mut next = |n: usize| -> Vec<f32> {
         let v = bytes[at..at + 4 * n]

@@ -185,12 +185,13 @@ pub struct GenerateOptions<'a> {
     pub max_new: usize,
     pub sampling: Sampling,
     pub seed: u64,
-    /// Tokens that end generation (emitted, then stop).
+    /// Tokens that end generation (not emitted: they are not text).
     pub stop: &'a [u32],
 }
 
 /// Samples from `logits`, emits, and asks `next` for the following logits
-/// (`None`: no room left) until `max_new` tokens or a stop token.
+/// (`None`: no room left) until `max_new` tokens or a stop token (which is
+/// neither emitted nor returned).
 fn sample_loop(
     o: &GenerateOptions,
     mut logits: Vec<f32>,
@@ -201,11 +202,12 @@ fn sample_loop(
     let mut out = Vec::new();
     while out.len() < o.max_new {
         let t = sample(&logits, o.sampling, &mut rng);
-        out.push(t);
-        emit(t)?;
+        // An end-of-sequence token ends the text; it is not part of it.
         if o.stop.contains(&t) {
             break;
         }
+        out.push(t);
+        emit(t)?;
         match next(t)? {
             Some(l) => logits = l,
             None => break,
@@ -282,4 +284,42 @@ pub fn generate_with_engine<R: crate::runner::KernelRunner>(
         },
         emit,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Greedy decoding over fixed logits: token `t` is followed by `t + 1`;
+    /// the stop token ends the text without being emitted.
+    #[test]
+    fn a_stop_token_ends_generation_unseen() {
+        let logits = |t: usize| {
+            let mut l = vec![0f32; 8];
+            l[t] = 10.0;
+            l
+        };
+        let o = GenerateOptions {
+            max_new: 10,
+            sampling: Sampling {
+                temperature: 0.0,
+                top_p: 1.0,
+            },
+            seed: 0,
+            stop: &[4],
+        };
+        let mut emitted = vec![];
+        let out = sample_loop(
+            &o,
+            logits(1),
+            |t| Ok(Some(logits(t as usize + 1))),
+            |t| {
+                emitted.push(t);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert_eq!(emitted, [1, 2, 3]);
+    }
 }

@@ -245,6 +245,17 @@ fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
     if s.seq < 1 || s.batch < 1 || s.accum < 1 || r.steps < 1 {
         bail!("--seq, --batch, --accum and --steps must all be at least 1");
     }
+    if let Some(d) = &s.data {
+        if d.is_dir() {
+            bail!(
+                "--data '{}' is a directory; name a token file or a .txt file",
+                d.display()
+            );
+        }
+        if !d.exists() {
+            bail!("--data '{}': the file does not exist", d.display());
+        }
+    }
     if !(s.lr.is_finite() && s.lr > 0.0) {
         bail!("--lr must be a positive number");
     }
@@ -333,6 +344,162 @@ fn truncate_metrics(path: &Path, step: u64) -> Result<()> {
     write_atomic(path, body.as_bytes())
 }
 
+/// A run directory this invocation created: removed on drop (with any
+/// parent directories created for it) unless a checkpoint was written into
+/// it, so a run that fails before its first checkpoint — bad data, model,
+/// device — leaves nothing behind.
+struct NewRunDir {
+    dir: PathBuf,
+    /// The outermost directory that did not exist before.
+    created: Option<PathBuf>,
+}
+
+impl NewRunDir {
+    fn create(dir: &Path) -> Result<NewRunDir> {
+        let created = dir
+            .ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .last()
+            .map(Path::to_path_buf);
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create '{}'", dir.display()))?;
+        Ok(NewRunDir {
+            dir: dir.to_path_buf(),
+            created,
+        })
+    }
+}
+
+impl Drop for NewRunDir {
+    fn drop(&mut self) {
+        if let Some(top) = &self.created {
+            if !checkpoint::state_path(&self.dir).exists() {
+                let _ = std::fs::remove_dir_all(top);
+            }
+        }
+    }
+}
+
+/// How the settings given now differ from the run's, in flag terms:
+/// `--lr 0.003 in the run, 0.001 now`.
+pub fn settings_differences(
+    run: &TrainSettings,
+    now: &TrainSettings,
+    run_adamw: &AdamWConfig,
+    now_adamw: &AdamWConfig,
+) -> Vec<String> {
+    use crate::choice::Choice;
+    let mut d = vec![];
+    let mut differ = |flag: &str, a: String, b: String| {
+        if a != b {
+            d.push(format!("{flag} {a} in the run, {b} now"));
+        }
+    };
+    let opt = |v: Option<String>, none: &str| v.unwrap_or_else(|| none.to_string());
+    differ("--model", run.model.clone(), now.model.clone());
+    differ(
+        "--backend",
+        run.backend.name().into(),
+        now.backend.name().into(),
+    );
+    let data = |p: &Option<PathBuf>| {
+        opt(
+            p.as_ref().map(|p| p.display().to_string()),
+            "(the built-in corpus)",
+        )
+    };
+    differ("--data", data(&run.data), data(&now.data));
+    differ(
+        "--token-dtype",
+        run.token_dtype.name().into(),
+        now.token_dtype.name().into(),
+    );
+    differ("--seq", run.seq.to_string(), now.seq.to_string());
+    differ("--batch", run.batch.to_string(), now.batch.to_string());
+    differ("--accum", run.accum.to_string(), now.accum.to_string());
+    differ("--lr", run.lr.to_string(), now.lr.to_string());
+    let warmup = |w: Option<u64>| opt(w.map(|w| w.to_string()), "(default)");
+    differ("--warmup", warmup(run.warmup), warmup(now.warmup));
+    differ(
+        "--min-lr-frac",
+        run.min_lr_frac.to_string(),
+        now.min_lr_frac.to_string(),
+    );
+    differ("--clip", run.clip.to_string(), now.clip.to_string());
+    differ("--seed", run.seed.to_string(), now.seed.to_string());
+    differ(
+        "--sample",
+        run.sample.name().into(),
+        now.sample.name().into(),
+    );
+    differ(
+        "--val-frac",
+        run.val_frac.to_string(),
+        now.val_frac.to_string(),
+    );
+    differ(
+        "--eval-every",
+        run.eval_every.to_string(),
+        now.eval_every.to_string(),
+    );
+    differ(
+        "--eval-windows",
+        run.eval_windows.to_string(),
+        now.eval_windows.to_string(),
+    );
+    let lora = |l: &Option<LoraConfig>, f: &dyn Fn(&LoraConfig) -> String| {
+        opt(l.as_ref().map(f), "(none)")
+    };
+    differ(
+        "--lora-rank",
+        lora(&run.lora, &|l| l.rank.to_string()),
+        lora(&now.lora, &|l| l.rank.to_string()),
+    );
+    differ(
+        "--lora-alpha",
+        lora(&run.lora, &|l| l.alpha.to_string()),
+        lora(&now.lora, &|l| l.alpha.to_string()),
+    );
+    differ(
+        "--lora-dropout",
+        lora(&run.lora, &|l| l.dropout.to_string()),
+        lora(&now.lora, &|l| l.dropout.to_string()),
+    );
+    let targets = |l: &LoraConfig| {
+        l.targets
+            .iter()
+            .map(|t| t.name())
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    differ(
+        "--lora-targets",
+        lora(&run.lora, &targets),
+        lora(&now.lora, &targets),
+    );
+    differ(
+        "--beta1",
+        run_adamw.beta1.to_string(),
+        now_adamw.beta1.to_string(),
+    );
+    differ(
+        "--beta2",
+        run_adamw.beta2.to_string(),
+        now_adamw.beta2.to_string(),
+    );
+    differ(
+        "--eps",
+        run_adamw.eps.to_string(),
+        now_adamw.eps.to_string(),
+    );
+    differ(
+        "--wd",
+        run_adamw.weight_decay.to_string(),
+        now_adamw.weight_decay.to_string(),
+    );
+    d
+}
+
 /// Runs (or resumes) training; returns the final train loss. `report`
 /// receives every [`Event`]; when `stop` becomes true the run finishes its
 /// step, saves a checkpoint and returns an error saying how to resume.
@@ -345,30 +512,37 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         _ => None,
     };
     let out = r.out.clone();
-    let resuming = r.resume && checkpoint::state_path(&out).is_file();
+    let resuming = r.resume;
+    if resuming && !checkpoint::state_path(&out).is_file() {
+        bail!(
+            "nothing to resume in '{}': {}",
+            out.display(),
+            if out.exists() {
+                "it holds no checkpoint (trainer/state.json)"
+            } else {
+                "the directory does not exist"
+            }
+        );
+    }
     if !r.resume && checkpoint::state_path(&out).exists() {
         bail!(
             "'{}' already holds a training run; pass --resume to continue it or choose another --out",
             out.display()
         );
     }
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create '{}'", out.display()))?;
+    // Removed again if this run fails before its first checkpoint.
+    let _created = NewRunDir::create(&out)?;
 
     let (mut model, mut opt, mut state, corpus) = if resuming {
         let committed = checkpoint::read_state(&out)?;
         let saved: TrainSettings = serde_json::from_value(committed.settings.clone())
             .context("the checkpoint's settings are unreadable")?;
-        if saved != s {
+        let differences = settings_differences(&saved, &s, &committed.adamw, &r.adamw);
+        if !differences.is_empty() {
             bail!(
-                "--resume with different settings than the run in '{}' (it used {}); repeat its flags, only --steps may change",
+                "--resume with different settings than the run in '{}': {}; repeat the run's flags (only --steps, --save-every and --log-every may change on resume)",
                 out.display(),
-                serde_json::to_string(&saved)?
-            );
-        }
-        if committed.adamw != r.adamw {
-            bail!(
-                "--resume with different AdamW settings than the run in '{}'",
-                out.display()
+                differences.join(", ")
             );
         }
         let base = match s.lora {

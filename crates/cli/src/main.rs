@@ -57,6 +57,7 @@ enum Command {
     ///
     /// For a token array t[0..n] the model reads t[0..n-1] and predicts
     /// t[1..n]. Prints one JSON line {"loss", "tokens", "ppl"}.
+    #[command(allow_negative_numbers = true)]
     Eval {
         /// Hugging Face model directory (config.json + safetensors).
         #[arg(long)]
@@ -91,6 +92,7 @@ enum Command {
         backend: Option<anetrain::backend::Backend>,
     },
     /// Generate text from a prompt, streaming tokens to stdout.
+    #[command(allow_negative_numbers = true)]
     Generate {
         /// Hugging Face model directory.
         #[arg(long)]
@@ -125,6 +127,7 @@ enum Command {
     /// Time training steps (forward, backward, AdamW) as `train` runs them;
     /// prints one JSON line last (median/min step time, tokens/s, GFLOP/s,
     /// peak RSS, per-phase medians).
+    #[command(allow_negative_numbers = true)]
     Bench {
         /// A preset (random initialisation) or a model directory.
         #[arg(long, default_value = "tiny")]
@@ -209,6 +212,7 @@ enum Command {
     /// attach to an issue. Without a Neural Engine the simulator stands in
     /// as the device (and with ANETRAIN_ANE_RUNTIME set, the stand-in
     /// runtime library), so the report says nothing about hardware then.
+    #[command(allow_negative_numbers = true)]
     Doctor {
         /// A preset or a model directory with config.json.
         #[arg(long, default_value = "tiny")]
@@ -361,6 +365,17 @@ fn info() {
         "default backend: {}",
         anetrain::backend::Backend::platform_default().name()
     );
+}
+
+/// A command-line error as one line: clap's first paragraph (the error
+/// and, for missing arguments, their list), without the usage block.
+fn one_line(rendered: &str) -> String {
+    let first: Vec<&str> = rendered
+        .lines()
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    format!("{} (see --help)", first.join(" "))
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -548,7 +563,23 @@ fn main() -> ExitCode {
             .unwrap_or_default();
         eprintln!("internal error: {msg}{at} (this is a bug in anetrain; please report it)");
     }));
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) if !e.use_stderr() => {
+            // --help, --version: printed as clap lays them out.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            // `anetrain kernels`: the subcommand's help is the answer.
+            let _ = e.print();
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            eprintln!("{}", one_line(&e.render().to_string()));
+            return ExitCode::from(1);
+        }
+    };
     if let Err(e) = linalg::check_env() {
         eprintln!("error: {e}");
         return ExitCode::from(1);

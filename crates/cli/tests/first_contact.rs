@@ -1,0 +1,159 @@
+//! What a new user runs into first: resuming the wrong directory, failed
+//! runs leaving directories behind, resume mismatches, command-line
+//! mistakes, a wrong file given to `convert`.
+
+mod common;
+
+use common::{bin, fails, tmp};
+
+fn s(p: &std::path::Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn resume_needs_a_checkpoint() {
+    let d = tmp();
+    let typo = d.path().join("runs/tiny-typo");
+    fails(
+        &["train", "--resume", "--steps", "1", "--out", s(&typo)],
+        &["nothing to resume", "tiny-typo", "does not exist"],
+    );
+    assert!(!typo.exists() && !d.path().join("runs").exists());
+    let empty = d.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    fails(
+        &["train", "--resume", "--steps", "1", "--out", s(&empty)],
+        &["nothing to resume", "holds no checkpoint"],
+    );
+    assert!(empty.is_dir(), "a directory the user made stays");
+}
+
+#[test]
+fn a_failed_run_leaves_no_directory_behind() {
+    let d = tmp();
+    let out = d.path().join("runs/new");
+    let missing = d.path().join("nope.txt");
+    let no_model = d.path().join("no-model");
+    for (args, needle) in [
+        (vec!["--seq", "4096"], "max_position_embeddings"),
+        (
+            vec!["--data", s(&missing)],
+            "nope.txt': the file does not exist",
+        ),
+        (vec!["--data", s(d.path())], "is a directory"),
+        (vec!["--model", s(&no_model)], "no-model"),
+    ] {
+        let mut a = vec!["train", "--steps", "1", "--out", s(&out)];
+        a.extend(args);
+        fails(&a, &[needle]);
+        assert!(!d.path().join("runs").exists(), "{a:?} left a directory");
+    }
+    // The default directory under ./runs/ too.
+    let o = bin()
+        .args(["train", "--steps", "1", "--seq", "4096"])
+        .current_dir(d.path())
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1));
+    assert!(!d.path().join("runs").exists());
+}
+
+#[test]
+fn a_resume_mismatch_names_the_flags_and_values() {
+    let d = tmp();
+    let out = d.path().join("run");
+    let base = [
+        "train",
+        "--steps",
+        "2",
+        "--seq",
+        "32",
+        "--lr",
+        "0.003",
+        "--out",
+        s(&out),
+    ];
+    let o = bin().args(base).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = bin()
+        .args([
+            "train", "--steps", "4", "--seq", "64", "--lr", "0.001", "--resume",
+        ])
+        .args(["--out", s(&out)])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("--seq 32 in the run, 64 now")
+            && e.contains("--lr 0.003 in the run, 0.001 now")
+            && e.contains("only --steps"),
+        "{e}"
+    );
+    assert!(!e.contains('{') && !e.contains("AneSim"), "{e}");
+    assert_eq!(e.lines().count(), 1, "{e}");
+    // With the run's flags and more steps, it continues.
+    let o = bin()
+        .args([
+            "train", "--steps", "3", "--seq", "32", "--lr", "0.003", "--resume",
+        ])
+        .args(["--out", s(&out)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn command_line_mistakes_are_one_line() {
+    // Negative numbers reach the range checks.
+    fails(
+        &[
+            "generate",
+            "--model",
+            "m",
+            "--prompt",
+            "a",
+            "--temperature",
+            "-1",
+        ],
+        &["--temperature", ">= 0"],
+    );
+    fails(
+        &[
+            "generate", "--model", "m", "--prompt", "a", "--top-p", "-0.5",
+        ],
+        &["--top-p"],
+    );
+    // clap's own errors, without the usage block.
+    fails(&["train", "--bogus"], &["--bogus", "--help"]);
+    fails(&["generate", "--prompt", "a"], &["required", "--model"]);
+    fails(&["bench", "--seq", "-5"], &["--seq", "-5"]);
+}
+
+#[test]
+fn convert_says_what_is_not_a_llama2c_checkpoint() {
+    let d = tmp();
+    let text = d.path().join("notes.txt");
+    std::fs::write(&text, "some notes that are not a checkpoint at all").unwrap();
+    let out = d.path().join("out");
+    fails(
+        &["convert", s(&text), "--out", s(&out)],
+        &["notes.txt", "not a llama2.c checkpoint", "header field"],
+    );
+    // A plausible header whose file is cut short.
+    let header: Vec<u8> = [8i32, 16, 1, 2, 2, 4, 4]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let short = d.path().join("short.bin");
+    std::fs::write(&short, &header).unwrap();
+    fails(
+        &["convert", s(&short), "--out", s(&out)],
+        &["not a llama2.c checkpoint", "holds 28", "truncated"],
+    );
+    fails(
+        &["convert", s(d.path()), "--out", s(&out)],
+        &["is not a file"],
+    );
+    assert!(!out.exists());
+}
