@@ -501,8 +501,9 @@ pub fn settings_differences(
 }
 
 /// Runs (or resumes) training; returns the final train loss. `report`
-/// receives every [`Event`]; when `stop` becomes true the run finishes its
-/// step, saves a checkpoint and returns an error saying how to resume.
+/// receives every [`Event`]; when `stop` becomes true the run abandons the
+/// step in progress at the next sequence, saves the last completed step
+/// and returns an error saying how to resume.
 pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool) -> Result<f64> {
     let s = r.settings.clone();
     validate(&s, &r)?;
@@ -741,7 +742,19 @@ impl Run<'_> {
         let mut grads = zero_grads(model);
         while state.step < r.steps {
             let t0 = Instant::now();
-            let st = self.step(&mut eng, model, opt, state, &mut rng, &mut grads)?;
+            let Some(st) = self.step(&mut eng, model, opt, state, &mut rng, &mut grads)? else {
+                // Stopped mid-step: nothing of the step was kept, so the
+                // state is the last completed step's; save it.
+                metrics.sync()?;
+                state.rng = rng.state();
+                checkpoint::save(out, model, opt, state.clone())?;
+                bail!(
+                    "interrupted during step {}; step {} is saved in '{}' — continue with the same flags plus --resume",
+                    state.step + 1,
+                    state.step,
+                    out.display()
+                );
+            };
             if st.finite {
                 consecutive_skips = 0;
                 last_loss = st.loss;
@@ -808,7 +821,10 @@ impl Run<'_> {
 
     /// One optimizer step: `accum · batch` windows forward and backward
     /// into `grads` (loss scaled for fp16), then the gradient norm,
-    /// clipping and AdamW, or a skip when anything is not finite.
+    /// clipping and AdamW, or a skip when anything is not finite. `None`
+    /// when a stop was requested before the step's last window: the data
+    /// position is put back and nothing else was changed, so the state is
+    /// exactly the previous step's.
     ///   loss = mean over targets of −log softmax(logits)[target]
     ///   g ← g / scale,  g ← g · min(1, clip / ‖g‖),  AdamW(g, lr(step))
     fn step<R: KernelRunner>(
@@ -819,7 +835,7 @@ impl Run<'_> {
         state: &mut TrainerState,
         rng: &mut Rng,
         grads: &mut crate::grads::Grads,
-    ) -> Result<StepStats> {
+    ) -> Result<Option<StepStats>> {
         let (r, s, corpus) = (self.r, self.s, self.corpus);
         let step = state.step;
         let lr = optim::lr_at(
@@ -834,7 +850,14 @@ impl Run<'_> {
         let mut loss_sum = 0f64;
         let n_targets = (s.batch * s.accum * s.seq) as f32;
         let loss_scale = state.scaler.scale;
+        let (rng_before, cursor_before) = (rng.clone(), state.cursor);
         for micro in 0..s.accum * s.batch {
+            if self.stop.load(Ordering::SeqCst) {
+                *rng = rng_before;
+                state.cursor = cursor_before;
+                eng.dropout_key = None;
+                return Ok(None);
+            }
             // LoRA dropout masks depend only on (seed, step, micro-batch),
             // so a resumed run draws the same ones.
             if s.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
@@ -882,14 +905,14 @@ impl Run<'_> {
         } else {
             state.skipped += 1;
         }
-        Ok(StepStats {
+        Ok(Some(StepStats {
             loss,
             lr,
             grad_norm: gnorm,
             finite,
             loss_scale,
             times: [t_fwd, t_loss, t_bwd, t_opt.elapsed().as_secs_f64()],
-        })
+        }))
     }
 
     /// Reports a skipped step: what was not finite and the loss scale now.

@@ -1,21 +1,31 @@
 //! How a training run looks on the terminal: the library reports
 //! [`Event`]s, this draws them — a progress bar on a terminal, a line every
 //! `log_every` steps otherwise (logs, CI) — and turns SIGINT/SIGTERM into a
-//! request to stop after the current step.
+//! request to stop at the next sequence (a second one exits at once).
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anetrain::train::Event;
 
-/// Set by SIGINT/SIGTERM: finish the current step, checkpoint, stop.
+/// Set by SIGINT/SIGTERM: abandon the step in progress, checkpoint the last
+/// completed one, stop.
 static STOP: AtomicBool = AtomicBool::new(false);
 
 /// The stop flag, with the SIGINT/SIGTERM handler installed (once).
 pub fn stop_flag() -> &'static AtomicBool {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
-        let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::SeqCst));
+        // The first SIGINT/SIGTERM asks the run to stop at the next
+        // sequence and save the last completed step; a second one exits at
+        // once, writing nothing (the last checkpoint stays valid: each is
+        // committed by one rename).
+        let _ = ctrlc::set_handler(|| {
+            if STOP.swap(true, Ordering::SeqCst) {
+                eprintln!("\nstopped at once; the last saved checkpoint is intact");
+                std::process::exit(130);
+            }
+        });
     });
     &STOP
 }

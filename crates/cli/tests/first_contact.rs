@@ -157,3 +157,85 @@ fn convert_says_what_is_not_a_llama2c_checkpoint() {
     );
     assert!(!out.exists());
 }
+
+/// SIGTERM in the middle of a long step: the run exits within seconds,
+/// having saved the last completed step, and `--resume` then gives the
+/// same bits as a run never interrupted.
+#[test]
+fn a_signal_stops_a_long_step_promptly_and_resume_is_exact() {
+    let d = tmp();
+    // One step of 800 sequences: 20 s or more on two cores.
+    let flags = [
+        "train",
+        "--backend",
+        "cpu",
+        "--steps",
+        "1",
+        "--seq",
+        "128",
+        "--batch",
+        "800",
+    ];
+    let (stopped, whole) = (d.path().join("stopped"), d.path().join("whole"));
+    let mut child = bin()
+        .args(flags)
+        .args(["--out", s(&stopped)])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Into the step: the run directory and its metrics exist.
+    let t0 = std::time::Instant::now();
+    while !stopped.join("metrics.jsonl").exists() {
+        assert!(t0.elapsed().as_secs() < 120, "the run never started");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the step ended too soon to test"
+    );
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let signalled = std::time::Instant::now();
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            signalled.elapsed().as_secs() < 10,
+            "still running 10 s after SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let out = child.wait_with_output().unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(status.code(), Some(1), "{e}");
+    let last = e.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: interrupted during step 1; step 0 is saved")
+            && last.contains("--resume"),
+        "{e}"
+    );
+    assert!(stopped.join("trainer/state.json").is_file());
+
+    let o = bin()
+        .args(flags)
+        .args(["--resume", "--out", s(&stopped)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = bin()
+        .args(flags)
+        .args(["--out", s(&whole)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        std::fs::read(stopped.join("model.safetensors")).unwrap(),
+        std::fs::read(whole.join("model.safetensors")).unwrap(),
+        "resumed after the signal, the weights differ from an uninterrupted run"
+    );
+}
