@@ -86,6 +86,11 @@ fn glyph(c: char) -> [u8; 5] {
         '.' => [0, 0, 0, 0, 2],
         '-' => [0, 0, 7, 0, 0],
         '/' => [1, 1, 2, 4, 4],
+        '(' => [1, 2, 2, 2, 1],
+        ')' => [4, 2, 2, 2, 4],
+        ',' => [0, 0, 0, 2, 4],
+        'c' => [7, 4, 4, 4, 7],
+        'g' => [7, 5, 7, 1, 7],
         'a' => [2, 5, 7, 5, 5],
         'e' => [7, 4, 6, 4, 7],
         'i' => [7, 2, 2, 2, 7],
@@ -109,6 +114,53 @@ fn fmt_num(v: f64) -> String {
         s.trim_end_matches('0').trim_end_matches('.').to_string()
     } else {
         format!("{v:.1e}")
+    }
+}
+
+/// A "nice" spacing for about `n` ticks over `span`: 1, 2 or 5 times a
+/// power of ten.
+fn nice_step(span: f64, n: f64) -> f64 {
+    let raw = (span / n).max(f64::MIN_POSITIVE);
+    let p = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * p)
+        .find(|&v| v >= raw)
+        .unwrap_or(10.0 * p)
+}
+
+/// Linear ticks at multiples of a 1-2-5 spacing within `[lo, hi]`.
+fn linear_ticks(lo: f64, hi: f64, n: f64) -> Vec<f64> {
+    let step = nice_step(hi - lo, n);
+    let first = (lo / step).ceil() as i64;
+    let last = (hi / step).floor() as i64;
+    (first..=last).map(|k| k as f64 * step).collect()
+}
+
+/// Ticks for a log axis over `[lo, hi]` (both > 0): 1, 2, 5 × 10^e, or
+/// every integer multiple of the decade when the range is narrow.
+fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let within = |mults: &[f64]| -> Vec<f64> {
+        let mut v = vec![];
+        for e in (lo.log10().floor() as i32)..=(hi.log10().ceil() as i32) {
+            for &m in mults {
+                let t = m * 10f64.powi(e);
+                if t >= lo * (1.0 - 1e-9) && t <= hi * (1.0 + 1e-9) {
+                    v.push(t);
+                }
+            }
+        }
+        v
+    };
+    let coarse = within(&[1.0, 2.0, 5.0]);
+    if coarse.len() >= 3 {
+        return coarse;
+    }
+    let fine = within(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
+    if fine.len() >= 3 {
+        fine
+    } else {
+        linear_ticks(lo, hi, 8.0)
     }
 }
 
@@ -155,34 +207,43 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         .map(|p| p.1)
         .fold(f64::MAX, f64::min)
         .min(lmax - 1e-9);
-    let (lo, hi) = (lmin - 0.05 * (lmax - lmin), lmax + 0.05 * (lmax - lmin));
+    // Loss on a log axis (cross-entropy is positive): early and late
+    // training both stay readable.
+    let log = lmin > 0.0;
+    let f = |l: f64| if log { l.ln() } else { l };
+    let (flo, fhi) = (f(lmin), f(lmax).max(f(lmin) + 1e-9));
+    let (lo, hi) = (flo - 0.05 * (fhi - flo), fhi + 0.05 * (fhi - flo));
     let rmax = lr.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-30);
     let px = |s: f64| LEFT as f64 + s / xmax * pw;
-    let py = |l: f64| TOP as f64 + (hi - l) / (hi - lo) * ph;
+    let py = |l: f64| TOP as f64 + (hi - f(l)) / (hi - lo) * ph;
     let pr = |r: f64| TOP as f64 + (1.0 - r / rmax) * ph;
-    for k in 0..=5 {
-        let y = TOP as f64 + ph * k as f64 / 5.0;
+    let loss_ticks = if log {
+        log_ticks(lo.exp(), hi.exp())
+    } else {
+        linear_ticks(lo, hi, 5.0)
+    };
+    for t in loss_ticks {
+        let y = py(t);
         c.line((LEFT as f64, y), (LEFT as f64 + pw, y), GRID, 1);
-        c.text(
-            8,
-            y as usize - 5,
-            &fmt_num(hi - (hi - lo) * k as f64 / 5.0),
-            BLUE,
-            2,
-        );
+        c.text(8, (y as usize).saturating_sub(5), &fmt_num(t), BLUE, 2);
+    }
+    for t in linear_ticks(0.0, rmax, 5.0) {
+        let y = pr(t);
         c.text(
             W - RIGHT + 8,
-            y as usize - 5,
-            &fmt_num(rmax * (1.0 - k as f64 / 5.0)),
+            (y as usize).saturating_sub(5),
+            &fmt_num(t),
             GREEN,
             2,
         );
-        let x = LEFT as f64 + pw * k as f64 / 5.0;
+    }
+    for t in linear_ticks(0.0, xmax, 5.0) {
+        let x = px(t);
         c.line((x, TOP as f64), (x, TOP as f64 + ph), GRID, 1);
         c.text(
-            x as usize - 8,
+            (x as usize).saturating_sub(8),
             H - BOTTOM + 10,
-            &fmt_num((xmax * k as f64 / 5.0).round()),
+            &fmt_num(t),
             BLACK,
             2,
         );
@@ -222,9 +283,17 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     for &(s, l) in &val {
         c.line((px(s) - 3.0, py(l)), (px(s) + 3.0, py(l)), ORANGE, 5);
     }
-    c.text(LEFT, 12, "train loss", BLUE, 3);
-    c.text(LEFT + 150, 12, "val loss", ORANGE, 3);
-    c.text(LEFT + 280, 12, "lr", GREEN, 3);
+    c.text(
+        8,
+        TOP - 14,
+        if log { "loss (log)" } else { "loss" },
+        BLUE,
+        2,
+    );
+    c.text(W - RIGHT + 8, TOP - 14, "lr", GREEN, 2);
+    c.text(LEFT + 100, 12, "train loss", BLUE, 3);
+    c.text(LEFT + 250, 12, "val loss", ORANGE, 3);
+    c.text(LEFT + 380, 12, "lr", GREEN, 3);
     c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
     anetrain::fsutil::write_atomic(out, &encode_png(&c.px)?)
 }
@@ -262,6 +331,18 @@ mod tests {
         assert_eq!((info.width, info.height), (W as u32, H as u32));
         assert_eq!(info.color_type, png::ColorType::Rgb);
         assert_eq!(&buf[..info.buffer_size()], px.as_flattened());
+    }
+
+    #[test]
+    fn ticks_fall_on_1_2_5_values() {
+        assert_eq!(log_ticks(0.3, 7.0), [0.5, 1.0, 2.0, 5.0]);
+        assert_eq!(log_ticks(4.2, 6.8), [4.5, 5.0, 5.5, 6.0, 6.5]);
+        assert_eq!(
+            linear_ticks(0.0, 1000.0, 5.0),
+            [0.0, 200.0, 400.0, 600.0, 800.0, 1000.0]
+        );
+        assert_eq!(linear_ticks(0.0, 0.003, 5.0).len(), 4);
+        assert_eq!(nice_step(0.03, 5.0), 0.01);
     }
 
     #[test]
