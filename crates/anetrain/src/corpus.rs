@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -134,6 +134,35 @@ pub fn train_tokenizer(texts: &[String], vocab: usize) -> Result<Tokenizer> {
     tok.train(&mut trainer, texts.iter())
         .map_err(|e| anyhow!("training the built-in tokenizer failed: {e}"))?;
     Ok(Tokenizer::from_inner(tok))
+}
+
+/// Trains the built-in corpus's kind of tokenizer (byte-level BPE with an
+/// end-of-text token) on text files, one training sequence per line.
+pub fn train_tokenizer_on_files(files: &[&std::path::Path], vocab: usize) -> Result<Tokenizer> {
+    if vocab <= 257 {
+        bail!("--vocab-size {vocab}: a byte-level tokenizer needs more than 257 entries (256 bytes and the end-of-text token)");
+    }
+    let mut lines = vec![];
+    for f in files {
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("cannot read '{}' as UTF-8 text", f.display()))?;
+        lines.extend(
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(String::from),
+        );
+    }
+    if lines.is_empty() {
+        bail!(
+            "no text to train a tokenizer on in {}",
+            files
+                .iter()
+                .map(|f| format!("'{}'", f.display()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    train_tokenizer(&lines, vocab)
 }
 
 /// Token stream of `texts`, each followed by the end-of-text token.

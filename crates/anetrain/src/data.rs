@@ -197,6 +197,12 @@ pub fn open_tokens(
     Ok(t)
 }
 
+/// Whether `path` is read as text (tokenized) rather than as token ids.
+pub fn is_text(path: &Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e == "txt" || e == "text" || e == "md")
+}
+
 /// Loads training/eval tokens: a text file (`.txt`, tokenized) or a raw
 /// token file.
 pub fn load_tokens(
@@ -205,10 +211,7 @@ pub fn load_tokens(
     tokenizer: Option<&Tokenizer>,
     vocab: usize,
 ) -> Result<Vec<u32>> {
-    let is_text = path
-        .extension()
-        .is_some_and(|e| e == "txt" || e == "text" || e == "md");
-    let ids = if is_text {
+    let ids = if is_text(path) {
         let tok = tokenizer.with_context(|| {
             format!(
                 "'{}' is text; pass --tokenizer (or use a model directory with tokenizer.json)",

@@ -139,6 +139,7 @@ fn load_corpus(
     cfg: &mut ModelConfig,
     fresh: bool,
     tokenizer: Option<Tokenizer>,
+    note: &mut dyn FnMut(String),
 ) -> Result<Corpus> {
     let (tokens, tokenizer) = match &s.data {
         None => {
@@ -151,12 +152,23 @@ fn load_corpus(
             (data::Tokens::Owned(ids), Some(tok))
         }
         Some(path) => {
-            if fresh {
+            let preset = ModelConfig::preset(&s.model).is_some();
+            let mut tokenizer = tokenizer;
+            if fresh && preset && tokenizer.is_none() && data::is_text(path) {
+                // Text for a preset trained from scratch, and no tokenizer:
+                // train one on the text (saved in the run directory).
+                let tok = corpus::train_tokenizer_on_files(&[path.as_path()], cfg.vocab_size)?;
+                note(format!(
+                    "trained a byte-level BPE tokenizer of {} tokens on '{}' (saved as tokenizer.json in the run)",
+                    tok.vocab_size(),
+                    path.display()
+                ));
+                tokenizer = Some(tok);
+            }
+            if fresh && preset {
                 if let Some(t) = &tokenizer {
-                    if ModelConfig::preset(&s.model).is_some() {
-                        // Training from scratch: the vocabulary follows the tokenizer.
-                        cfg.vocab_size = t.vocab_size();
-                    }
+                    // Training from scratch: the vocabulary follows the tokenizer.
+                    cfg.vocab_size = t.vocab_size();
                 }
             }
             let ids = data::open_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
@@ -558,7 +570,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             None
         };
         let mut cfg = model.cfg.clone();
-        let corpus = load_corpus(&s, &mut cfg, false, tok)?;
+        let corpus = load_corpus(&s, &mut cfg, false, tok, &mut |n| report(&Event::Note(n)))?;
         (model, opt, state, corpus)
     } else {
         let dir = Path::new(&s.model);
@@ -571,7 +583,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             _ => None,
         };
         let mut cfg = ModelConfig::resolve(&s.model)?;
-        let corpus = load_corpus(&s, &mut cfg, true, tok)?;
+        let corpus = load_corpus(&s, &mut cfg, true, tok, &mut |n| report(&Event::Note(n)))?;
         let model = with_adapters(starting_model(&s, &cfg)?, &s)?;
         if s.lora.is_some() && !from_dir {
             report(&Event::Note(format!(

@@ -22,8 +22,9 @@ pub struct TrainArgs {
     /// (tokenized) [default: the built-in story corpus].
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
-    /// tokenizer.json for text data [default: the model directory's, or one
-    /// trained on the built-in corpus].
+    /// tokenizer.json for text data [default: the model directory's; for a
+    /// preset, one trained on the --data text (or on the built-in corpus),
+    /// saved in the run; `anetrain tokenizer train` makes one ahead].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Entry width of raw token files.

@@ -177,6 +177,11 @@ enum Command {
         #[arg(long)]
         tokenizer: Option<PathBuf>,
     },
+    /// Train a tokenizer for your own text.
+    Tokenizer {
+        #[command(subcommand)]
+        command: TokenizerCommand,
+    },
     /// Tokenize a text file into a raw little-endian token file for --data.
     Tokenize {
         /// A Hugging Face tokenizer.json.
@@ -229,6 +234,24 @@ enum Command {
         /// Write the full report here as JSON.
         #[arg(long, value_name = "FILE")]
         report: Option<PathBuf>,
+    },
+}
+
+#[derive(Subcommand)]
+enum TokenizerCommand {
+    /// Train a byte-level BPE tokenizer (the kind the built-in corpus
+    /// uses, with an <|endoftext|> token) on UTF-8 text files, one training
+    /// sequence per line, and write it as a Hugging Face tokenizer.json.
+    Train {
+        /// Text files to learn from (repeatable).
+        #[arg(long, required = true, num_args = 1..)]
+        input: Vec<PathBuf>,
+        /// Entries in the vocabulary (at most; a small text may yield fewer).
+        #[arg(long, default_value_t = 4096)]
+        vocab_size: usize,
+        /// Output tokenizer.json.
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -409,6 +432,23 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 "converted {} ({:.1}M parameters) to {}",
                 input.display(),
                 model.num_params() as f64 / 1e6,
+                out.display()
+            );
+        }
+        Command::Tokenizer {
+            command:
+                TokenizerCommand::Train {
+                    input,
+                    vocab_size,
+                    out,
+                },
+        } => {
+            let files: Vec<&std::path::Path> = input.iter().map(PathBuf::as_path).collect();
+            let tok = anetrain::corpus::train_tokenizer_on_files(&files, vocab_size)?;
+            tok.save(&out)?;
+            println!(
+                "wrote a tokenizer of {} tokens to {}",
+                tok.vocab_size(),
                 out.display()
             );
         }

@@ -239,3 +239,104 @@ fn a_signal_stops_a_long_step_promptly_and_resume_is_exact() {
         "resumed after the signal, the weights differ from an uninterrupted run"
     );
 }
+
+/// Own text on a preset: `tokenizer train` makes a tokenizer ahead, and
+/// `train --data FILE.txt` without one trains one on the file and keeps it
+/// in the run, which then generates and resumes.
+#[test]
+fn own_text_gets_its_own_tokenizer() {
+    let d = tmp();
+    let words = [
+        "the", "a", "cat", "dog", "sat", "ran", "on", "under", "big", "small", "red", "house",
+        "tree", "river", "moon", "happy",
+    ];
+    let text: String = (0..3000)
+        .map(|i| {
+            let line: Vec<&str> = (0..12)
+                .map(|j| words[(i * 7 + j * 5 + i / 3) % words.len()])
+                .collect();
+            format!("{}.\n", line.join(" "))
+        })
+        .collect();
+    let txt = d.path().join("mine.txt");
+    std::fs::write(&txt, text).unwrap();
+
+    let tok = d.path().join("tok.json");
+    let o = bin()
+        .args([
+            "tokenizer",
+            "train",
+            "--input",
+            s(&txt),
+            "--vocab-size",
+            "300",
+            "--out",
+            s(&tok),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    assert_eq!(t["model"]["type"], "BPE");
+    fails(
+        &[
+            "tokenizer",
+            "train",
+            "--input",
+            s(&txt),
+            "--vocab-size",
+            "100",
+            "--out",
+            s(&tok),
+        ],
+        &["--vocab-size 100"],
+    );
+
+    let run = d.path().join("run");
+    let flags = [
+        "train",
+        "--data",
+        s(&txt),
+        "--steps",
+        "2",
+        "--seq",
+        "32",
+        "--out",
+        s(&run),
+    ];
+    let o = bin().args(flags).output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("trained a byte-level BPE tokenizer"), "{e}");
+    assert!(run.join("tokenizer.json").is_file());
+    let o = bin()
+        .args([
+            "generate",
+            "--model",
+            s(&run),
+            "--prompt",
+            "the cat",
+            "--max-tokens",
+            "5",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = bin()
+        .args([
+            "train",
+            "--data",
+            s(&txt),
+            "--steps",
+            "3",
+            "--seq",
+            "32",
+            "--resume",
+            "--out",
+            s(&run),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
