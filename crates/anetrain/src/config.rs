@@ -30,6 +30,13 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// Per-head RMSNorm on queries and keys before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// `bos_token_id`/`eos_token_id` as config.json has them (an id, or a
+    /// list for models with several end tokens); written back unchanged,
+    /// or set from the tokenizer when a preset is trained from scratch.
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
 }
 
 /// Names accepted by `--model` besides a directory.
@@ -72,6 +79,8 @@ struct HfConfig {
     use_sliding_window: Option<bool>,
     attention_bias: Option<bool>,
     mlp_bias: Option<bool>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
 }
 
 /// transformers 5's `rope_parameters`.
@@ -119,6 +128,8 @@ impl ModelConfig {
             tie_word_embeddings: true,
             max_position_embeddings: max_pos,
             qk_norm: false,
+            bos_token_id: None,
+            eos_token_id: None,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -135,6 +146,8 @@ impl ModelConfig {
                 tie_word_embeddings: true,
                 max_position_embeddings: 40960,
                 qk_norm: true,
+                bos_token_id: None,
+                eos_token_id: None,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -153,6 +166,8 @@ impl ModelConfig {
                 tie_word_embeddings: true,
                 max_position_embeddings: 512,
                 qk_norm: true,
+                bos_token_id: None,
+                eos_token_id: None,
             },
             _ => return None,
         })
@@ -267,6 +282,8 @@ impl ModelConfig {
                 |c| c.0,
             ),
             qk_norm: arch == Arch::Qwen3,
+            bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
+            eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -92,6 +92,9 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         tie_word_embeddings: shared,
         max_position_embeddings: seq_len as usize,
         qk_norm: false,
+        // llama2.c models use the Llama SentencePiece ids.
+        bos_token_id: Some(1.into()),
+        eos_token_id: Some(2.into()),
     };
     cfg.validate().map_err(|e| not_llama2c(e.to_string()))?;
     let (d, h, l, v) = (

@@ -298,8 +298,8 @@ pub fn hf_config_json(c: &ModelConfig) -> String {
         "attention_dropout": 0.0,
         "mlp_bias": false,
         "torch_dtype": "float32",
-        "bos_token_id": null,
-        "eos_token_id": null,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
         "use_cache": true,
     });
     serde_json::to_string_pretty(&v).unwrap_or_default()

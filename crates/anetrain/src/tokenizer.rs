@@ -73,6 +73,43 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
+    /// The end-of-sequence tokens this vocabulary has, by their usual
+    /// names (GPT-2/Qwen, ChatML, SentencePiece, Gemma, Llama 3): a model
+    /// emitting one has finished its text.
+    pub fn end_tokens(&self) -> Vec<(&'static str, u32)> {
+        [
+            "<|endoftext|>",
+            "<|im_end|>",
+            "</s>",
+            "<eos>",
+            "<|end_of_text|>",
+            "<|eot_id|>",
+        ]
+        .into_iter()
+        .filter_map(|t| Some((t, self.token_id(t)?)))
+        .collect()
+    }
+
+    /// The beginning-of-sequence token, if the vocabulary has one.
+    pub fn begin_token(&self) -> Option<(&'static str, u32)> {
+        ["<s>", "<|begin_of_text|>", "<bos>"]
+            .into_iter()
+            .find_map(|t| Some((t, self.token_id(t)?)))
+    }
+
+    /// `tokenizer_config.json` for this tokenizer, so `transformers`'
+    /// `AutoTokenizer` loads a directory holding it and `tokenizer.json`.
+    pub fn hf_config_json(&self, model_max_length: usize) -> String {
+        let v = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.begin_token().map(|t| t.0),
+            "eos_token": self.end_tokens().first().map(|t| t.0),
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": false,
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+
     pub fn save(&self, path: &Path) -> Result<()> {
         let json = self
             .inner

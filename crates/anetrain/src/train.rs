@@ -584,6 +584,11 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         };
         let mut cfg = ModelConfig::resolve(&s.model)?;
         let corpus = load_corpus(&s, &mut cfg, true, tok, &mut |n| report(&Event::Note(n)))?;
+        if let (false, Some(t)) = (from_dir, &corpus.tokenizer) {
+            // A preset from scratch: its special tokens are the tokenizer's.
+            cfg.bos_token_id = t.begin_token().map(|b| b.1.into());
+            cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
+        }
         let model = with_adapters(starting_model(&s, &cfg)?, &s)?;
         if s.lora.is_some() && !from_dir {
             report(&Event::Note(format!(
@@ -619,7 +624,19 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             optim_hash: String::new(),
         };
         if let Some(t) = &corpus.tokenizer {
+            // The run is a complete Hugging Face model directory: the
+            // tokenizer with its tokenizer_config.json (the base model's
+            // when it has one).
             t.save(&out.join("tokenizer.json"))?;
+            let base_config = dir.join("tokenizer_config.json");
+            let config = match from_dir && r.tokenizer.is_none() && base_config.is_file() {
+                true => std::fs::read(&base_config)
+                    .with_context(|| format!("cannot read '{}'", base_config.display()))?,
+                false => t
+                    .hf_config_json(model.cfg.max_position_embeddings)
+                    .into_bytes(),
+            };
+            write_atomic(&out.join("tokenizer_config.json"), &config)?;
         }
         (model, opt, state, corpus)
     };

@@ -43,6 +43,8 @@ fn config(
         tie_word_embeddings: true,
         max_position_embeddings: 64,
         qk_norm,
+        bos_token_id: None,
+        eos_token_id: None,
     }
 }
 

@@ -77,6 +77,8 @@ fn gqa() -> ModelConfig {
         tie_word_embeddings: true,
         max_position_embeddings: 64,
         qk_norm: true,
+        bos_token_id: None,
+        eos_token_id: None,
     }
 }
 

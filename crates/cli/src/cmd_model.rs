@@ -170,10 +170,7 @@ pub struct GenerateArgs {
 
 /// Tokens that end generation when the tokenizer knows them.
 fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
-    ["<|endoftext|>", "<|im_end|>", "</s>", "<eos>"]
-        .iter()
-        .filter_map(|t| tok.token_id(t))
-        .collect()
+    tok.end_tokens().into_iter().map(|t| t.1).collect()
 }
 
 pub fn run_generate(a: GenerateArgs) -> Result<()> {

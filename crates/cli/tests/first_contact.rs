@@ -340,3 +340,62 @@ fn own_text_gets_its_own_tokenizer() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// A run directory is a Hugging Face model directory: config.json names
+/// the tokenizer's end token, tokenizer_config.json sits beside
+/// tokenizer.json (`scripts/check_run_dir.py` loads both with
+/// transformers); a fine-tune keeps its base model's special token ids.
+#[test]
+fn a_run_directory_names_its_special_tokens() {
+    let d = tmp();
+    let run = d.path().join("run");
+    let o = bin()
+        .args(["train", "--steps", "1", "--seq", "32", "--out", s(&run)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json = |p: std::path::PathBuf| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let cfg = json(run.join("config.json"));
+    let tok = json(run.join("tokenizer.json"));
+    let eot = tok["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["content"] == "<|endoftext|>")
+        .unwrap()["id"]
+        .clone();
+    assert_eq!(cfg["eos_token_id"], eot, "{cfg}");
+    let tc = json(run.join("tokenizer_config.json"));
+    assert_eq!(tc["eos_token"], "<|endoftext|>");
+    assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast");
+
+    // Fine-tuning a Hugging Face model keeps its ids.
+    let fine = d.path().join("fine");
+    let base = common::fixture("llama/model");
+    // u16 token ids within the fixture's 96-entry vocabulary.
+    let data = d.path().join("tokens.bin");
+    let ids: Vec<u8> = (0..2000u16)
+        .flat_map(|i| (i * 7 % 96).to_le_bytes())
+        .collect();
+    std::fs::write(&data, ids).unwrap();
+    let o = bin()
+        .args([
+            "train",
+            "--model",
+            s(&base),
+            "--data",
+            s(&data),
+            "--steps",
+            "1",
+        ])
+        .args(["--seq", "16", "--out", s(&fine)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cfg = json(fine.join("config.json"));
+    let base_cfg = json(base.join("config.json"));
+    assert_eq!(cfg["bos_token_id"], base_cfg["bos_token_id"]);
+    assert_eq!(cfg["eos_token_id"], base_cfg["eos_token_id"]);
+}
