@@ -399,3 +399,81 @@ fn a_run_directory_names_its_special_tokens() {
     assert_eq!(cfg["bos_token_id"], base_cfg["bos_token_id"]);
     assert_eq!(cfg["eos_token_id"], base_cfg["eos_token_id"]);
 }
+
+/// A model that has learned to end at once: `generate` prints the prompt
+/// and stops, never the end-of-sequence token's text.
+#[test]
+fn generate_stops_at_the_end_token_without_printing_it() {
+    let d = tmp();
+    let text = d.path().join("t.txt");
+    std::fs::write(&text, "the cat sat on the mat.\n".repeat(200)).unwrap();
+    let tok = d.path().join("tok.json");
+    let o = bin()
+        .args([
+            "tokenizer",
+            "train",
+            "--input",
+            s(&text),
+            "--vocab-size",
+            "300",
+            "--out",
+            s(&tok),
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // Training data of nothing but <|endoftext|> (id 0, the first token the
+    // tokenizer trainer adds).
+    let t: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    assert_eq!(t["added_tokens"][0]["content"], "<|endoftext|>");
+    assert_eq!(t["added_tokens"][0]["id"], 0);
+    let data = d.path().join("eot.bin");
+    std::fs::write(&data, vec![0u8; 2 * 5000]).unwrap();
+    let run = d.path().join("run");
+    let o = bin()
+        .args([
+            "train",
+            "--data",
+            s(&data),
+            "--tokenizer",
+            s(&tok),
+            "--steps",
+            "30",
+        ])
+        .args(["--seq", "32", "--out", s(&run)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for backend in ["cpu", "ane-sim"] {
+        let o = bin()
+            .args([
+                "generate",
+                "--model",
+                s(&run),
+                "--prompt",
+                "the cat",
+                "--temperature",
+                "0",
+            ])
+            .args(["--max-tokens", "20", "--backend", backend])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "the cat\n", "{backend}");
+    }
+}
+
+/// `info` names backends as `--backend` spells them.
+#[test]
+fn info_spells_backends_as_the_flag_does() {
+    let o = bin().arg("info").output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success());
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("default backend: "))
+        .unwrap_or_else(|| panic!("{out}"));
+    let name = line.trim_start_matches("default backend: ");
+    assert!(["cpu", "ane-sim", "ane"].contains(&name), "{line}");
+}
