@@ -144,7 +144,12 @@ fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
         let mut v = vec![];
         for e in (lo.log10().floor() as i32)..=(hi.log10().ceil() as i32) {
             for &m in mults {
-                let t = m * 10f64.powi(e);
+                // m / 10^-e is the closest double to the decimal value.
+                let t = if e < 0 {
+                    m / 10f64.powi(-e)
+                } else {
+                    m * 10f64.powi(e)
+                };
                 if t >= lo * (1.0 - 1e-9) && t <= hi * (1.0 + 1e-9) {
                     v.push(t);
                 }
@@ -153,11 +158,10 @@ fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
         v
     };
     let coarse = within(&[1.0, 2.0, 5.0]);
-    if coarse.len() >= 3 {
-        return coarse;
-    }
     let fine = within(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
-    if fine.len() >= 3 {
+    if coarse.len() >= 4 || (coarse.len() >= 3 && fine.len() > 12) {
+        coarse
+    } else if fine.len() >= 3 {
         fine
     } else {
         linear_ticks(lo, hi, 8.0)
@@ -283,14 +287,8 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     for &(s, l) in &val {
         c.line((px(s) - 3.0, py(l)), (px(s) + 3.0, py(l)), ORANGE, 5);
     }
-    c.text(
-        8,
-        TOP - 14,
-        if log { "loss (log)" } else { "loss" },
-        BLUE,
-        2,
-    );
-    c.text(W - RIGHT + 8, TOP - 14, "lr", GREEN, 2);
+    c.text(8, 12, if log { "loss (log)" } else { "loss" }, BLUE, 2);
+    c.text(W - RIGHT + 8, 12, "lr", GREEN, 2);
     c.text(LEFT + 100, 12, "train loss", BLUE, 3);
     c.text(LEFT + 250, 12, "val loss", ORANGE, 3);
     c.text(LEFT + 380, 12, "lr", GREEN, 3);
@@ -336,6 +334,14 @@ mod tests {
     #[test]
     fn ticks_fall_on_1_2_5_values() {
         assert_eq!(log_ticks(0.3, 7.0), [0.5, 1.0, 2.0, 5.0]);
+        assert_eq!(
+            log_ticks(0.53, 6.3),
+            [0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        );
+        assert_eq!(
+            log_ticks(0.05, 70.0),
+            [0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0]
+        );
         assert_eq!(log_ticks(4.2, 6.8), [4.5, 5.0, 5.5, 6.0, 6.5]);
         assert_eq!(
             linear_ticks(0.0, 1000.0, 5.0),
