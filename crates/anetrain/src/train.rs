@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::{self, Backend};
 use crate::checkpoint::{self, TrainerState};
+use crate::choice::Choice;
 use crate::config::ModelConfig;
 use crate::corpus;
 use crate::data::{self, TokenDtype};
@@ -392,6 +393,58 @@ impl Drop for NewRunDir {
     }
 }
 
+/// A setting as its flag shows it.
+type Shown = fn(&TrainSettings, &AdamWConfig) -> String;
+
+fn lora_shown(s: &TrainSettings, f: fn(&LoraConfig) -> String) -> String {
+    s.lora.as_ref().map_or_else(|| "(none)".into(), f)
+}
+
+/// Every setting fixed for a run's life, by its flag.
+const RUN_FLAGS: &[(&str, Shown)] = &[
+    ("--model", |s, _| s.model.clone()),
+    ("--backend", |s, _| s.backend.name().into()),
+    ("--data", |s, _| {
+        s.data.as_ref().map_or_else(
+            || "(the built-in corpus)".into(),
+            |p| p.display().to_string(),
+        )
+    }),
+    ("--token-dtype", |s, _| s.token_dtype.name().into()),
+    ("--seq", |s, _| s.seq.to_string()),
+    ("--batch", |s, _| s.batch.to_string()),
+    ("--accum", |s, _| s.accum.to_string()),
+    ("--lr", |s, _| s.lr.to_string()),
+    ("--warmup", |s, _| {
+        s.warmup
+            .map_or_else(|| "(default)".into(), |w| w.to_string())
+    }),
+    ("--min-lr-frac", |s, _| s.min_lr_frac.to_string()),
+    ("--clip", |s, _| s.clip.to_string()),
+    ("--seed", |s, _| s.seed.to_string()),
+    ("--sample", |s, _| s.sample.name().into()),
+    ("--val-frac", |s, _| s.val_frac.to_string()),
+    ("--eval-every", |s, _| s.eval_every.to_string()),
+    ("--eval-windows", |s, _| s.eval_windows.to_string()),
+    ("--lora-rank", |s, _| lora_shown(s, |l| l.rank.to_string())),
+    ("--lora-alpha", |s, _| {
+        lora_shown(s, |l| l.alpha.to_string())
+    }),
+    ("--lora-dropout", |s, _| {
+        lora_shown(s, |l| l.dropout.to_string())
+    }),
+    ("--lora-targets", |s, _| {
+        lora_shown(s, |l| {
+            let names: Vec<&str> = l.targets.iter().map(|t| t.name()).collect();
+            names.join(",")
+        })
+    }),
+    ("--beta1", |_, a| a.beta1.to_string()),
+    ("--beta2", |_, a| a.beta2.to_string()),
+    ("--eps", |_, a| a.eps.to_string()),
+    ("--wd", |_, a| a.weight_decay.to_string()),
+];
+
 /// How the settings given now differ from the run's, in flag terms:
 /// `--lr 0.003 in the run, 0.001 now`.
 pub fn settings_differences(
@@ -400,116 +453,13 @@ pub fn settings_differences(
     run_adamw: &AdamWConfig,
     now_adamw: &AdamWConfig,
 ) -> Vec<String> {
-    use crate::choice::Choice;
-    let mut d = vec![];
-    let mut differ = |flag: &str, a: String, b: String| {
-        if a != b {
-            d.push(format!("{flag} {a} in the run, {b} now"));
-        }
-    };
-    let opt = |v: Option<String>, none: &str| v.unwrap_or_else(|| none.to_string());
-    differ("--model", run.model.clone(), now.model.clone());
-    differ(
-        "--backend",
-        run.backend.name().into(),
-        now.backend.name().into(),
-    );
-    let data = |p: &Option<PathBuf>| {
-        opt(
-            p.as_ref().map(|p| p.display().to_string()),
-            "(the built-in corpus)",
-        )
-    };
-    differ("--data", data(&run.data), data(&now.data));
-    differ(
-        "--token-dtype",
-        run.token_dtype.name().into(),
-        now.token_dtype.name().into(),
-    );
-    differ("--seq", run.seq.to_string(), now.seq.to_string());
-    differ("--batch", run.batch.to_string(), now.batch.to_string());
-    differ("--accum", run.accum.to_string(), now.accum.to_string());
-    differ("--lr", run.lr.to_string(), now.lr.to_string());
-    let warmup = |w: Option<u64>| opt(w.map(|w| w.to_string()), "(default)");
-    differ("--warmup", warmup(run.warmup), warmup(now.warmup));
-    differ(
-        "--min-lr-frac",
-        run.min_lr_frac.to_string(),
-        now.min_lr_frac.to_string(),
-    );
-    differ("--clip", run.clip.to_string(), now.clip.to_string());
-    differ("--seed", run.seed.to_string(), now.seed.to_string());
-    differ(
-        "--sample",
-        run.sample.name().into(),
-        now.sample.name().into(),
-    );
-    differ(
-        "--val-frac",
-        run.val_frac.to_string(),
-        now.val_frac.to_string(),
-    );
-    differ(
-        "--eval-every",
-        run.eval_every.to_string(),
-        now.eval_every.to_string(),
-    );
-    differ(
-        "--eval-windows",
-        run.eval_windows.to_string(),
-        now.eval_windows.to_string(),
-    );
-    let lora = |l: &Option<LoraConfig>, f: &dyn Fn(&LoraConfig) -> String| {
-        opt(l.as_ref().map(f), "(none)")
-    };
-    differ(
-        "--lora-rank",
-        lora(&run.lora, &|l| l.rank.to_string()),
-        lora(&now.lora, &|l| l.rank.to_string()),
-    );
-    differ(
-        "--lora-alpha",
-        lora(&run.lora, &|l| l.alpha.to_string()),
-        lora(&now.lora, &|l| l.alpha.to_string()),
-    );
-    differ(
-        "--lora-dropout",
-        lora(&run.lora, &|l| l.dropout.to_string()),
-        lora(&now.lora, &|l| l.dropout.to_string()),
-    );
-    let targets = |l: &LoraConfig| {
-        l.targets
-            .iter()
-            .map(|t| t.name())
-            .collect::<Vec<_>>()
-            .join(",")
-    };
-    differ(
-        "--lora-targets",
-        lora(&run.lora, &targets),
-        lora(&now.lora, &targets),
-    );
-    differ(
-        "--beta1",
-        run_adamw.beta1.to_string(),
-        now_adamw.beta1.to_string(),
-    );
-    differ(
-        "--beta2",
-        run_adamw.beta2.to_string(),
-        now_adamw.beta2.to_string(),
-    );
-    differ(
-        "--eps",
-        run_adamw.eps.to_string(),
-        now_adamw.eps.to_string(),
-    );
-    differ(
-        "--wd",
-        run_adamw.weight_decay.to_string(),
-        now_adamw.weight_decay.to_string(),
-    );
-    d
+    RUN_FLAGS
+        .iter()
+        .filter_map(|(flag, show)| {
+            let (a, b) = (show(run, run_adamw), show(now, now_adamw));
+            (a != b).then(|| format!("{flag} {a} in the run, {b} now"))
+        })
+        .collect()
 }
 
 /// Runs (or resumes) training; returns the final train loss. `report`

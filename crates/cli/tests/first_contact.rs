@@ -10,6 +10,24 @@ fn s(p: &std::path::Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `anetrain tokenizer train` on `text` with 300 entries; the tokenizer.json.
+fn tokenizer_train(text: &std::path::Path, out: &std::path::Path) -> serde_json::Value {
+    let o = bin()
+        .args([
+            "tokenizer",
+            "train",
+            "--input",
+            s(text),
+            "--vocab-size",
+            "300",
+        ])
+        .args(["--out", s(out)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_str(&std::fs::read_to_string(out).unwrap()).unwrap()
+}
+
 #[test]
 fn resume_needs_a_checkpoint() {
     let d = tmp();
@@ -262,22 +280,7 @@ fn own_text_gets_its_own_tokenizer() {
     std::fs::write(&txt, text).unwrap();
 
     let tok = d.path().join("tok.json");
-    let o = bin()
-        .args([
-            "tokenizer",
-            "train",
-            "--input",
-            s(&txt),
-            "--vocab-size",
-            "300",
-            "--out",
-            s(&tok),
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    let t = tokenizer_train(&txt, &tok);
     assert_eq!(t["model"]["type"], "BPE");
     fails(
         &[
@@ -408,24 +411,9 @@ fn generate_stops_at_the_end_token_without_printing_it() {
     let text = d.path().join("t.txt");
     std::fs::write(&text, "the cat sat on the mat.\n".repeat(200)).unwrap();
     let tok = d.path().join("tok.json");
-    let o = bin()
-        .args([
-            "tokenizer",
-            "train",
-            "--input",
-            s(&text),
-            "--vocab-size",
-            "300",
-            "--out",
-            s(&tok),
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // Training data of nothing but <|endoftext|> (id 0, the first token the
     // tokenizer trainer adds).
-    let t: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&tok).unwrap()).unwrap();
+    let t = tokenizer_train(&text, &tok);
     assert_eq!(t["added_tokens"][0]["content"], "<|endoftext|>");
     assert_eq!(t["added_tokens"][0]["id"], 0);
     let data = d.path().join("eot.bin");
