@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod bench;
+pub mod chat;
 pub mod checkpoint;
 pub mod choice;
 pub mod config;
@@ -26,6 +27,7 @@ pub mod mem;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod records;
 pub mod rng;
 pub mod runner;
 mod simd;

@@ -3,11 +3,18 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
+
+use crate::chat::{self, ChatTemplate};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub path: PathBuf,
+    /// `bos_token`, `eos_token`, ... of the directory's
+    /// `tokenizer_config.json`, as strings.
+    special: serde_json::Map<String, serde_json::Value>,
+    /// The directory's chat template, if it has one.
+    pub chat: Option<ChatTemplate>,
 }
 
 impl Tokenizer {
@@ -17,9 +24,23 @@ impl Tokenizer {
         }
         let inner = tokenizers::Tokenizer::from_file(path)
             .map_err(|e| anyhow!("'{}' is not a usable tokenizer.json: {e}", path.display()))?;
+        // tokenizer_config.json and the chat template live beside it.
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.is_file() {
+            let text = std::fs::read_to_string(&config_path)
+                .with_context(|| format!("cannot read '{}'", config_path.display()))?;
+            serde_json::from_str(&text)
+                .map_err(|e| anyhow!("'{}' is not a JSON object: {e}", config_path.display()))?
+        } else {
+            serde_json::Map::new()
+        };
+        let chat = ChatTemplate::find(dir, &config)?;
         Ok(Tokenizer {
             inner,
             path: path.to_path_buf(),
+            special: chat::special_tokens(&config),
+            chat,
         })
     }
 
@@ -45,7 +66,32 @@ impl Tokenizer {
         Tokenizer {
             inner,
             path: PathBuf::new(),
+            special: serde_json::Map::new(),
+            chat: None,
         }
+    }
+
+    /// Encodes `text` as `transformers`' `tokenizer.encode(text)` does:
+    /// with the special tokens the tokenizer's post-processor adds (a
+    /// Llama 3 BOS, for instance).
+    pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?
+            .get_ids()
+            .to_vec())
+    }
+
+    /// The end-of-sequence token: `tokenizer_config.json`'s `eos_token`
+    /// when it names one in the vocabulary, else the first of
+    /// [`Tokenizer::end_tokens`].
+    pub fn eos(&self) -> Option<(String, u32)> {
+        let named = self.special.get("eos_token").and_then(|v| v.as_str());
+        if let Some(id) = named.and_then(|t| self.token_id(t)) {
+            return Some((named.unwrap_or_default().to_owned(), id));
+        }
+        self.end_tokens().first().map(|&(t, id)| (t.to_owned(), id))
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
