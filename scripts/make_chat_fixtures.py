@@ -163,7 +163,7 @@ def main():
     hf.save_pretrained(mdir)
     cfg = Qwen3Config(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=1024,
                       initializer_range=0.3, attn_implementation="eager",
                       bos_token_id=None, eos_token_id=hf.eos_token_id)
     model = Qwen3ForCausalLM(cfg).float().eval()

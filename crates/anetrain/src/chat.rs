@@ -29,6 +29,8 @@ pub struct ChatTemplate {
     special: Map<String, Json>,
     /// Where the template came from, for error messages.
     pub origin: String,
+    /// The source, when it was read from a `chat_template.jinja`.
+    jinja_file: Option<String>,
 }
 
 /// The special-token names `transformers` passes to every template
@@ -53,7 +55,14 @@ impl ChatTemplate {
             env,
             special,
             origin,
+            jinja_file: None,
         })
+    }
+
+    /// The template's source if it came from a `chat_template.jinja` file
+    /// (a model directory then needs that file beside its tokenizer).
+    pub fn jinja_file_source(&self) -> Option<&str> {
+        self.jinja_file.as_deref()
     }
 
     /// The template of the tokenizer directory `dir`, whose parsed
@@ -69,7 +78,9 @@ impl ChatTemplate {
         if jinja.is_file() {
             let source = std::fs::read_to_string(&jinja)
                 .with_context(|| format!("cannot read '{}' as UTF-8 text", jinja.display()))?;
-            return ChatTemplate::new(source, special, jinja.display().to_string()).map(Some);
+            let mut t = ChatTemplate::new(source.clone(), special, jinja.display().to_string())?;
+            t.jinja_file = Some(source);
+            return Ok(Some(t));
         }
         let origin = config_path.display().to_string();
         let source = match config.get("chat_template") {

@@ -266,6 +266,8 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         eval_every: 0,
         eval_windows: 1,
         lora: None,
+        mask_prompt: false,
+        keys: Default::default(),
     };
     let request = TrainRequest {
         settings,

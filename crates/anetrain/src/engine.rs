@@ -528,14 +528,21 @@ pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
 }
 
 /// Cross-entropy over transposed logits `lt [V, S]` (column s holds
-/// position s's logits) against `targets`; returns the summed loss and turns
-/// `lt` into dL/dlogitsᵀ scaled by `grad_scale` (softmax − onehot):
+/// position s's logits) against `targets`, counting positions `first..`;
+/// returns the summed loss and turns `lt` into dL/dlogitsᵀ scaled by
+/// `grad_scale` (softmax − onehot; zero in the uncounted columns):
 ///   loss_s = max_s + ln Σ_v exp(z_vs − max_s) − z_{t_s, s}
 /// The vocabulary is streamed in fixed blocks of rows, in parallel: column
 /// maxima, then exp(z − max) in place with per-block column sums (f64,
 /// added in block order, so the result does not depend on the thread
 /// count), then one scaling pass. One exp per logit.
-pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale: f32) -> f64 {
+pub fn cross_entropy_t(
+    lt: &mut [f32],
+    targets: &[u32],
+    first: usize,
+    vocab: usize,
+    grad_scale: f32,
+) -> f64 {
     use rayon::prelude::*;
     let seq = targets.len();
     assert_eq!(lt.len(), vocab * seq);
@@ -575,7 +582,11 @@ pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale
     }
     let scale: Vec<f32> = sum
         .iter()
-        .map(|&s| (grad_scale as f64 / s) as f32)
+        .enumerate()
+        .map(|(i, &s)| match i < first {
+            true => 0.0,
+            false => (grad_scale as f64 / s) as f32,
+        })
         .collect();
     lt.par_chunks_mut(block).for_each(|b| {
         for row in b.chunks_mut(seq) {
@@ -583,7 +594,7 @@ pub fn cross_entropy_t(lt: &mut [f32], targets: &[u32], vocab: usize, grad_scale
         }
     });
     let mut loss = 0f64;
-    for (s, &t) in targets.iter().enumerate() {
+    for (s, &t) in targets.iter().enumerate().skip(first) {
         lt[t as usize * seq + s] -= grad_scale;
         loss += max[s] as f64 + sum[s].ln() - target_logit[s] as f64;
     }
@@ -601,6 +612,19 @@ pub fn head_loss(
     grad_scale: f32,
     grads: Option<&mut Grads>,
 ) -> Result<(f64, Vec<f32>)> {
+    head_loss_from(model, xf, targets, 0, grad_scale, grads)
+}
+
+/// [`head_loss`] counting only the targets `first..` (a masked prompt):
+/// the others add nothing to the loss and get zero gradient.
+pub fn head_loss_from(
+    model: &Model,
+    xf: &[f32],
+    targets: &[u32],
+    first: usize,
+    grad_scale: f32,
+    grads: Option<&mut Grads>,
+) -> Result<(f64, Vec<f32>)> {
     let (v, seq) = (model.cfg.vocab_size, targets.len());
     if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
         bail!("target token id {t} is outside the vocabulary ({v} ids)");
@@ -610,7 +634,7 @@ pub fn head_loss(
     // pages of that size cost a page fault and a TLB shootdown each.
     let mut lt = LOGITS.with(|b| std::mem::take(&mut *b.borrow_mut()));
     lt.resize(v * seq, 0.0);
-    let out = head_products(model, xf, targets, grad_scale, grads, &mut lt);
+    let out = head_products(model, xf, targets, first, grad_scale, grads, &mut lt);
     LOGITS.with(|b| *b.borrow_mut() = lt);
     out
 }
@@ -625,6 +649,7 @@ fn head_products(
     model: &Model,
     xf: &[f32],
     targets: &[u32],
+    first: usize,
     grad_scale: f32,
     grads: Option<&mut Grads>,
     lt: &mut [f32],
@@ -636,7 +661,7 @@ fn head_products(
         MatMut::row_major(lt, 0, v, seq),
         false,
     );
-    let loss = cross_entropy_t(lt, targets, v, grad_scale);
+    let loss = cross_entropy_t(lt, targets, first, v, grad_scale);
     let Some(grads) = grads else {
         return Ok((loss, vec![]));
     };
@@ -688,6 +713,29 @@ pub fn loss_and_grads<R: KernelRunner>(
         g.finish();
     }
     Ok((total / n_targets as f64, n_targets))
+}
+
+/// Mean cross-entropy over the counted targets of `examples` (see
+/// [`crate::records::Example`]): summed over the batch, divided by the
+/// count, as PyTorch's `cross_entropy` with `ignore_index` on the
+/// uncounted positions. Returns the loss and the count.
+pub fn examples_loss<R: KernelRunner>(
+    engine: &mut Engine<R>,
+    model: &Model,
+    examples: &[crate::records::Example],
+) -> Result<(f64, usize)> {
+    let mut total = 0f64;
+    let mut count = 0usize;
+    for e in examples {
+        let n = e.tokens.len() - 1;
+        let fwd = engine.forward(model, &e.tokens[..n])?;
+        total += head_loss_from(model, &fwd.xf, &e.tokens[1..], e.first_target(), 0.0, None)?.0;
+        count += e.n_targets();
+    }
+    if count == 0 {
+        bail!("no target tokens to evaluate");
+    }
+    Ok((total / count as f64, count))
 }
 
 #[cfg(test)]

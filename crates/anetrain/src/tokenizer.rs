@@ -13,6 +13,8 @@ pub struct Tokenizer {
     /// `bos_token`, `eos_token`, ... of the directory's
     /// `tokenizer_config.json`, as strings.
     special: serde_json::Map<String, serde_json::Value>,
+    /// The directory's `tokenizer_config.json`, as read.
+    config_text: Option<String>,
     /// The directory's chat template, if it has one.
     pub chat: Option<ChatTemplate>,
 }
@@ -27,19 +29,24 @@ impl Tokenizer {
         // tokenizer_config.json and the chat template live beside it.
         let dir = path.parent().unwrap_or(Path::new("."));
         let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.is_file() {
-            let text = std::fs::read_to_string(&config_path)
-                .with_context(|| format!("cannot read '{}'", config_path.display()))?;
-            serde_json::from_str(&text)
-                .map_err(|e| anyhow!("'{}' is not a JSON object: {e}", config_path.display()))?
-        } else {
-            serde_json::Map::new()
+        let config_text = match config_path.is_file() {
+            true => Some(
+                std::fs::read_to_string(&config_path)
+                    .with_context(|| format!("cannot read '{}'", config_path.display()))?,
+            ),
+            false => None,
+        };
+        let config = match &config_text {
+            Some(text) => serde_json::from_str(text)
+                .map_err(|e| anyhow!("'{}' is not a JSON object: {e}", config_path.display()))?,
+            None => serde_json::Map::new(),
         };
         let chat = ChatTemplate::find(dir, &config)?;
         Ok(Tokenizer {
             inner,
             path: path.to_path_buf(),
             special: chat::special_tokens(&config),
+            config_text,
             chat,
         })
     }
@@ -67,6 +74,7 @@ impl Tokenizer {
             inner,
             path: PathBuf::new(),
             special: serde_json::Map::new(),
+            config_text: None,
             chat: None,
         }
     }
@@ -154,6 +162,23 @@ impl Tokenizer {
             "clean_up_tokenization_spaces": false,
         });
         serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+
+    /// Writes the tokenizer into the model directory `dir` as
+    /// `transformers` reads it: `tokenizer.json`, `tokenizer_config.json`
+    /// (the one it was loaded with, else [`Tokenizer::hf_config_json`]) and
+    /// `chat_template.jinja` when its template came from one.
+    pub fn save_to_dir(&self, dir: &Path, model_max_length: usize) -> Result<()> {
+        self.save(&dir.join("tokenizer.json"))?;
+        let config = match &self.config_text {
+            Some(text) => text.clone(),
+            None => self.hf_config_json(model_max_length),
+        };
+        crate::fsutil::write_atomic(&dir.join("tokenizer_config.json"), config.as_bytes())?;
+        if let Some(source) = self.chat.as_ref().and_then(|c| c.jinja_file_source()) {
+            crate::fsutil::write_atomic(&dir.join("chat_template.jinja"), source.as_bytes())?;
+        }
+        Ok(())
     }
 
     pub fn save(&self, path: &Path) -> Result<()> {

@@ -22,6 +22,7 @@ use crate::fsutil::write_atomic;
 use crate::lora::{Lora, LoraConfig};
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
+use crate::records::{self, Example};
 use crate::rng::Rng;
 use crate::runner::KernelRunner;
 use crate::tokenizer::Tokenizer;
@@ -72,6 +73,12 @@ pub struct TrainSettings {
     /// LoRA adapters instead of full training.
     #[serde(default)]
     pub lora: Option<LoraConfig>,
+    /// JSONL records: the loss counts only the completion.
+    #[serde(default)]
+    pub mask_prompt: bool,
+    /// JSONL records: the prompt/completion field names.
+    #[serde(default)]
+    pub keys: records::Keys,
 }
 
 /// Everything `anetrain train` was asked to do.
@@ -128,11 +135,76 @@ const BUILTIN_STORIES: usize = 4000;
 
 /// Where the data comes from and how it is tokenized.
 struct Corpus {
-    tokens: data::Tokens,
-    /// Tokens `..train_end` train; the rest is the validation split.
-    train_end: usize,
-    val: Vec<u32>,
+    source: Source,
     tokenizer: Option<Tokenizer>,
+}
+
+/// Training data: one token stream cut into windows, or records (JSONL),
+/// one example each.
+enum Source {
+    Stream {
+        tokens: data::Tokens,
+        /// Tokens `..train_end` train; the rest is the validation split.
+        train_end: usize,
+        val: Vec<u32>,
+    },
+    Records {
+        train: Vec<Example>,
+        val: Vec<Example>,
+    },
+}
+
+impl Source {
+    /// Tokens in the training and the validation split.
+    fn sizes(&self) -> (usize, usize) {
+        match self {
+            Source::Stream { train_end, val, .. } => (*train_end, val.len()),
+            Source::Records { train, val } => {
+                let n = |v: &[Example]| v.iter().map(|e| e.tokens.len()).sum();
+                (n(train), n(val))
+            }
+        }
+    }
+}
+
+/// Reads JSONL records for training: `train.jsonl` (and `valid.jsonl`) of
+/// a directory, or one file whose last `--val-frac` of records validate.
+fn load_records(
+    s: &TrainSettings,
+    path: &Path,
+    tok: &Tokenizer,
+    vocab: usize,
+    note: &mut dyn FnMut(String),
+) -> Result<Source> {
+    let splits = records::splits(path)?;
+    let mut read = |file: &Path| -> Result<Vec<Example>> {
+        let f = records::read_file(file, tok, &s.keys, s.mask_prompt)?;
+        for e in &f.examples {
+            data::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
+        }
+        let fitted = records::fit(f.examples, s.seq);
+        if let Some(w) = fitted.warning(file, s.seq) {
+            note(w);
+        }
+        Ok(fitted.examples)
+    };
+    let mut train = read(&splits.train)?;
+    let val = match &splits.valid {
+        Some(v) => read(v)?,
+        None if s.val_frac > 0.0 && train.len() > 1 => {
+            let n_val = ((train.len() as f64 * s.val_frac).ceil() as usize).min(train.len() - 1);
+            train.split_off(train.len() - n_val)
+        }
+        None => vec![],
+    };
+    if train.is_empty() {
+        bail!(
+            "'{}' leaves no training record with a target token within --seq {}",
+            splits.train.display(),
+            s.seq
+        );
+    }
+    Ok(Source::Records { train, val })
 }
 
 fn load_corpus(
@@ -151,6 +223,22 @@ fn load_corpus(
             };
             let ids = corpus::encode_all(&tok, &texts)?;
             (data::Tokens::Owned(ids), Some(tok))
+        }
+        Some(path) if records::is_records(path) => {
+            let tok = tokenizer.with_context(|| {
+                format!(
+                    "'{}' holds JSONL records, which need a tokenizer: train from a model directory with tokenizer.json, or pass --tokenizer",
+                    path.display()
+                )
+            })?;
+            if fresh && ModelConfig::preset(&s.model).is_some() {
+                cfg.vocab_size = tok.vocab_size();
+            }
+            let source = load_records(s, path, &tok, cfg.vocab_size, note)?;
+            return Ok(Corpus {
+                source,
+                tokenizer: Some(tok),
+            });
         }
         Some(path) => {
             let preset = ModelConfig::preset(&s.model).is_some();
@@ -197,11 +285,31 @@ fn load_corpus(
         );
     }
     Ok(Corpus {
-        val: tokens.range(n - n_val, n),
-        train_end: n - n_val,
-        tokens,
+        source: Source::Stream {
+            val: tokens.range(n - n_val, n),
+            train_end: n - n_val,
+            tokens,
+        },
         tokenizer,
     })
+}
+
+/// Draws the next example: a window of `seq + 1` tokens from a stream
+/// (every target counted), or the next record of the epoch's order.
+fn next_example(source: &Source, s: &TrainSettings, rng: &mut Rng, cursor: &mut u64) -> Example {
+    match source {
+        Source::Stream {
+            tokens, train_end, ..
+        } => Example {
+            tokens: next_window(tokens, *train_end, s.seq, s.sample, rng, cursor),
+            offset: 0,
+        },
+        Source::Records { train, .. } => {
+            let i = records::shuffled_index(train.len(), s.seed, *cursor);
+            *cursor += 1;
+            train[i].clone()
+        }
+    }
 }
 
 /// Draws the next window of `seq + 1` tokens from the first `n_train`.
@@ -259,15 +367,18 @@ fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
         bail!("--seq, --batch, --accum and --steps must all be at least 1");
     }
     if let Some(d) = &s.data {
-        if d.is_dir() {
+        if d.is_dir() && !d.join("train.jsonl").is_file() {
             bail!(
-                "--data '{}' is a directory; name a token file or a .txt file",
+                "--data '{}' is a directory without train.jsonl; name a token file, a .txt or .jsonl file, or a directory holding train.jsonl (and optionally valid.jsonl, test.jsonl)",
                 d.display()
             );
         }
         if !d.exists() {
             bail!("--data '{}': the file does not exist", d.display());
         }
+    }
+    if s.mask_prompt && !s.data.as_deref().is_some_and(records::is_records) {
+        bail!("--mask-prompt applies to JSONL records (--data FILE.jsonl or a directory with train.jsonl)");
     }
     if !(s.lr.is_finite() && s.lr > 0.0) {
         bail!("--lr must be a positive number");
@@ -319,20 +430,26 @@ fn with_adapters(mut model: Model, s: &TrainSettings) -> Result<Model> {
     Ok(model)
 }
 
-/// Mean loss over the first `n` validation windows.
+/// Mean loss over the first `n` validation windows (or records).
 fn val_loss<R: KernelRunner>(
     eng: &mut Engine<R>,
     model: &Model,
-    val: &[u32],
+    source: &Source,
     seq: usize,
     n: usize,
 ) -> Result<Option<f64>> {
-    let mut w = data::windows(val, seq);
-    w.truncate(n);
-    if w.is_empty() {
+    let examples: Vec<Example> = match source {
+        Source::Stream { val, .. } => data::windows(val, seq)
+            .into_iter()
+            .take(n)
+            .map(|tokens| Example { tokens, offset: 0 })
+            .collect(),
+        Source::Records { val, .. } => val.iter().take(n).cloned().collect(),
+    };
+    if examples.is_empty() {
         return Ok(None);
     }
-    Ok(Some(engine::loss_and_grads(eng, model, &w, None)?.0))
+    Ok(Some(engine::examples_loss(eng, model, &examples)?.0))
 }
 
 /// Drops metrics lines of steps after `step` (left by a run killed after
@@ -426,6 +543,9 @@ const RUN_FLAGS: &[(&str, Shown)] = &[
     ("--val-frac", |s, _| s.val_frac.to_string()),
     ("--eval-every", |s, _| s.eval_every.to_string()),
     ("--eval-windows", |s, _| s.eval_windows.to_string()),
+    ("--mask-prompt", |s, _| s.mask_prompt.to_string()),
+    ("--prompt-key", |s, _| s.keys.prompt.clone()),
+    ("--completion-key", |s, _| s.keys.completion.clone()),
     ("--lora-rank", |s, _| lora_shown(s, |l| l.rank.to_string())),
     ("--lora-alpha", |s, _| {
         lora_shown(s, |l| l.alpha.to_string())
@@ -577,16 +697,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             // The run is a complete Hugging Face model directory: the
             // tokenizer with its tokenizer_config.json (the base model's
             // when it has one).
-            t.save(&out.join("tokenizer.json"))?;
-            let base_config = dir.join("tokenizer_config.json");
-            let config = match from_dir && r.tokenizer.is_none() && base_config.is_file() {
-                true => std::fs::read(&base_config)
-                    .with_context(|| format!("cannot read '{}'", base_config.display()))?,
-                false => t
-                    .hf_config_json(model.cfg.max_position_embeddings)
-                    .into_bytes(),
-            };
-            write_atomic(&out.join("tokenizer_config.json"), &config)?;
+            t.save_to_dir(&out, model.cfg.max_position_embeddings)?;
         }
         (model, opt, state, corpus)
     };
@@ -632,6 +743,8 @@ struct Run<'a> {
 struct StepStats {
     /// Mean loss over the step's targets.
     loss: f64,
+    /// Tokens the step read.
+    tokens: usize,
     lr: f64,
     grad_norm: f64,
     /// Whether the update was applied (loss and gradients finite).
@@ -699,11 +812,12 @@ impl Run<'_> {
         let (r, s, out) = (self.r, self.s, self.out);
         let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
+        let (train_tokens, val_tokens) = self.corpus.source.sizes();
         (self.report)(&Event::Started {
             model: s.model.clone(),
             params: model.num_params(),
-            train_tokens: self.corpus.train_end,
-            val_tokens: self.corpus.val.len(),
+            train_tokens,
+            val_tokens,
             out: out.to_path_buf(),
             lora: model.lora.as_ref().map(|l| {
                 let names = l.cfg.targets.iter().map(|t| t.module()).collect();
@@ -712,7 +826,6 @@ impl Run<'_> {
             resumed_at: self.resuming.then_some(state.step),
             steps: r.steps,
         });
-        let tokens_per_step = (s.batch * s.accum * s.seq) as f64;
         let run_start = Instant::now();
         let start_step = state.step;
         let mut last_loss = f64::NAN;
@@ -756,13 +869,13 @@ impl Run<'_> {
             }
             state.step += 1;
             let dt = t0.elapsed().as_secs_f64();
-            let tps = tokens_per_step / dt;
+            let tps = st.tokens as f64 / dt;
             metrics.step(state.step, &st, tps, dt)?;
             let mut val = None;
             if s.eval_every > 0
                 && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
             {
-                val = val_loss(&mut eng, model, &self.corpus.val, s.seq, s.eval_windows)?;
+                val = val_loss(&mut eng, model, &self.corpus.source, s.seq, s.eval_windows)?;
                 if let Some(v) = val {
                     metrics.val(state.step, v)?;
                 }
@@ -827,10 +940,16 @@ impl Run<'_> {
         grads.reset();
         let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
         let mut loss_sum = 0f64;
-        let n_targets = (s.batch * s.accum * s.seq) as f32;
         let loss_scale = state.scaler.scale;
         let (rng_before, cursor_before) = (rng.clone(), state.cursor);
-        for micro in 0..s.accum * s.batch {
+        // The step's examples first: the loss is the mean over all their
+        // counted targets, however they split into micro-batches.
+        let examples: Vec<Example> = (0..s.accum * s.batch)
+            .map(|_| next_example(&corpus.source, s, rng, &mut state.cursor))
+            .collect();
+        let n_targets = examples.iter().map(Example::n_targets).sum::<usize>() as f32;
+        let n_tokens = examples.iter().map(|e| e.tokens.len() - 1).sum();
+        for (micro, example) in examples.iter().enumerate() {
             if self.stop.load(Ordering::SeqCst) {
                 *rng = rng_before;
                 state.cursor = cursor_before;
@@ -848,19 +967,14 @@ impl Run<'_> {
                         .wrapping_mul(0x9e37_79b9_7f4a_7c15),
                 );
             }
-            let w = next_window(
-                &corpus.tokens,
-                corpus.train_end,
-                s.seq,
-                s.sample,
-                rng,
-                &mut state.cursor,
-            );
+            let w = &example.tokens;
             let a = Instant::now();
-            let fwd = eng.forward(model, &w[..s.seq])?;
+            let fwd = eng.forward(model, &w[..w.len() - 1])?;
             let b = Instant::now();
             let grad_scale = loss_scale as f32 / n_targets;
-            let (loss, dxf) = engine::head_loss(model, &fwd.xf, &w[1..], grad_scale, Some(grads))?;
+            let first = example.first_target();
+            let (loss, dxf) =
+                engine::head_loss_from(model, &fwd.xf, &w[1..], first, grad_scale, Some(grads))?;
             let c = Instant::now();
             eng.backward(model, &fwd, &dxf, grads)?;
             eng.dropout_key = None;
@@ -886,6 +1000,7 @@ impl Run<'_> {
         }
         Ok(Some(StepStats {
             loss,
+            tokens: n_tokens,
             lr,
             grad_norm: gnorm,
             finite,

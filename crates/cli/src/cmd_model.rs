@@ -9,6 +9,7 @@ use anetrain::engine::{self, Engine};
 use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
 use anetrain::lora::Lora;
 use anetrain::model::Model;
+use anetrain::records;
 use anetrain::runner::KernelRunner;
 use anetrain::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -36,9 +37,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     merged.save(out)?;
     let tok = model.join("tokenizer.json");
     if tok.is_file() {
-        let bytes =
-            std::fs::read(&tok).with_context(|| format!("cannot read '{}'", tok.display()))?;
-        write_atomic(&out.join("tokenizer.json"), &bytes)?;
+        Tokenizer::load(&tok)?.save_to_dir(out, merged.cfg.max_position_embeddings)?;
     }
     eprintln!(
         "merged '{}' into '{}' -> {}",
@@ -60,10 +59,96 @@ pub struct EvalArgs {
     pub token_dtype: TokenDtype,
     pub tokenizer: Option<PathBuf>,
     pub max_windows: Option<usize>,
+    /// Records: which file of a data directory.
+    pub split: Option<String>,
+    pub mask_prompt: bool,
+    pub keys: records::Keys,
+}
+
+/// The records file `eval --data PATH [--split S]` reads.
+fn records_file(path: &Path, split: Option<&str>) -> Result<PathBuf> {
+    let s = records::splits(path)?;
+    if !path.is_dir() {
+        if let Some(split) = split {
+            bail!("--split {split} needs --data to be a directory holding {split}.jsonl");
+        }
+        return Ok(s.train);
+    }
+    let split = split.unwrap_or("test");
+    let file = match split {
+        "train" => Some(s.train),
+        "valid" => s.valid,
+        "test" => s.test,
+        other => bail!("--split must be train, valid or test, not '{other}'"),
+    };
+    file.with_context(|| {
+        format!(
+            "'{}' has no {split}.jsonl; choose another --split",
+            path.display()
+        )
+    })
+}
+
+/// Mean loss over the records of `file` (prompt-masked on request).
+fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
+    if a.logits_out.is_some() || a.max_windows.is_some() {
+        bail!("--logits-out and --max-windows apply to token data, not to JSONL records");
+    }
+    let file = records_file(path, a.split.as_deref())?;
+    let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?;
+    let rf = records::read_file(&file, &tok, &a.keys, a.mask_prompt)?;
+    for e in &rf.examples {
+        data::check_ids(
+            &e.tokens,
+            model.cfg.vocab_size,
+            &format!("'{}'", file.display()),
+        )
+        .context("the tokenizer does not match the model")?;
+    }
+    let seq = a.seq.unwrap_or(model.cfg.max_position_embeddings);
+    if seq > model.cfg.max_position_embeddings {
+        bail!(
+            "--seq {seq} exceeds the model's max_position_embeddings ({})",
+            model.cfg.max_position_embeddings
+        );
+    }
+    let fitted = records::fit(rf.examples, seq);
+    if let Some(w) = fitted.warning(&file, seq) {
+        eprintln!("warning: {w}");
+    }
+    if fitted.examples.is_empty() {
+        bail!(
+            "'{}' has no record with a target token to evaluate",
+            file.display()
+        );
+    }
+    let ex = &fitted.examples;
+    let (loss, count) = match a.backend {
+        Backend::Cpu => engine::examples_loss(&mut Engine::cpu(model), model, ex)?,
+        Backend::AneSim => {
+            engine::examples_loss(&mut Engine::neural(model, ane::SimDevice::new()), model, ex)?
+        }
+        Backend::Ane => {
+            engine::examples_loss(&mut Engine::neural(model, backend::open_ane()?), model, ex)?
+        }
+    };
+    println!(
+        "{}",
+        serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp(), "records": ex.len()})
+    );
+    Ok(())
 }
 
 pub fn eval(a: EvalArgs) -> Result<()> {
     let model = load_model(&a.model, a.adapter.as_deref(), false)?;
+    if let (None, Some(d)) = (&a.tokens, &a.data) {
+        if records::is_records(d) {
+            return eval_records(&a, &model, d);
+        }
+    }
+    if a.split.is_some() || a.mask_prompt {
+        bail!("--split and --mask-prompt apply to JSONL records (--data DIR or FILE.jsonl)");
+    }
     let vocab = model.cfg.vocab_size;
     let (rows, two_d) = match (&a.tokens, &a.data) {
         (Some(t), None) => {
@@ -166,11 +251,19 @@ pub struct GenerateArgs {
     pub top_p: f64,
     pub seed: u64,
     pub tokenizer: Option<PathBuf>,
+    /// Render the prompt as one user message with the chat template.
+    pub chat: bool,
 }
 
-/// Tokens that end generation when the tokenizer knows them.
+/// Tokens that end generation when the tokenizer knows them: its
+/// `eos_token` (a chat template's end of turn, such as `<|im_end|>`) and
+/// the usual end-of-text tokens.
 fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
-    tok.end_tokens().into_iter().map(|t| t.1).collect()
+    let mut stops: Vec<u32> = tok.end_tokens().into_iter().map(|t| t.1).collect();
+    stops.extend(tok.eos().map(|e| e.1));
+    stops.sort_unstable();
+    stops.dedup();
+    stops
 }
 
 pub fn run_generate(a: GenerateArgs) -> Result<()> {
@@ -188,7 +281,19 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     // Neural Engine path keeps it as kernel regions.
     let model = load_model(&a.model, a.adapter.as_deref(), a.backend == Backend::Cpu)?;
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(Path::new(&a.model)))?;
-    let prompt = tok.encode(&a.prompt)?;
+    let prompt = match a.chat {
+        true => {
+            let template = tok.chat.as_ref().with_context(|| {
+                format!(
+                    "--chat needs a chat template, and the tokenizer '{}' has none (no chat_template.jinja, no chat_template in tokenizer_config.json)",
+                    tok.path.display()
+                )
+            })?;
+            let messages = serde_json::json!([{"role": "user", "content": a.prompt}]);
+            tok.encode(&template.render(&messages, None, true, &Default::default())?)?
+        }
+        false => tok.encode(&a.prompt)?,
+    };
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
@@ -196,8 +301,11 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         .context("the tokenizer does not match the model")?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    write!(out, "{}", a.prompt)?;
-    out.flush()?;
+    if !a.chat {
+        // A continuation follows its prompt; a chat reply stands alone.
+        write!(out, "{}", a.prompt)?;
+        out.flush()?;
+    }
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = 0usize;
     let sampling = Sampling {

@@ -18,10 +18,25 @@ pub struct TrainArgs {
     /// train from scratch, or a Hugging Face model directory to fine-tune.
     #[arg(long, default_value = "tiny")]
     model: String,
-    /// Training data: a raw token file (see --token-dtype) or a .txt file
-    /// (tokenized) [default: the built-in story corpus].
+    /// Training data [default: the built-in story corpus]: a raw token file
+    /// (see --token-dtype), a .txt file (tokenized), a .jsonl file of
+    /// records, or a directory with train.jsonl (and optionally valid.jsonl,
+    /// used for validation, and test.jsonl). Records are {"text": ...},
+    /// {"prompt": ..., "completion": ...} or {"messages": [...]}, the last
+    /// two rendered with the tokenizer's chat template; one record per
+    /// sequence, truncated to --seq + 1 tokens, shuffled every epoch.
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
+    /// Records: compute the loss on the completion only (the last message
+    /// of a chat, the completion of a prompt/completion record).
+    #[arg(long)]
+    mask_prompt: bool,
+    /// Records: the field holding the prompt.
+    #[arg(long, default_value = "prompt", value_name = "NAME")]
+    prompt_key: String,
+    /// Records: the field holding the completion.
+    #[arg(long, default_value = "completion", value_name = "NAME")]
+    completion_key: String,
     /// tokenizer.json for text data [default: the model directory's; for a
     /// preset, one trained on the --data text (or on the built-in corpus),
     /// saved in the run; `anetrain tokenizer train` makes one ahead].
@@ -36,10 +51,10 @@ pub struct TrainArgs {
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
     steps: u64,
-    /// Tokens per sequence.
+    /// Tokens per sequence (the longest a record may be, plus one).
     #[arg(long, default_value_t = 128)]
     seq: usize,
-    /// Sequences per micro-batch.
+    /// Sequences (windows or records) per micro-batch.
     #[arg(long, default_value_t = 8)]
     batch: usize,
     /// Micro-batches accumulated per optimizer step.
@@ -76,13 +91,14 @@ pub struct TrainArgs {
     /// Window sampling.
     #[arg(long, value_parser = crate::choice::<Sample>(), default_value = "random")]
     sample: Sample,
-    /// Fraction of the data (from the end) held out for validation.
+    /// Fraction of the data (from the end) held out for validation, when
+    /// there is no valid.jsonl.
     #[arg(long, default_value_t = 0.02)]
     val_frac: f64,
     /// Validate every N steps (0 disables).
     #[arg(long, default_value_t = 50)]
     eval_every: u64,
-    /// Validation windows per evaluation.
+    /// Validation windows (or records) per evaluation.
     #[arg(long, default_value_t = 8)]
     eval_windows: usize,
     /// Checkpoint every N steps (and always at the end).
@@ -159,6 +175,11 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
         lora,
+        mask_prompt: a.mask_prompt,
+        keys: anetrain::records::Keys {
+            prompt: a.prompt_key.clone(),
+            completion: a.completion_key.clone(),
+        },
     };
     let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
     let request = TrainRequest {

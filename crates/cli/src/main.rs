@@ -66,10 +66,27 @@ enum Command {
         #[arg(long, value_name = "FILE.npy", conflicts_with = "data")]
         tokens: Option<PathBuf>,
         /// Token file (raw u16/u32) or text file (.txt, tokenized), evaluated
-        /// in windows of --seq + 1 tokens.
+        /// in windows of --seq + 1 tokens; or JSONL records (a .jsonl file,
+        /// or a data directory and --split), one sequence each, loss over
+        /// all their target tokens.
         #[arg(long, value_name = "PATH")]
         data: Option<PathBuf>,
-        /// Window length for --data [default: min(256, max_position_embeddings)].
+        /// Records: the file of a data directory to evaluate
+        /// (train, valid or test) [default: test].
+        #[arg(long, value_name = "SPLIT")]
+        split: Option<String>,
+        /// Records: the loss over the completions only (as `train
+        /// --mask-prompt`).
+        #[arg(long)]
+        mask_prompt: bool,
+        /// Records: the field holding the prompt.
+        #[arg(long, default_value = "prompt", value_name = "NAME")]
+        prompt_key: String,
+        /// Records: the field holding the completion.
+        #[arg(long, default_value = "completion", value_name = "NAME")]
+        completion_key: String,
+        /// Window length for --data [default: min(256, max_position_embeddings);
+        /// for records, max_position_embeddings (longer records are truncated)].
         #[arg(long)]
         seq: Option<usize>,
         /// Write float32 logits [n, vocab] (or [batch, n, vocab]) here.
@@ -100,6 +117,11 @@ enum Command {
         /// The prompt text.
         #[arg(long)]
         prompt: String,
+        /// Treat the prompt as a user message: render it with the model's
+        /// chat template (add_generation_prompt) and print only the reply,
+        /// which ends at the template's end-of-turn token.
+        #[arg(long)]
+        chat: bool,
         /// Maximum number of new tokens.
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
@@ -426,7 +448,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let model = anetrain::convert::load_llama2c(&input)?;
             model.save(&out)?;
             if let Some(t) = tokenizer {
-                anetrain::tokenizer::Tokenizer::load(&t)?.save(&out.join("tokenizer.json"))?;
+                anetrain::tokenizer::Tokenizer::load(&t)?
+                    .save_to_dir(&out, model.cfg.max_position_embeddings)?;
             }
             println!(
                 "converted {} ({:.1}M parameters) to {}",
@@ -505,6 +528,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             max_windows,
             adapter,
             backend,
+            split,
+            mask_prompt,
+            prompt_key,
+            completion_key,
         } => cmd_model::eval(cmd_model::EvalArgs {
             adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
@@ -516,6 +543,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             token_dtype,
             tokenizer,
             max_windows,
+            split,
+            mask_prompt,
+            keys: anetrain::records::Keys {
+                prompt: prompt_key,
+                completion: completion_key,
+            },
         })?,
         Command::Generate {
             model,
@@ -527,6 +560,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             tokenizer,
             adapter,
             backend,
+            chat,
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
             adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
@@ -537,6 +571,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             top_p,
             seed,
             tokenizer,
+            chat,
         })?,
         Command::Kernels { command } => match command {
             KernelsCommand::Dump {
