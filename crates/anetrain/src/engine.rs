@@ -742,6 +742,35 @@ pub fn examples_loss<R: KernelRunner>(
 mod tests {
     use super::*;
 
+    /// Counting targets `first..` leaves those columns' losses and
+    /// gradients exactly as without a mask and zeroes the others.
+    #[test]
+    fn masked_cross_entropy_counts_only_the_later_targets() {
+        let (vocab, seq, first) = (700, 9, 4);
+        let mut rng = crate::rng::Rng::new(5);
+        let logits = rng.normals(vocab * seq, 3.0);
+        let targets: Vec<u32> = (0..seq).map(|_| rng.below(vocab) as u32).collect();
+        let mut full = logits.clone();
+        let mut masked = logits.clone();
+        let _ = cross_entropy_t(&mut full, &targets, 0, vocab, 0.5);
+        let lm = cross_entropy_t(&mut masked, &targets, first, vocab, 0.5);
+        // The loss of the counted columns alone, from scratch.
+        let mut expect = 0f64;
+        for (s, &t) in targets.iter().enumerate().skip(first) {
+            let col: Vec<f64> = (0..vocab).map(|v| logits[v * seq + s] as f64).collect();
+            let m = col.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + col.iter().map(|z| (z - m).exp()).sum::<f64>().ln();
+            expect += lse - col[t as usize];
+        }
+        assert!((lm - expect).abs() < 1e-9 * expect, "{lm} vs {expect}");
+        for v in 0..vocab {
+            for s in 0..seq {
+                let (g, f) = (masked[v * seq + s], full[v * seq + s]);
+                assert_eq!(g, if s < first { 0.0 } else { f }, "v {v} s {s}");
+            }
+        }
+    }
+
     #[test]
     fn grads_overwrite_first_then_accumulate_and_refuse_stale_reads() {
         let mut g = Grads::from(vec![vec![5.0f32; 3], vec![7.0f32; 2], vec![9.0f32; 4]]);
