@@ -38,6 +38,10 @@ pub struct TrainerState {
     pub cursor: u64,
     /// Steps skipped for non-finite loss or gradients so far.
     pub skipped: u64,
+    /// The run's configured total (`--steps`), which the learning-rate
+    /// schedule spans; 0 in checkpoints written before it was recorded.
+    #[serde(default)]
+    pub total_steps: u64,
     pub config: ModelConfig,
     /// Loss-scaler state (fp16 backends).
     pub scaler: crate::optim::LossScaler,
@@ -286,6 +290,7 @@ mod tests {
             rng: 1,
             cursor: 0,
             skipped: 0,
+            total_steps: 3,
             config: cfg.clone(),
             scaler: LossScaler::fixed(),
             adamw: AdamWConfig::default(),

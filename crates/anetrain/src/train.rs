@@ -632,7 +632,25 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             Some(_) => Some(with_adapters(starting_model(&s, &committed.config)?, &s)?),
             None => None,
         };
-        let (model, opt, state) = checkpoint::load(&out, base)?;
+        let (model, opt, mut state) = checkpoint::load(&out, base)?;
+        if r.steps <= state.step {
+            bail!(
+                "the run in '{}' has done {} steps already; pass a larger --steps to continue it",
+                out.display(),
+                state.step
+            );
+        }
+        if state.total_steps != 0 && state.total_steps != r.steps {
+            report(&Event::Note(format!(
+                "the run was set for {} steps and continues to {}: from step {} on, the learning-rate schedule{} spans {} steps",
+                state.total_steps,
+                r.steps,
+                state.step + 1,
+                if s.warmup.is_none() { " (and the default warmup, a tenth of it)" } else { "" },
+                r.steps
+            )));
+        }
+        state.total_steps = r.steps;
         let tok_path = out.join("tokenizer.json");
         let tok = if tok_path.is_file() {
             Some(Tokenizer::load(&tok_path)?)
@@ -680,6 +698,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             rng: Rng::new(s.seed.wrapping_add(1)).state(),
             cursor: 0,
             skipped: 0,
+            total_steps: r.steps,
             config: model.cfg.clone(),
             scaler: if s.backend.uses_fp16() {
                 LossScaler::dynamic()

@@ -48,7 +48,11 @@ pub struct TrainArgs {
     /// Engine that runs the kernels [default: ane where available, else cpu].
     #[arg(long, value_parser = crate::choice::<Backend>())]
     backend: Option<Backend>,
-    /// Optimizer steps.
+    /// Optimizer steps in all. With --resume it may grow, to extend a run
+    /// (finished or not): the learning-rate schedule is a function of this
+    /// total, so from the resumed step on the cosine decay (and the default
+    /// warmup, a tenth of it) follows the new total; with --warmup 0
+    /// --min-lr-frac 1 the rate is constant and nothing changes.
     #[arg(long, default_value_t = 300)]
     steps: u64,
     /// Tokens per sequence (the longest a record may be, plus one).
@@ -107,7 +111,8 @@ pub struct TrainArgs {
     /// Run directory [default: a new directory under ./runs/].
     #[arg(long)]
     out: Option<PathBuf>,
-    /// Continue the run in --out up to --steps (same flags otherwise).
+    /// Continue the run in --out up to --steps (same flags otherwise); also
+    /// a run written by scripts/continue_in_torch.py.
     #[arg(long, requires = "out")]
     resume: bool,
     /// Print a progress line every N steps when stderr is not a terminal

@@ -334,3 +334,44 @@ fn trains_on_a_memory_mapped_token_file_sequentially() {
     );
     let _ = std::fs::remove_dir_all(out);
 }
+
+/// `--resume` with a larger `--steps` extends a finished run, saying the
+/// schedule now spans the new total; with constant learning rate the
+/// extended run equals a run set for the larger total from the start. A
+/// `--steps` the run has already reached is refused.
+#[test]
+fn resume_extends_a_finished_run() {
+    let tmp = common::tmp();
+    let constant = ["--warmup", "0", "--min-lr-frac", "1"];
+    let run = |out: &Path, steps: &str, resume: bool| {
+        let mut c = bin();
+        c.args(FLAGS)
+            .args(constant)
+            .args(["--steps", steps, "--out"])
+            .arg(out);
+        if resume {
+            c.arg("--resume");
+        }
+        c.output().unwrap()
+    };
+    let straight = tmp.path().join("straight");
+    assert!(run(&straight, "6", false).status.success());
+    let extended = tmp.path().join("extended");
+    assert!(run(&extended, "4", false).status.success());
+    let o = run(&extended, "6", true);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("set for 4 steps and continues to 6"), "{e}");
+    assert_eq!(train_losses(&extended), train_losses(&straight));
+    assert!(
+        weights(&extended) == weights(&straight),
+        "the extended run differs"
+    );
+    let o = run(&extended, "6", true);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{e}");
+    assert!(
+        e.contains("has done 6 steps already") && e.contains("larger --steps"),
+        "{e}"
+    );
+}
