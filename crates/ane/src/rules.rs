@@ -16,7 +16,42 @@ pub struct Rule {
     pub summary: &'static str,
     /// Enabled unless switched off: the constraints our kernels must meet.
     pub default_on: bool,
-    check: fn(&Function, &mut Vec<String>),
+    check: fn(&Function, &Limits, &mut Vec<String>),
+}
+
+/// The device limits the rules measure against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest extent of any tensor dimension.
+    pub max_dim: usize,
+}
+
+impl Default for Limits {
+    /// [`MAX_DIM`], or `ANETRAIN_ANE_MAX_DIM` when set to a usable number
+    /// (see [`Limits::from_env`]).
+    fn default() -> Limits {
+        Limits::from_env().unwrap_or(Limits { max_dim: MAX_DIM })
+    }
+}
+
+/// Overrides [`MAX_DIM`]: for chips that accept less (one report from an
+/// M5 says 4096), and to force tiling in tests.
+pub const MAX_DIM_ENV: &str = "ANETRAIN_ANE_MAX_DIM";
+
+impl Limits {
+    /// The limits in force: [`MAX_DIM`] unless `ANETRAIN_ANE_MAX_DIM` says
+    /// otherwise; an unusable value is an error naming the variable.
+    pub fn from_env() -> Result<Limits, String> {
+        match std::env::var(MAX_DIM_ENV) {
+            Err(_) => Ok(Limits { max_dim: MAX_DIM }),
+            Ok(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n >= 16 => Ok(Limits { max_dim: n }),
+                _ => Err(format!(
+                    "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
+                )),
+            },
+        }
+    }
 }
 
 /// A rule broken by a program.
@@ -64,7 +99,7 @@ pub fn all() -> &'static [Rule] {
             id: "single-input",
             summary: "one input tensor per program (multi-input programs reportedly fail with 0x1d unless sizes are uniform)",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 if f.inputs.len() != 1 {
                     out.push(format!("has {} inputs", f.inputs.len()));
                 }
@@ -74,7 +109,7 @@ pub fn all() -> &'static [Rule] {
             id: "fp16-io",
             summary: "inputs and outputs are fp16",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for (what, t) in io_types(f) {
                     if t.dtype != DType::Fp16 {
                         out.push(format!("{what} is {}", t.dtype));
@@ -86,7 +121,7 @@ pub fn all() -> &'static [Rule] {
             id: "io-layout",
             summary: "inputs and outputs are rank-4 [1, C, 1, S] (the IOSurface layout)",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for (what, t) in io_types(f) {
                     let d = t.dims();
                     if d.len() != 4 || d[0] != 1 || d[2] != 1 {
@@ -97,14 +132,17 @@ pub fn all() -> &'static [Rule] {
         },
         Rule {
             id: "max-dim",
-            summary: "no tensor dimension exceeds 16384",
+            summary: "no tensor dimension exceeds the device's maximum (16384, or ANETRAIN_ANE_MAX_DIM)",
             default_on: true,
-            check: |f, out| {
+            check: |f, limits, out| {
                 for (what, t) in io_types(f).into_iter().chain(
                     f.ops.iter().map(|o| (format!("'{}'", o.output.name), o.output.ty.clone())),
                 ) {
-                    if let Some(d) = t.dims().iter().find(|&&d| d > MAX_DIM) {
-                        out.push(format!("{what} has a dimension of {d}"));
+                    if let Some(d) = t.dims().iter().find(|&&d| d > limits.max_dim) {
+                        out.push(format!(
+                            "{what} has a dimension of {d}, over the limit of {}",
+                            limits.max_dim
+                        ));
                     }
                 }
             },
@@ -113,7 +151,7 @@ pub fn all() -> &'static [Rule] {
             id: "const-flags",
             summary: "matmul transpose_x/transpose_y are named bool consts",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for op in f.ops.iter().filter(|o| o.op == "matmul") {
                     for flag in ["transpose_x", "transpose_y"] {
                         if op.arg(flag).is_none() {
@@ -129,7 +167,7 @@ pub fn all() -> &'static [Rule] {
                       pow(-0.5) (maderix/ANE training/stories_mil.h:30-33), and the compiler is \
                       reported to reject rsqrt/sqrt after a reduce",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for op in f.ops.iter().filter(|o| o.op == "rsqrt" || o.op == "sqrt") {
                     let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { continue };
                     if let Some(src) = f.ops.iter().find(|o| &o.output.name == x) {
@@ -149,7 +187,7 @@ pub fn all() -> &'static [Rule] {
                       that flushes subnormals reads it as 0 (an eps of 0 turns zero padding into \
                       0*inf = NaN)",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for op in f.ops.iter().filter(|o| o.op == "const") {
                     let Some(v) = &op.val else { continue };
                     let ConstData::Floats(values) = &v.data else { continue };
@@ -172,7 +210,7 @@ pub fn all() -> &'static [Rule] {
                       compile but fail at eval with status 0x1d (Orion docs/ane_constraints.md §4, \
                       `[768, 16]` fp16 the smallest that worked)",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 for (what, t) in io_types(f) {
                     let bytes = t.elems() * 2;
                     if bytes < MIN_SURFACE_BYTES {
@@ -185,7 +223,7 @@ pub fn all() -> &'static [Rule] {
             id: "spatial-multiple-16",
             summary: "the spatial (last) dimension of inputs/outputs is a multiple of 16 (silent zeros reported otherwise)",
             default_on: false,
-            check: |f, out| {
+            check: |f, _, out| {
                 for (what, t) in io_types(f) {
                     if let Some(&s) = t.dims().last() {
                         if s % 16 != 0 {
@@ -199,7 +237,7 @@ pub fn all() -> &'static [Rule] {
             id: "min-spatial-64",
             summary: "the spatial (last) dimension of inputs/outputs is at least 64",
             default_on: false,
-            check: |f, out| {
+            check: |f, _, out| {
                 for (what, t) in io_types(f) {
                     if let Some(&s) = t.dims().last() {
                         if s < 64 {
@@ -213,7 +251,7 @@ pub fn all() -> &'static [Rule] {
             id: "matmul-inner-32",
             summary: "matmul inner (contracted) dimension is a multiple of 32",
             default_on: false,
-            check: |f, out| {
+            check: |f, _, out| {
                 for op in f.ops.iter().filter(|o| o.op == "matmul") {
                     let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { continue };
                     let tx = matches!(op.arg("transpose_x"), Some(mil::ir::Arg::Var(n))
@@ -235,7 +273,7 @@ pub fn all() -> &'static [Rule] {
             id: "verbose-scalars",
             summary: "scalar consts use the tensor<T, []> form (the int32(1) shorthand reportedly fails on M1-M3)",
             default_on: false,
-            check: |f, out| {
+            check: |f, _, out| {
                 for op in f.ops.iter().filter(|o| o.op == "const") {
                     if let Some(v) = &op.val {
                         if v.ty.shape.is_none() && !matches!(v.data, ConstData::Str(_)) {
@@ -249,7 +287,7 @@ pub fn all() -> &'static [Rule] {
             id: "no-concat",
             summary: "avoid concat (one report says the compiler rejects it; the seed relies on it)",
             default_on: false,
-            check: |f, out| {
+            check: |f, _, out| {
                 let n = f.ops.iter().filter(|o| o.op == "concat").count();
                 if n > 0 {
                     out.push(format!("uses concat {n} time(s)"));
@@ -260,7 +298,7 @@ pub fn all() -> &'static [Rule] {
             id: "sorted-outputs",
             summary: "several outputs are listed in name order (the runtime reportedly orders them so)",
             default_on: true,
-            check: |f, out| {
+            check: |f, _, out| {
                 let mut sorted = f.outputs.clone();
                 sorted.sort();
                 if sorted != f.outputs {
@@ -276,6 +314,8 @@ pub fn all() -> &'static [Rule] {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RuleSet {
     on: BTreeSet<&'static str>,
+    /// The limits the rules measure against.
+    pub limits: Limits,
 }
 
 impl Default for RuleSet {
@@ -286,6 +326,7 @@ impl Default for RuleSet {
                 .filter(|r| r.default_on)
                 .map(|r| r.id)
                 .collect(),
+            limits: Limits::default(),
         }
     }
 }
@@ -295,6 +336,7 @@ impl RuleSet {
     pub fn none() -> RuleSet {
         RuleSet {
             on: BTreeSet::new(),
+            limits: Limits::default(),
         }
     }
 
@@ -302,7 +344,14 @@ impl RuleSet {
     pub fn all() -> RuleSet {
         RuleSet {
             on: all().iter().map(|r| r.id).collect(),
+            limits: Limits::default(),
         }
+    }
+
+    /// The same rules measured against `limits`.
+    pub fn with_limits(mut self, limits: Limits) -> RuleSet {
+        self.limits = limits;
+        self
     }
 
     pub fn is_on(&self, id: &str) -> bool {
@@ -324,13 +373,19 @@ impl RuleSet {
     }
 }
 
-/// Findings of every rule (enabled or not) for every function.
+/// Findings of every rule (enabled or not) for every function, against
+/// the limits in force.
 pub fn check_all(p: &Program) -> Vec<Finding> {
+    check_all_within(p, &Limits::default())
+}
+
+/// [`check_all`] against `limits`.
+pub fn check_all_within(p: &Program, limits: &Limits) -> Vec<Finding> {
     let mut v = Vec::new();
     for f in &p.functions {
         for r in all() {
             let mut msgs = Vec::new();
-            (r.check)(f, &mut msgs);
+            (r.check)(f, limits, &mut msgs);
             v.extend(msgs.into_iter().map(|m| Finding {
                 rule: r.id,
                 function: f.name.clone(),
@@ -343,7 +398,7 @@ pub fn check_all(p: &Program) -> Vec<Finding> {
 
 /// Findings of the enabled rules only.
 pub fn check(p: &Program, set: &RuleSet) -> Vec<Finding> {
-    check_all(p)
+    check_all_within(p, &set.limits)
         .into_iter()
         .filter(|f| set.is_on(f.rule))
         .collect()

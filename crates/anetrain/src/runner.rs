@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use ane::Device;
 use anyhow::{anyhow, bail, Result};
 
+use crate::kernels::tiling::{self, Plan};
 use crate::kernels::{
     build, Activations, Kernel, KernelKind, KernelLayout, KernelOptions, KernelProgram,
     LayerWeights, Outputs, Port, Shape,
@@ -137,9 +138,12 @@ fn crop(port: Port, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
 
 /// The compiled kernels and per-layer buffers for one padded length.
 struct KernelSet<D: Device> {
+    /// How each kernel is tiled (see [`tiling`]).
+    plan: Plan,
+    /// One program per kernel, at its tile shape.
     kernels: Vec<(KernelProgram, D::Program)>,
-    /// `[layer][kernel]` input buffers.
-    inputs: Vec<Vec<D::Buffer>>,
+    /// `[layer][kernel][tile]` input buffers.
+    inputs: Vec<Vec<Vec<D::Buffer>>>,
     /// One output buffer per kernel.
     outputs: Vec<D::Buffer>,
     /// `(Model::version, adapter version)` last staged.
@@ -199,6 +203,11 @@ impl<D: Device> NeuralKernels<D> {
         }
     }
 
+    /// The tiling of the live kernel set, if one is compiled.
+    pub fn plan(&self) -> Option<&Plan> {
+        self.sets.values().next_back().map(|s| &s.plan)
+    }
+
     /// The lengths with a compiled kernel set (for tests and reports).
     pub fn compiled_lengths(&self) -> Vec<usize> {
         self.sets.keys().copied().collect()
@@ -209,10 +218,11 @@ impl<D: Device> NeuralKernels<D> {
             return Ok(());
         }
         let shape = Shape::new(&model.cfg, sp);
+        let plan = tiling::plan(&shape, &self.opts).map_err(|e| anyhow!(e))?;
         let mut kernels = Vec::new();
         let mut outputs = Vec::new();
         for kind in KernelKind::ALL {
-            let k = build(kind, &shape, &self.opts)
+            let k = build(kind, &plan.of(kind).shape, &self.opts)
                 .map_err(|e| anyhow!("generating {}: {e}", kind.name()))?;
             let p = self
                 .device
@@ -229,11 +239,15 @@ impl<D: Device> NeuralKernels<D> {
         for _ in 0..model.cfg.num_hidden_layers {
             let mut per = Vec::new();
             for (k, _) in &kernels {
-                per.push(
-                    self.device
-                        .buffer(k.layout.input_elems())
-                        .map_err(|e| anyhow!("{e}"))?,
-                );
+                let mut tiles = Vec::new();
+                for _ in 0..plan.of(k.kind).tiles {
+                    tiles.push(
+                        self.device
+                            .buffer(k.layout.input_elems())
+                            .map_err(|e| anyhow!("{e}"))?,
+                    );
+                }
+                per.push(tiles);
             }
             inputs.push(per);
         }
@@ -242,6 +256,7 @@ impl<D: Device> NeuralKernels<D> {
         self.sets.insert(
             sp,
             KernelSet {
+                plan,
                 kernels,
                 inputs,
                 outputs,
@@ -265,34 +280,41 @@ impl<D: Device> NeuralKernels<D> {
         if set.staged == Some(now) {
             return Ok(());
         }
+        let full = set.plan.shape;
         for layer in 0..model.cfg.num_hidden_layers {
-            let w = layer_weights(model, layer);
+            let whole = layer_weights(model, layer);
             for (ki, (k, _)) in set.kernels.iter().enumerate() {
                 let l = &k.layout;
-                if adapters_only {
-                    for r in l.inputs.iter().filter(|r| r.port.is_adapter()) {
-                        let data = w.get(r.port).ok_or_else(|| {
-                            anyhow!("{}: the layer has no adapter '{}'", l.kernel, r.port.name())
-                        })?;
-                        let values = l.region_values(r.port, data);
-                        write_region(
-                            &mut self.device,
-                            &mut set.inputs[layer][ki],
-                            l,
-                            r.port,
-                            &values,
-                        )?;
-                    }
-                    continue;
-                }
                 if !l.inputs.iter().any(|r| r.port.is_weight()) {
                     continue;
                 }
-                let mut host = vec![0f32; l.input_elems()];
-                l.pack_weights(&w, &mut host).map_err(|e| anyhow!(e))?;
-                self.device
-                    .write(&mut set.inputs[layer][ki], 0, &host)
-                    .map_err(|e| anyhow!("staging {}: {e}", k.kind.name()))?;
+                let tiles = set.plan.of(k.kind);
+                for t in 0..tiles.tiles {
+                    // A tile's weights are blocks of the layer's (copied).
+                    let owned =
+                        (tiles.tiles > 1).then(|| tiling::tile_weights(tiles, &full, &whole, t));
+                    let w = owned.as_ref().map_or(whole, LayerWeights::from_tensors);
+                    let buf = &mut set.inputs[layer][ki][t];
+                    if adapters_only {
+                        for r in l.inputs.iter().filter(|r| r.port.is_adapter()) {
+                            let data = w.get(r.port).ok_or_else(|| {
+                                anyhow!(
+                                    "{}: the layer has no adapter '{}'",
+                                    l.kernel,
+                                    r.port.name()
+                                )
+                            })?;
+                            let values = l.region_values(r.port, data);
+                            write_region(&mut self.device, buf, l, r.port, &values)?;
+                        }
+                        continue;
+                    }
+                    let mut host = vec![0f32; l.input_elems()];
+                    l.pack_weights(&w, &mut host).map_err(|e| anyhow!(e))?;
+                    self.device
+                        .write(buf, 0, &host)
+                        .map_err(|e| anyhow!("staging {}: {e}", k.kind.name()))?;
+                }
             }
         }
         set.staged = Some(now);
@@ -362,22 +384,35 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let ki = kind_index(kind);
         let (k, prog) = &set.kernels[ki];
         let l = &k.layout;
-        let buf = &mut set.inputs[layer][ki];
-        for (port, data) in acts.ports() {
-            let padded = pad(port, data, seq, sp);
-            write_region(&mut self.device, buf, l, port, &padded)?;
-        }
-        let out = &mut set.outputs[ki];
-        self.device
-            .eval(prog, buf, out)
-            .map_err(|e| anyhow!("{}: {e}", kind.name()))?;
-        let mut results = BTreeMap::new();
-        for b in &l.outputs {
-            let mut v = vec![0f32; b.channels.len() * l.out_spatial];
+        let tiles = set.plan.of(kind);
+        let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
+        for t in 0..tiles.tiles {
+            let buf = &mut set.inputs[layer][ki][t];
+            for (port, data) in acts.ports() {
+                let padded = match tiles.tiles {
+                    1 => pad(port, data, seq, sp),
+                    _ => pad(
+                        port,
+                        &tiling::tile_activation(tiles, port, data, seq, t),
+                        seq,
+                        sp,
+                    ),
+                };
+                write_region(&mut self.device, buf, l, port, &padded)?;
+            }
+            let out = &mut set.outputs[ki];
             self.device
-                .read(out, b.channels.start * l.out_spatial, &mut v)
-                .map_err(|e| anyhow!("{e}"))?;
-            results.insert(b.port, crop(b.port, &v, seq, sp));
+                .eval(prog, buf, out)
+                .map_err(|e| anyhow!("{}: {e}", kind.name()))?;
+            for b in &l.outputs {
+                let mut v = vec![0f32; b.channels.len() * l.out_spatial];
+                self.device
+                    .read(out, b.channels.start * l.out_spatial, &mut v)
+                    .map_err(|e| anyhow!("{e}"))?;
+                let part = crop(b.port, &v, seq, sp);
+                let acc = results.entry(b.port).or_default();
+                tiling::combine(tiles, b.port, acc, part, t);
+            }
         }
         K::Out::from_lookup(&mut |port| results.remove(&port)).ok_or_else(|| {
             anyhow!(

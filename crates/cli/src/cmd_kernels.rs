@@ -4,7 +4,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use anetrain::config::ModelConfig;
-use anetrain::kernels::{self, check, KernelKind, KernelOptions, Shape};
+use anetrain::kernels::{self, check, tiling, KernelKind, KernelOptions, Shape};
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -16,6 +16,7 @@ pub fn setup(
     seed_compat: bool,
 ) -> Result<(ModelConfig, Shape, KernelOptions)> {
     let cfg = ModelConfig::resolve(model)?;
+    ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
     if seq == 0 || seq > cfg.max_position_embeddings {
         bail!(
             "--seq {seq} must be between 1 and the model's max_position_embeddings ({})",
@@ -53,12 +54,14 @@ fn selected(only: &[String]) -> Result<Vec<KernelKind>> {
 
 pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[String]) -> Result<()> {
     let (_, shape, opts) = setup(model, seq, seed_compat)?;
+    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights)
         .with_context(|| format!("cannot create '{}'", weights.display()))?;
     let mut layouts = serde_json::Map::new();
     for kind in selected(only)? {
-        let k = kernels::build(kind, &shape, &opts)
+        // A tiled kernel is one program at its tile shape.
+        let k = kernels::build(kind, &plan.of(kind).shape, &opts)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
         let name = if seed_compat {
             kind.seed_name()
@@ -71,15 +74,92 @@ pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[Stri
         }
         layouts.insert(name.to_string(), serde_json::to_value(&k.layout)?);
     }
-    let doc = serde_json::json!({ "shape": shape, "options": opts, "kernels": layouts });
+    let doc =
+        serde_json::json!({ "shape": shape, "options": opts, "plan": plan, "kernels": layouts });
     write_atomic(
         &out.join("layout.json"),
         serde_json::to_string_pretty(&doc)?.as_bytes(),
     )?;
+    let tiled: Vec<String> = plan
+        .kernels
+        .iter()
+        .filter(|k| k.tiles > 1 && layouts.contains_key(k.kind.name()))
+        .map(|k| format!("{} in {} tiles", k.kind.name(), k.tiles))
+        .collect();
     println!(
-        "wrote {} kernel(s), weights/ and layout.json to {}",
+        "wrote {} kernel(s), weights/ and layout.json to {}{}",
         layouts.len(),
-        out.display()
+        out.display(),
+        if tiled.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (tiled: {}; see `anetrain kernels plan`)",
+                tiled.join(", ")
+            )
+        }
+    );
+    Ok(())
+}
+
+/// `anetrain kernels plan`: how each kernel is tiled for this model under
+/// the device limits in force, and what that costs.
+pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()> {
+    let (cfg, shape, mut opts) = setup(model, seq, false)?;
+    if let Some(rank) = lora_rank {
+        opts.lora = Some(kernels::LoraKernel {
+            rank,
+            scale: 2.0,
+            targets: anetrain::model::Projection::ALL.to_vec(),
+        });
+    }
+    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    println!(
+        "{model}: dim {} intermediate {} heads {}/{} head_dim {} layers {} seq {}{}; largest dimension {}{}",
+        shape.dim,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        cfg.num_hidden_layers,
+        seq,
+        lora_rank.map_or(String::new(), |r| format!(", LoRA rank {r} on all projections")),
+        plan.max_dim,
+        if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
+            format!(" (from {})", ane::rules::MAX_DIM_ENV)
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "{:<18} {:>5}  {:<18} {:>16} {:>10} {:>16} {:>10}",
+        "kernel", "tiles", "split", "tile input", "KiB", "tile output", "KiB"
+    );
+    for k in &plan.kernels {
+        let (i, o) = k.surface_bytes();
+        let unit = match k.axis {
+            tiling::Axis::Hidden => format!("{} of {}", k.shape.hidden, shape.hidden),
+            tiling::Axis::KvGroups => {
+                format!("{} of {} KV heads", k.shape.kv_heads, shape.kv_heads)
+            }
+        };
+        println!(
+            "{:<18} {:>5}  {:<18} {:>16} {:>10.1} {:>16} {:>10.1}",
+            k.kind.name(),
+            k.tiles,
+            unit,
+            format!("{}x{}", k.input[0], k.input[1]),
+            i as f64 / 1024.0,
+            format!("{}x{}", k.output[0], k.output[1]),
+            o as f64 / 1024.0
+        );
+    }
+    let budget = ane::DEFAULT_COMPILE_BUDGET;
+    println!(
+        "{} programs to compile per sequence length (tiles of a kernel share one program; {} of the ~{budget} compiles a process gets), {} device evaluations per layer per training step",
+        plan.programs(),
+        plan.programs(),
+        plan.evaluations_per_layer()
     );
     Ok(())
 }
@@ -103,7 +183,10 @@ pub fn run_check(
     let mut failed = vec![];
     let rules = ane::rules::RuleSet::default();
     let mut broken = vec![];
+    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
     for kind in selected(only)? {
+        // A tiled kernel is checked at its tile shape (its one program).
+        let shape = plan.of(kind).shape;
         let program = anetrain::kernels::build(kind, &shape, &opts)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
         broken.extend(

@@ -299,6 +299,22 @@ enum KernelsCommand {
         #[arg(long = "kernel", value_name = "NAME")]
         kernels: Vec<String>,
     },
+    /// Show how each kernel is tiled for a model under the device limits in
+    /// force: kernels whose input or output would pass the device's largest
+    /// dimension (16384, or ANETRAIN_ANE_MAX_DIM) run as several programs
+    /// of one smaller shape, split along the intermediate size or groups of
+    /// KV heads, their results concatenated or summed.
+    Plan {
+        /// A preset or a model directory with config.json.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequence length.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Plan for LoRA adapters of this rank on all seven projections.
+        #[arg(long, value_name = "R")]
+        lora_rank: Option<usize>,
+    },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
     Check {
@@ -588,6 +604,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 kernels,
                 seed,
             } => cmd_kernels::run_check(&model, seq, seed_compat, &kernels, seed)?,
+            KernelsCommand::Plan {
+                model,
+                seq,
+                lora_rank,
+            } => cmd_kernels::show_plan(&model, seq, lora_rank)?,
         },
         Command::Mil { command } => match command {
             MilCommand::Run {

@@ -238,15 +238,20 @@ impl LayoutBuilder {
 
     /// Pads the input with unused columns (keeping the width a multiple of
     /// 16) and the output with unused channels until each holds at least
-    /// `min` elements: the device rejects smaller surfaces. Call last.
-    pub fn pad_to_min_elems(&mut self, min: usize) -> &mut Self {
+    /// `min` elements: the device rejects smaller surfaces. When the columns
+    /// needed would make the input wider than `max_dim`, it gains unused
+    /// channels instead. Call last.
+    pub fn pad_to_min_elems(&mut self, min: usize, max_dim: usize) -> &mut Self {
         if min == 0 {
             return self;
         }
         if self.channels * self.spatial < min {
-            self.spatial = self
-                .spatial
-                .max(min.div_ceil(self.channels).div_ceil(16) * 16);
+            let width = min.div_ceil(self.channels).div_ceil(16) * 16;
+            if width <= max_dim {
+                self.spatial = self.spatial.max(width);
+            } else {
+                self.channels = self.channels.max(min.div_ceil(self.spatial));
+            }
         }
         self.out_channels = self.out_channels.max(min.div_ceil(self.seq));
         self
@@ -320,7 +325,7 @@ mod tests {
         let mut b = LayoutBuilder::new("t", 16);
         b.columns(Port::Xnorm, 8, 16, Encoding::Activation)
             .output(Port::Attn, 8)
-            .pad_to_min_elems(1000);
+            .pad_to_min_elems(1000, 16384);
         let l = b.build();
         // 1000 / 8 channels = 125 columns, rounded up to a multiple of 16
         assert_eq!((l.in_channels, l.in_spatial), (8, 128));
@@ -330,8 +335,16 @@ mod tests {
         let big = LayoutBuilder::new("t", 16)
             .columns(Port::Xnorm, 8, 16, Encoding::Activation)
             .output(Port::Attn, 8)
-            .pad_to_min_elems(64)
+            .pad_to_min_elems(64, 16384)
             .build();
         assert_eq!((big.in_spatial, big.out_padding()), (16, 0));
+        // Under a width limit of 64 the input grows in channels instead:
+        // 1000 / 16 columns = 63 channels.
+        let narrow = LayoutBuilder::new("t", 16)
+            .columns(Port::Xnorm, 8, 16, Encoding::Activation)
+            .output(Port::Attn, 8)
+            .pad_to_min_elems(1000, 64)
+            .build();
+        assert_eq!((narrow.in_channels, narrow.in_spatial), (63, 16));
     }
 }

@@ -22,6 +22,7 @@ pub mod layout;
 pub mod maths;
 mod program;
 mod projections_backward;
+pub mod tiling;
 
 /// What every kernel module writes with.
 mod prelude {
@@ -173,6 +174,14 @@ pub struct KernelOptions {
     /// it (the device rejects smaller surfaces; see
     /// [`ane::rules::MIN_SURFACE_BYTES`]). 0 in seed-compatible mode.
     pub min_surface_bytes: usize,
+    /// The device's largest tensor dimension (see [`ane::rules::Limits`]):
+    /// padding never widens an input past it, and [`tiling`] splits
+    /// kernels that would.
+    pub max_dim: usize,
+    /// Tile every kernel at least this many times where its axis allows
+    /// (`ANETRAIN_ANE_MIN_TILES`; 1 unless set): exercises tiled execution
+    /// on models too small to need it.
+    pub min_tiles: usize,
 }
 
 /// What the kernels need to know about LoRA adapters: every adapted
@@ -272,6 +281,8 @@ impl KernelOptions {
             fp16_constants: false,
             lora: None,
             min_surface_bytes: ane::rules::MIN_SURFACE_BYTES,
+            max_dim: ane::rules::Limits::default().max_dim,
+            min_tiles: tiling::min_tiles_from_env(),
         }
     }
 
@@ -305,6 +316,8 @@ impl KernelOptions {
             fp16_constants: false,
             lora: None,
             min_surface_bytes: 0,
+            max_dim: ane::rules::MAX_DIM,
+            min_tiles: 1,
         }
     }
 }
@@ -443,7 +456,7 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
         b.pad_spatial_to(16);
     }
     // fp16 surfaces: two bytes an element.
-    b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2));
+    b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2), o.max_dim);
     b.build()
 }
 
