@@ -137,11 +137,26 @@ pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()
     );
     for k in &plan.kernels {
         let (i, o) = k.surface_bytes();
-        let unit = match k.axis {
-            tiling::Axis::Hidden => format!("{} of {}", k.shape.hidden, shape.hidden),
-            tiling::Axis::KvGroups => {
-                format!("{} of {} KV heads", k.shape.kv_heads, shape.kv_heads)
-            }
+        let unit = match k.splits.is_empty() {
+            true => "-".to_string(),
+            false => k
+                .splits
+                .iter()
+                .map(|sp| {
+                    let (part, whole) = match sp.axis {
+                        tiling::Axis::Hidden => (k.shape.hidden, shape.hidden),
+                        tiling::Axis::KvGroups => (k.shape.kv_heads, shape.kv_heads),
+                        tiling::Axis::Dim => (k.shape.dim, shape.dim),
+                    };
+                    let short = match sp.axis {
+                        tiling::Axis::Hidden => "inter",
+                        tiling::Axis::KvGroups => "kv",
+                        tiling::Axis::Dim => "dim",
+                    };
+                    format!("{short} {part}/{whole}")
+                })
+                .collect::<Vec<_>>()
+                .join(" x "),
         };
         println!(
             "{:<18} {:>5}  {:<18} {:>16} {:>10.1} {:>16} {:>10.1}",

@@ -52,6 +52,9 @@ pub enum Axis {
     Hidden,
     /// Groups of KV heads, each with its `ratio` query heads.
     KvGroups,
+    /// The model dimension, where a kernel only multiplies along it (its
+    /// output, or the reduction of a product).
+    Dim,
 }
 
 impl Axis {
@@ -59,6 +62,7 @@ impl Axis {
         match self {
             Axis::Hidden => "intermediate size",
             Axis::KvGroups => "KV heads",
+            Axis::Dim => "model dimension",
         }
     }
 
@@ -67,18 +71,27 @@ impl Axis {
         match self {
             Axis::Hidden => s.hidden,
             Axis::KvGroups => s.kv_heads,
+            Axis::Dim => s.dim,
         }
     }
 }
 
 impl KernelKind {
-    /// The axis this kernel's tiles split.
-    pub fn tile_axis(self) -> Axis {
+    /// The axes this kernel's tiles may split, preferred first. A kernel
+    /// with a nonlinearity across an axis (softmax over heads' scores,
+    /// SiLU of a product summed over the model dimension) cannot split it.
+    pub fn tile_axes(self) -> &'static [Axis] {
+        use Axis::*;
         match self {
-            KernelKind::FfnForward | KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => {
-                Axis::Hidden
+            KernelKind::FfnForward => &[Hidden],
+            KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => &[Hidden, Dim],
+            KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {
+                &[KvGroups]
             }
-            _ => Axis::KvGroups,
+            KernelKind::WoForward
+            | KernelKind::WoBackward
+            | KernelKind::QBackward
+            | KernelKind::KvBackward => &[KvGroups, Dim],
         }
     }
 }
@@ -106,6 +119,7 @@ impl Extent {
         match axis {
             Axis::Hidden => self == Extent::Hidden,
             Axis::KvGroups => matches!(self, Extent::Q | Extent::Kv | Extent::Scores),
+            Axis::Dim => self == Extent::Dim,
         }
     }
 }
@@ -134,11 +148,20 @@ pub fn activation_extent(port: Port) -> Extent {
     }
 }
 
-/// One kernel's tiles.
+/// One axis of a kernel's tiling and how many blocks it is cut into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Split {
+    pub axis: Axis,
+    pub blocks: usize,
+}
+
+/// One kernel's tiles: a grid of blocks along one or two axes.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct KernelTiles {
     pub kind: KernelKind,
-    pub axis: Axis,
+    /// The axes cut, in tile order (tile `t` is row-major over them);
+    /// empty when the kernel is not tiled.
+    pub splits: Vec<Split>,
     /// How many tiles (1: untiled).
     pub tiles: usize,
     /// The shape every tile's program is generated for.
@@ -155,6 +178,30 @@ impl KernelTiles {
             2 * self.input[0] * self.input[1],
             2 * self.output[0] * self.output[1],
         )
+    }
+
+    /// Tile `t`'s block index along each split.
+    fn indices(&self, t: usize) -> Vec<(Split, usize)> {
+        let mut rest = t;
+        let mut out: Vec<(Split, usize)> = self
+            .splits
+            .iter()
+            .rev()
+            .map(|&sp| {
+                let i = rest % sp.blocks;
+                rest /= sp.blocks;
+                (sp, i)
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// The split cutting `extent` in tile `t`, with the tile's block along it.
+    fn cut(&self, extent: Extent, t: usize) -> Option<(Split, usize)> {
+        self.indices(t)
+            .into_iter()
+            .find(|(sp, _)| extent.split_by(sp.axis))
     }
 }
 
@@ -187,56 +234,93 @@ impl Plan {
     }
 }
 
-/// The tile shape of `kind` at `tiles` tiles.
-pub fn tile_shape(full: &Shape, axis: Axis, tiles: usize) -> Shape {
+/// The tile shape for `splits` of `full`.
+pub fn tile_shape(full: &Shape, splits: &[Split]) -> Shape {
     let mut s = *full;
-    match axis {
-        Axis::Hidden => s.hidden /= tiles,
-        Axis::KvGroups => {
-            s.heads /= tiles;
-            s.kv_heads /= tiles;
+    for sp in splits {
+        match sp.axis {
+            Axis::Hidden => s.hidden /= sp.blocks,
+            Axis::KvGroups => {
+                s.heads /= sp.blocks;
+                s.kv_heads /= sp.blocks;
+            }
+            Axis::Dim => s.dim /= sp.blocks,
         }
     }
     s
 }
 
+/// The divisors of `n`, ascending.
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|t| n % t == 0).collect()
+}
+
+/// The tilings `kind` may take, fewest tiles first (and among equals, the
+/// fewest cuts of later axes): every combination of block counts that
+/// divide their axes.
+fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Split>> {
+    if o.seed_compat {
+        // Seed-compatible layouts pass values through that tiles would sum.
+        return vec![vec![]];
+    }
+    let axes = kind.tile_axes();
+    let mut grids: Vec<Vec<Split>> = vec![vec![]];
+    for &axis in axes {
+        let mut counts = divisors(axis.count(full));
+        if o.min_tiles > 1 {
+            // Forced tiling: at least `min_tiles` blocks of every axis the
+            // kernel may split (or as many as the axis has), so grids of
+            // two axes run too.
+            let floor = o.min_tiles.min(*counts.last().unwrap_or(&1));
+            counts.retain(|&c| c >= floor);
+        }
+        grids = grids
+            .into_iter()
+            .flat_map(|g| {
+                counts.iter().map(move |&c| {
+                    let mut g = g.clone();
+                    if c > 1 {
+                        g.push(Split { axis, blocks: c });
+                    }
+                    g
+                })
+            })
+            .collect();
+    }
+    let tiles = |g: &Vec<Split>| g.iter().map(|s| s.blocks).product::<usize>();
+    grids.sort_by_key(|g| {
+        let later: usize = g.iter().skip(1).map(|s| s.blocks).product();
+        (tiles(g), later)
+    });
+    grids.dedup();
+    grids
+}
+
 /// Plans every kernel: the fewest equal tiles whose program passes every
 /// enabled device rule at `o.max_dim`; failing that, the fewest that at
-/// least fit the dimension limit. An error names the kernel, the axis and
+/// least fit the dimension limit. An error names the kernel, the axes and
 /// the limit when no tiling fits.
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     let limits = ane::rules::Limits { max_dim: o.max_dim };
     let rules = ane::rules::RuleSet::default().with_limits(limits);
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL {
-        let axis = kind.tile_axis();
-        let n = axis.count(full);
-        // Seed-compatible layouts pass values through that tiles would sum.
-        let mut counts: Vec<usize> = match o.seed_compat {
-            true => vec![1],
-            false => (1..=n).filter(|t| n % t == 0).collect(),
-        };
-        // Forced tiling: at least `min_tiles` (or as many as the axis has).
-        let floor = o.min_tiles.min(*counts.last().unwrap_or(&1));
-        let forced = counts.iter().position(|&t| t >= floor).unwrap_or(0);
-        counts.drain(..forced);
         let mut fits_dim = None;
         let mut chosen = None;
         let mut last_problem = String::new();
-        for &t in &counts {
-            let shape = tile_shape(full, axis, t);
+        for splits in candidates(kind, full, o) {
+            let shape = tile_shape(full, &splits);
             let k = build(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
             let findings = ane::rules::check(&k.program, &rules);
-            let over = findings.iter().find(|f| f.rule == "max-dim");
-            if let Some(f) = over {
+            if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
                 last_problem = f.message.clone();
                 continue;
             }
             let l = &k.layout;
             let tiles = KernelTiles {
                 kind,
-                axis,
-                tiles: t,
+                tiles: splits.iter().map(|s| s.blocks).product(),
+                splits,
                 shape,
                 input: [l.in_channels, l.in_spatial],
                 output: [l.out_channels, l.out_spatial],
@@ -250,16 +334,19 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
         match chosen.or(fits_dim) {
             Some(t) => kernels.push(t),
             None => {
+                let axes: Vec<String> = kind
+                    .tile_axes()
+                    .iter()
+                    .map(|a| format!("the {} ({})", a.name(), a.count(full)))
+                    .collect();
                 return Err(format!(
-                    "{}: no tiling fits the device's largest dimension of {} ({} set it): even {} tile{} along the {} ({n}) leave{} {last_problem}",
+                    "{}: no tiling fits the device's largest dimension of {} ({} sets it): split as far as {} allow{}, {last_problem}",
                     kind.name(),
                     o.max_dim,
                     ane::rules::MAX_DIM_ENV,
-                    counts.last().copied().unwrap_or(1),
-                    if counts.last() == Some(&1) { "" } else { "s" },
-                    axis.name(),
-                    if counts.last() == Some(&1) { "s" } else { "" },
-                ))
+                    axes.join(" and "),
+                    if axes.len() == 1 { "s" } else { "" },
+                ));
             }
         }
     }
@@ -270,56 +357,51 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     })
 }
 
-/// Rows `t` of `tiles` equal blocks of a row-major `[rows, cols]` tensor.
-fn row_block(data: &[f32], rows: usize, t: usize, tiles: usize) -> Vec<f32> {
+/// Block `i` of `n` equal row blocks of a row-major `[rows, cols]` tensor.
+fn row_block(data: &[f32], rows: usize, i: usize, n: usize) -> Vec<f32> {
     let cols = data.len() / rows.max(1);
-    let per = rows / tiles;
-    data[t * per * cols..(t + 1) * per * cols].to_vec()
+    let per = rows / n;
+    data[i * per * cols..(i + 1) * per * cols].to_vec()
 }
 
-/// Columns block `t` of `tiles` of a row-major `[rows, cols]` tensor.
-fn col_block(data: &[f32], cols: usize, t: usize, tiles: usize) -> Vec<f32> {
-    let per = cols / tiles;
+/// Block `i` of `n` equal column blocks of a row-major `[rows, cols]` tensor.
+fn col_block(data: &[f32], cols: usize, i: usize, n: usize) -> Vec<f32> {
+    let per = cols / n;
     data.chunks(cols)
-        .flat_map(|row| &row[t * per..(t + 1) * per])
+        .flat_map(|row| &row[i * per..(i + 1) * per])
         .copied()
         .collect()
+}
+
+/// `[rows, cols]` cut by the splits of `k` in tile `t` along its rows
+/// (extent `re`) and columns (extent `ce`).
+fn block(k: &KernelTiles, t: usize, data: &[f32], rows: usize, re: Extent, ce: Extent) -> Vec<f32> {
+    let cols = data.len() / rows.max(1);
+    let mut v = match k.cut(re, t) {
+        Some((sp, i)) => row_block(data, rows, i, sp.blocks),
+        None => data.to_vec(),
+    };
+    if let Some((sp, i)) = k.cut(ce, t) {
+        v = col_block(&v, cols, i, sp.blocks);
+    }
+    v
 }
 
 /// The weights of tile `t` of `k` from the full layer's weights `w`
 /// (tensors by port, as [`super::LayerWeights::from_tensors`] reads).
 pub fn tile_weights(k: &KernelTiles, full: &Shape, w: &super::LayerWeights, t: usize) -> Tensors {
     let mut out = Tensors::new();
-    let n = k.tiles;
     for p in Projection::ALL {
         let (oe, ie) = projection_extents(p);
         let (rows, cols) = full.projection(p);
         let base = w.projection(p);
-        let cut_rows = oe.split_by(k.axis);
-        let cut_cols = ie.split_by(k.axis);
         if !base.is_empty() {
-            let v = match (cut_rows, cut_cols) {
-                (true, _) => row_block(base, rows, t, n),
-                (_, true) => col_block(base, cols, t, n),
-                _ => base.to_vec(),
-            };
-            out.insert(Port::Weight(p), v);
+            out.insert(Port::Weight(p), block(k, t, base, rows, oe, ie));
         }
         if let Some((a, b)) = w.adapters[p.index()] {
             let r = a.len() / cols;
-            let a = if cut_cols {
-                col_block(a, cols, t, n)
-            } else {
-                a.to_vec()
-            };
-            let b = if cut_rows {
-                row_block(b, rows, t, n)
-            } else {
-                b.to_vec()
-            };
-            debug_assert_eq!(r, b.len() / (rows / if cut_rows { n } else { 1 }));
-            out.insert(Port::LoraA(p), a);
-            out.insert(Port::LoraB(p), b);
+            out.insert(Port::LoraA(p), block(k, t, a, r, Extent::Whole, ie));
+            out.insert(Port::LoraB(p), block(k, t, b, rows, oe, Extent::Whole));
         }
     }
     if let Some(q) = w.q_norm {
@@ -332,9 +414,9 @@ pub fn tile_weights(k: &KernelTiles, full: &Shape, w: &super::LayerWeights, t: u
 }
 
 /// Tile `t`'s part of activation `port` (`[C, seq]` row-major): its
-/// channel block when the split cuts the port, else the whole (the
-/// residual `x2` only for tile 0; zeros for the others, whose partial sums
-/// must not add it again).
+/// channel block when a split cuts the port, else the whole. The residual
+/// `x2` enters once: whole in the tiles at block 0 of every split, zeros
+/// in the others, whose partial sums must not add it again.
 pub fn tile_activation(
     k: &KernelTiles,
     port: Port,
@@ -342,28 +424,31 @@ pub fn tile_activation(
     seq: usize,
     t: usize,
 ) -> Vec<f32> {
-    if activation_extent(port).split_by(k.axis) {
-        return row_block(data, data.len() / seq, t, k.tiles);
+    let e = activation_extent(port);
+    if let Some((sp, i)) = k.cut(e, t) {
+        return row_block(data, data.len() / seq, i, sp.blocks);
     }
-    if port == Port::X2 && t > 0 {
+    if port == Port::X2 && k.indices(t).iter().any(|&(_, i)| i > 0) {
         return vec![0.0; data.len()];
     }
     data.to_vec()
 }
 
-/// Adds tile `t`'s result for `port` into the full result `acc`: its
-/// channel block in place when the split cuts the port, else summed.
+/// Adds tile `t`'s result for `port` into the full result `acc` (zeros of
+/// the full size on the first tile): at its channel block when a split
+/// cuts the port, else over the whole — concatenation along the cut axis,
+/// a sum over the others.
 pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, t: usize) {
-    if activation_extent(port).split_by(k.axis) {
-        if t == 0 {
-            acc.clear();
-        }
-        acc.extend_from_slice(&part);
-    } else if t == 0 {
-        *acc = part;
-    } else {
-        acc.iter_mut().zip(&part).for_each(|(a, p)| *a += p);
+    let cut = k.cut(activation_extent(port), t);
+    if t == 0 {
+        let n = cut.map_or(1, |(sp, _)| sp.blocks);
+        *acc = vec![0.0; part.len() * n];
     }
+    let at = cut.map_or(0, |(_, i)| i * part.len());
+    acc[at..at + part.len()]
+        .iter_mut()
+        .zip(&part)
+        .for_each(|(a, p)| *a += p);
 }
 
 #[cfg(test)]
@@ -377,6 +462,50 @@ mod tests {
         assert_eq!(col_block(&m, 4, 1, 2), vec![2., 3., 6., 7., 10., 11.]);
         let m: Vec<f32> = (0..8).map(|i| i as f32).collect(); // [4, 2]
         assert_eq!(row_block(&m, 4, 1, 2), vec![4., 5., 6., 7.]);
+    }
+
+    #[test]
+    fn grids_cut_weights_on_both_axes_and_results_concatenate_or_sum() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let full = Shape::new(&cfg, 4);
+        let splits = vec![
+            Split {
+                axis: Axis::Hidden,
+                blocks: 2,
+            },
+            Split {
+                axis: Axis::Dim,
+                blocks: 4,
+            },
+        ];
+        let k = KernelTiles {
+            kind: KernelKind::FfnBackwardW13,
+            tiles: 8,
+            shape: tile_shape(&full, &splits),
+            splits,
+            input: [0, 0],
+            output: [0, 0],
+        };
+        assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
+        // Tile 5 = hidden block 1, dim block 1.
+        assert_eq!(k.indices(5).iter().map(|x| x.1).collect::<Vec<_>>(), [1, 1]);
+        let (h, d) = (full.hidden, full.dim);
+        let w1: Vec<f32> = (0..h * d).map(|i| i as f32).collect();
+        let mut w = crate::kernels::LayerWeights::default();
+        let empty: &[f32] = &[];
+        w.projections = [empty; 7];
+        w.projections[Projection::Gate.index()] = &w1;
+        let tw = tile_weights(&k, &full, &w, 5);
+        let got = &tw[&Port::Weight(Projection::Gate)];
+        assert_eq!(got.len(), 192 * 32);
+        // Row 192 (first of hidden block 1), column 32 (first of dim block 1).
+        assert_eq!(got[0], (192 * d + 32) as f32);
+        // dx is cut along dim and summed over hidden blocks.
+        let mut acc = vec![];
+        for t in 0..8 {
+            combine(&k, Port::Dx, &mut acc, vec![1.0; 32 * 4], t);
+        }
+        assert_eq!(acc, vec![2.0; d * 4]);
     }
 
     #[test]

@@ -1,0 +1,105 @@
+//! Tiling plans for models beyond Qwen3-0.6B (Hugging Face `config.json`
+//! shapes under `testdata/configs/`): every program a plan asks for passes
+//! every default ANE rule at the limit in force, within the compile budget,
+//! and a model that cannot be tiled is refused with one line.
+
+use std::path::Path;
+
+use anetrain::config::ModelConfig;
+use anetrain::kernels::tiling::{self, Axis};
+use anetrain::kernels::{build, KernelKind, KernelOptions, LoraKernel, Shape};
+use anetrain::model::Projection;
+
+fn config(name: &str) -> ModelConfig {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata/configs")
+        .join(format!("{name}.json"));
+    ModelConfig::from_file(&p).unwrap()
+}
+
+/// Plans `cfg` at `seq` under `max_dim` and checks every tile program.
+fn plan_and_check(
+    what: &str,
+    cfg: &ModelConfig,
+    seq: usize,
+    max_dim: usize,
+    lora: bool,
+) -> tiling::Plan {
+    let mut o = KernelOptions::hf(cfg);
+    o.max_dim = max_dim;
+    if lora {
+        o.lora = Some(LoraKernel {
+            rank: 16,
+            scale: 2.0,
+            targets: Projection::ALL.to_vec(),
+        });
+    }
+    let full = Shape::new(cfg, seq);
+    let plan = tiling::plan(&full, &o).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let rules = ane::rules::RuleSet::default().with_limits(ane::rules::Limits { max_dim });
+    for k in &plan.kernels {
+        // Tiles cut their axes evenly.
+        for sp in &k.splits {
+            assert_eq!(sp.axis.count(&full) % sp.blocks, 0, "{what} {:?}", k.kind);
+        }
+        let p = build(k.kind, &k.shape, &o).unwrap();
+        let broken = ane::rules::check(&p.program, &rules);
+        assert!(
+            broken.is_empty(),
+            "{what} {:?} ({} tiles): {broken:?}",
+            k.kind,
+            k.tiles
+        );
+        assert!(
+            k.input.iter().chain(&k.output).all(|&d| d <= max_dim),
+            "{what} {k:?}"
+        );
+    }
+    assert!(plan.programs() <= ane::DEFAULT_COMPILE_BUDGET);
+    plan
+}
+
+#[test]
+fn larger_models_plan_within_the_limits() {
+    for name in ["qwen3-1.7b", "qwen3-4b", "llama-3.2-3b"] {
+        let cfg = config(name);
+        let plan = plan_and_check(name, &cfg, 256, ane::rules::MAX_DIM, false);
+        // Their FFN input passes 16384 untiled.
+        assert!(
+            plan.of(KernelKind::FfnForward).tiles >= 2,
+            "{name}: {plan:?}"
+        );
+        assert_eq!(plan.of(KernelKind::FfnForward).splits[0].axis, Axis::Hidden);
+        plan_and_check(name, &cfg, 256, 4096, false);
+        plan_and_check(
+            &format!("{name} LoRA"),
+            &cfg,
+            256,
+            ane::rules::MAX_DIM,
+            true,
+        );
+    }
+    // Qwen3-0.6B fits untiled at 16384, and tiles under a 4096 limit.
+    let small = ModelConfig::preset("qwen3-0.6b").unwrap();
+    let plan = plan_and_check("qwen3-0.6b", &small, 256, ane::rules::MAX_DIM, false);
+    assert!(plan.kernels.iter().all(|k| k.tiles == 1));
+    let plan = plan_and_check("qwen3-0.6b at 4096", &small, 256, 4096, false);
+    assert!(plan.of(KernelKind::FfnForward).tiles >= 2);
+    assert!(plan.of(KernelKind::SdpaForward).tiles >= 2);
+}
+
+#[test]
+fn an_untileable_model_is_refused_with_one_line_naming_kernel_and_limit() {
+    // One attention head (128 wide with its positions and weights) cannot
+    // be cut below the limit.
+    let cfg = config("qwen3-1.7b");
+    let mut o = KernelOptions::hf(&cfg);
+    o.max_dim = 128;
+    let e = tiling::plan(&Shape::new(&cfg, 256), &o).unwrap_err();
+    assert!(!e.contains('\n'), "{e}");
+    assert!(e.starts_with("sdpa_forward: no tiling fits"), "{e}");
+    assert!(
+        e.contains("128") && e.contains("ANETRAIN_ANE_MAX_DIM"),
+        "{e}"
+    );
+}
