@@ -60,6 +60,8 @@ pub struct Host {
 #[derive(Clone, Debug, Serialize)]
 pub struct KernelResult {
     pub kernel: String,
+    /// Tiles the kernel runs in (checked: one tile's program).
+    pub tiles: usize,
     pub input_bytes: usize,
     pub output_bytes: usize,
     pub compile_ms: Option<f64>,
@@ -91,6 +93,8 @@ pub struct Report {
     pub matmul: String,
     pub model: String,
     pub seq: usize,
+    /// The largest tensor dimension in force (`ANETRAIN_ANE_MAX_DIM`).
+    pub max_dim: usize,
     pub kernels: Vec<KernelResult>,
     pub training: Option<TrainingResult>,
     /// One line per problem, naming the kernel or step.
@@ -182,6 +186,7 @@ fn kernel_on<D: Device>(
 ) -> KernelResult {
     let mut r = KernelResult {
         kernel: kind.name().into(),
+        tiles: 1,
         input_bytes: 0,
         output_bytes: 0,
         compile_ms: None,
@@ -315,8 +320,11 @@ fn scratch(tag: &str) -> PathBuf {
 /// Runs the checks; `progress` receives one line per finished item.
 pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Report> {
     let cfg = ModelConfig::resolve(&req.model)?;
-    let s = Shape::new(&cfg, req.seq);
+    ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
+    let full = Shape::new(&cfg, req.seq);
     let o = KernelOptions::hf(&cfg);
+    // Kernels too wide for the device are checked as their tiles run.
+    let plan = crate::kernels::tiling::plan(&full, &o).map_err(anyhow::Error::msg)?;
     let mut failures = vec![];
     let stand_in = std::env::var_os(ane::apple::RUNTIME_ENV).is_some_and(|p| !p.is_empty());
     let (device, device_note, ane) = match ane::AneDevice::open() {
@@ -346,10 +354,12 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     let mut ane_dev = ane;
     let mut sim_dev = SimDevice::new();
     for kind in KernelKind::ALL {
-        let r = match ane_dev.as_mut() {
+        let s = plan.of(kind).shape;
+        let mut r = match ane_dev.as_mut() {
             Some(d) => kernel_on(d, &mut sim, kind, &s, &o, req.evals, &mut rng),
             None => kernel_on(&mut sim_dev, &mut sim, kind, &s, &o, req.evals, &mut rng),
         };
+        r.tiles = plan.of(kind).tiles;
         if let Some(e) = &r.error {
             failures.push(format!("kernel {}: {e}", r.kernel));
         } else if let Some(err) = r.max_rel_error.filter(|x| x.is_nan() || *x > KERNEL_TOL) {
@@ -437,6 +447,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         matmul: linalg::selected().describe().into(),
         model: req.model.clone(),
         seq: req.seq,
+        max_dim: plan.max_dim,
         kernels,
         training,
         failures,
@@ -455,12 +466,13 @@ impl Report {
         let _ = writeln!(m, "## anetrain doctor {}\n", self.anetrain_version);
         let _ = writeln!(
             m,
-            "* host: {} ({}, {}), {} CPU threads\n* device: **{}** — {}\n* matrix multiply: {}\n* model: {} at seq {}\n",
-            h.chip, h.os_version, h.arch, h.cpu_threads, self.device, self.device_note, self.matmul, self.model, self.seq
+            "* host: {} ({}, {}), {} CPU threads\n* device: **{}** — {}\n* matrix multiply: {}\n* model: {} at seq {}\n* largest tensor dimension: {} ({} overrides); a tiled kernel's row checks one tile\n",
+            h.chip, h.os_version, h.arch, h.cpu_threads, self.device, self.device_note, self.matmul, self.model, self.seq,
+            self.max_dim, ane::rules::MAX_DIM_ENV
         );
         let _ = writeln!(
             m,
-            "| kernel | input KiB | output KiB | compile ms | eval ms (median) | max rel. error vs ane-sim | status |\n|---|---:|---:|---:|---:|---:|---|"
+            "| kernel | tiles | input KiB | output KiB | compile ms | eval ms (median) | max rel. error vs ane-sim | status |\n|---|---:|---:|---:|---:|---:|---:|---|"
         );
         let f = |v: Option<f64>, p: usize| v.map_or("—".to_string(), |x| format!("{x:.p$}"));
         for k in &self.kernels {
@@ -471,8 +483,9 @@ impl Report {
             };
             let _ = writeln!(
                 m,
-                "| {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {} |",
                 k.kernel,
+                k.tiles,
                 k.input_bytes / 1024,
                 k.output_bytes / 1024,
                 f(k.compile_ms, 0),

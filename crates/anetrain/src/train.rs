@@ -589,6 +589,19 @@ pub fn settings_differences(
 pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool) -> Result<f64> {
     let s = r.settings.clone();
     validate(&s, &r)?;
+    if s.backend != Backend::Cpu {
+        // A model the device cannot run, even tiled, fails before any work.
+        let cfg = ModelConfig::resolve(&s.model)?;
+        let mut o = crate::kernels::KernelOptions::hf(&cfg);
+        o.lora = s.lora.as_ref().map(|l| crate::kernels::LoraKernel {
+            rank: l.rank,
+            scale: l.scale(),
+            targets: l.targets.clone(),
+        });
+        let compiled = s.seq.div_ceil(16).next_power_of_two() * 16;
+        crate::kernels::tiling::plan(&crate::kernels::Shape::new(&cfg, compiled), &o)
+            .map_err(anyhow::Error::msg)?;
+    }
     // Open the device before any work, so an unusable one fails first.
     let ane_device = match s.backend {
         Backend::Ane => Some(backend::open_ane()?),

@@ -422,6 +422,25 @@ fn info() {
         "simulated device (ane-sim): available; compile budget {} programs per process",
         ane::DEFAULT_COMPILE_BUDGET
     );
+    match ane::rules::Limits::from_env() {
+        Ok(l) => println!(
+            "device limits: largest tensor dimension {}{}; kernels wider than that run in tiles (`anetrain kernels plan`){}",
+            l.max_dim,
+            if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
+                format!(" (from {})", ane::rules::MAX_DIM_ENV)
+            } else {
+                format!(" (default; {} overrides)", ane::rules::MAX_DIM_ENV)
+            },
+            match anetrain::kernels::tiling::min_tiles_from_env() {
+                1 => String::new(),
+                n => format!(
+                    "; at least {n} tiles per kernel ({} is set: a testing aid)",
+                    anetrain::kernels::tiling::MIN_TILES_ENV
+                ),
+            }
+        ),
+        Err(e) => println!("device limits: {e}"),
+    }
     println!(
         "default backend: {}",
         anetrain::backend::Backend::platform_default().name()
@@ -440,6 +459,10 @@ fn one_line(rendered: &str) -> String {
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if !matches!(cli.command, Command::Info) {
+        // The device limit shapes every kernel: a typo must not pass silently.
+        ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
+    }
     // Long computations keep the CPUs from halting between parallel regions
     // (see `awake`): on virtual machines a halted CPU comes back late.
     let _awake = matches!(

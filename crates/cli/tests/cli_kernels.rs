@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::path::PathBuf;
+
 use common::{bin, tmp};
 
 use anetrain::config::ModelConfig;
@@ -80,4 +82,102 @@ fn kernels_dump_writes_programs_blobs_and_layouts() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// `kernels dump` for Qwen3-1.7B-, Qwen3-4B- and Llama-3.2-3B-shaped
+/// `config.json` files at seq 256 (and under `ANETRAIN_ANE_MAX_DIM=4096`,
+/// Qwen3-1.7B and the Qwen3-0.6B preset) writes tile programs that `mil
+/// check --strict` passes under the same limit; `kernels plan` shows the
+/// tiles and the compile count.
+#[test]
+fn larger_models_dump_tile_programs_that_pass_every_rule() {
+    let configs = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/configs");
+    let cases = [
+        ("qwen3-1.7b.json", None),
+        ("qwen3-4b.json", None),
+        ("llama-3.2-3b.json", None),
+        ("qwen3-1.7b.json", Some("4096")),
+        ("qwen3-0.6b", Some("4096")),
+    ];
+    for (model, limit) in cases {
+        let model = match model.ends_with(".json") {
+            true => configs.join(model).display().to_string(),
+            false => model.to_string(),
+        };
+        let dir = tmp();
+        let out = dir.path().join("dump");
+        let mut c = bin();
+        c.args([
+            "kernels", "dump", "--model", &model, "--seq", "256", "--out",
+        ])
+        .arg(&out);
+        if let Some(l) = limit {
+            c.env("ANETRAIN_ANE_MAX_DIM", l);
+        }
+        let o = c.output().unwrap();
+        assert!(
+            o.status.success(),
+            "{model}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let said = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            said.contains("ffn_forward in "),
+            "{model} {limit:?}: {said}"
+        );
+        for k in KernelKind::ALL {
+            let mut c = bin();
+            c.args(["mil", "check", "--strict"])
+                .arg(out.join(format!("{}.mil", k.name())));
+            if let Some(l) = limit {
+                c.env("ANETRAIN_ANE_MAX_DIM", l);
+            }
+            let o = c.output().unwrap();
+            assert!(
+                o.status.success(),
+                "{model} {limit:?} {}: {}{}",
+                k.name(),
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let mut c = bin();
+        c.args(["kernels", "plan", "--model", &model, "--seq", "256"]);
+        if let Some(l) = limit {
+            c.env("ANETRAIN_ANE_MAX_DIM", l);
+        }
+        let o = c.output().unwrap();
+        let table = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            o.status.success() && table.contains("10 programs to compile"),
+            "{table}"
+        );
+    }
+    // A limit no tiling meets: one line naming the kernel and the limit,
+    // before a run creates anything.
+    let dir = tmp();
+    let run = dir.path().join("run");
+    for args in [
+        &["kernels", "plan", "--model", "tiny", "--seq", "128"][..],
+        &[
+            "train",
+            "--backend",
+            "ane-sim",
+            "--steps",
+            "1",
+            "--out",
+            run.to_str().unwrap(),
+        ][..],
+    ] {
+        let o = bin()
+            .env("ANETRAIN_ANE_MAX_DIM", "100")
+            .args(args)
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {e}");
+        assert_eq!(e.lines().count(), 1, "{e}");
+        assert!(e.contains("no tiling fits") && e.contains("100"), "{e}");
+    }
+    assert!(!run.exists());
 }
