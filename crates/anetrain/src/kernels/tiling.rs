@@ -252,7 +252,7 @@ pub fn tile_shape(full: &Shape, splits: &[Split]) -> Shape {
 
 /// The divisors of `n`, ascending.
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|t| n % t == 0).collect()
+    (1..=n).filter(|t| n.is_multiple_of(*t)).collect()
 }
 
 /// The tilings `kind` may take, fewest tiles first (and among equals, the
