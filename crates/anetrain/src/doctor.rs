@@ -323,9 +323,16 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
     let full = Shape::new(&cfg, req.seq);
     let o = KernelOptions::hf(&cfg);
-    // Kernels too wide for the device are checked as their tiles run.
-    let plan = crate::kernels::tiling::plan(&full, &o).map_err(anyhow::Error::msg)?;
     let mut failures = vec![];
+    // Kernels too wide for the device are checked as their tiles run; a
+    // model no tiling fits is a failure, and its kernels are tried whole.
+    let plan = match crate::kernels::tiling::plan(&full, &o) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            failures.push(format!("tiling: {e}"));
+            None
+        }
+    };
     let stand_in = std::env::var_os(ane::apple::RUNTIME_ENV).is_some_and(|p| !p.is_empty());
     let (device, device_note, ane) = match ane::AneDevice::open() {
         Ok(d) => {
@@ -354,12 +361,12 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     let mut ane_dev = ane;
     let mut sim_dev = SimDevice::new();
     for kind in KernelKind::ALL {
-        let s = plan.of(kind).shape;
+        let s = plan.as_ref().map_or(full, |p| p.of(kind).shape);
         let mut r = match ane_dev.as_mut() {
             Some(d) => kernel_on(d, &mut sim, kind, &s, &o, req.evals, &mut rng),
             None => kernel_on(&mut sim_dev, &mut sim, kind, &s, &o, req.evals, &mut rng),
         };
-        r.tiles = plan.of(kind).tiles;
+        r.tiles = plan.as_ref().map_or(1, |p| p.of(kind).tiles);
         if let Some(e) = &r.error {
             failures.push(format!("kernel {}: {e}", r.kernel));
         } else if let Some(err) = r.max_rel_error.filter(|x| x.is_nan() || *x > KERNEL_TOL) {
@@ -447,7 +454,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         matmul: linalg::selected().describe().into(),
         model: req.model.clone(),
         seq: req.seq,
-        max_dim: plan.max_dim,
+        max_dim: o.max_dim,
         kernels,
         training,
         failures,

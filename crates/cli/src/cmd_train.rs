@@ -11,6 +11,30 @@ use anetrain::optim::AdamWConfig;
 use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
 
+/// How JSONL records are read (`train` and `eval`).
+#[derive(clap::Args, Debug)]
+pub struct RecordArgs {
+    /// Records: the loss on the completion only (the last message of a
+    /// chat, the completion of a prompt/completion record).
+    #[arg(long)]
+    pub mask_prompt: bool,
+    /// Records: the field holding the prompt.
+    #[arg(long, default_value = "prompt", value_name = "NAME")]
+    pub prompt_key: String,
+    /// Records: the field holding the completion.
+    #[arg(long, default_value = "completion", value_name = "NAME")]
+    pub completion_key: String,
+}
+
+impl RecordArgs {
+    pub fn keys(&self) -> anetrain::records::Keys {
+        anetrain::records::Keys {
+            prompt: self.prompt_key.clone(),
+            completion: self.completion_key.clone(),
+        }
+    }
+}
+
 #[derive(clap::Args, Debug)]
 #[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
@@ -27,16 +51,8 @@ pub struct TrainArgs {
     /// sequence, truncated to --seq + 1 tokens, shuffled every epoch.
     #[arg(long, value_name = "PATH")]
     data: Option<PathBuf>,
-    /// Records: compute the loss on the completion only (the last message
-    /// of a chat, the completion of a prompt/completion record).
-    #[arg(long)]
-    mask_prompt: bool,
-    /// Records: the field holding the prompt.
-    #[arg(long, default_value = "prompt", value_name = "NAME")]
-    prompt_key: String,
-    /// Records: the field holding the completion.
-    #[arg(long, default_value = "completion", value_name = "NAME")]
-    completion_key: String,
+    #[command(flatten)]
+    records: RecordArgs,
     /// tokenizer.json for text data [default: the model directory's; for a
     /// preset, one trained on the --data text (or on the built-in corpus),
     /// saved in the run; `anetrain tokenizer train` makes one ahead].
@@ -180,11 +196,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
         lora,
-        mask_prompt: a.mask_prompt,
-        keys: anetrain::records::Keys {
-            prompt: a.prompt_key.clone(),
-            completion: a.completion_key.clone(),
-        },
+        mask_prompt: a.records.mask_prompt,
+        keys: a.records.keys(),
     };
     let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
     let request = TrainRequest {

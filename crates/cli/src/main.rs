@@ -75,16 +75,8 @@ enum Command {
         /// (train, valid or test) [default: test].
         #[arg(long, value_name = "SPLIT")]
         split: Option<String>,
-        /// Records: the loss over the completions only (as `train
-        /// --mask-prompt`).
-        #[arg(long)]
-        mask_prompt: bool,
-        /// Records: the field holding the prompt.
-        #[arg(long, default_value = "prompt", value_name = "NAME")]
-        prompt_key: String,
-        /// Records: the field holding the completion.
-        #[arg(long, default_value = "completion", value_name = "NAME")]
-        completion_key: String,
+        #[command(flatten)]
+        records: cmd_train::RecordArgs,
         /// Window length for --data [default: min(256, max_position_embeddings);
         /// for records, max_position_embeddings (longer records are truncated)].
         #[arg(long)]
@@ -568,9 +560,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             adapter,
             backend,
             split,
-            mask_prompt,
-            prompt_key,
-            completion_key,
+            records,
         } => cmd_model::eval(cmd_model::EvalArgs {
             adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
@@ -583,11 +573,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             tokenizer,
             max_windows,
             split,
-            mask_prompt,
-            keys: anetrain::records::Keys {
-                prompt: prompt_key,
-                completion: completion_key,
-            },
+            mask_prompt: records.mask_prompt,
+            keys: records.keys(),
         })?,
         Command::Generate {
             model,

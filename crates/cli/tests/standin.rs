@@ -223,16 +223,13 @@ fn doctor_reports_the_simulator_the_standin_and_failures() {
     // A model whose FFN is wider than the device allows: each failure is a
     // line naming the kernel, the run still finishes, the report is written
     // and the exit status is 1.
-    let wide = d.path().join("wide");
-    std::fs::create_dir_all(&wide).unwrap();
-    let cfg = std::fs::read_to_string(common::fixture("llama/model/config.json"))
-        .unwrap()
-        .replace("\"intermediate_size\": 80", "\"intermediate_size\": 16400");
-    std::fs::write(wide.join("config.json"), cfg).unwrap();
+    // (Wider than a device whose limit no tiling of this model meets.)
+    let wide = common::fixture("llama/model");
     std::fs::remove_file(&json).unwrap();
     let o = bin()
         .args(args(wide.to_str().unwrap()))
         .env("ANETRAIN_ANE_RUNTIME", library())
+        .env("ANETRAIN_ANE_MAX_DIM", "100")
         .output()
         .unwrap();
     let e = String::from_utf8_lossy(&o.stderr);
@@ -253,6 +250,12 @@ fn doctor_reports_the_simulator_the_standin_and_failures() {
         .iter()
         .map(|f| f.as_str().unwrap())
         .collect();
+    assert!(
+        failures
+            .iter()
+            .any(|f| f.starts_with("tiling: ") && f.contains("100")),
+        "{failures:?}"
+    );
     assert!(
         failures
             .iter()
