@@ -115,6 +115,14 @@ def render_cases():
          {"role": "assistant", "content": "Très bien, merci!\nEt toi?"}],
         [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}],
         [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5", "reasoning_content": "two plus three"}],
+        # A tool call and its result (arguments as a mapping: tojson; the
+        # result as a string, which Llama 3's template tests `is iterable`).
+        [{"role": "user", "content": "Weather in Paris?"},
+         {"role": "assistant", "content": "",
+          "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                            "arguments": {"city": "Paris", "unit": "°C", "days": 2}}}]},
+         {"role": "tool", "content": "{\"temp\": 21.5, \"sky\": \"clear\"}"},
+         {"role": "assistant", "content": "21.5 °C and clear."}],
     ]
     cases = []
     for ci, conv in enumerate(convs):

@@ -18,14 +18,14 @@ fn json(path: &Path) -> Value {
 
 /// Every render of `renders.json` — the published Qwen3, Llama 3 and
 /// ChatML templates over system messages, several turns, empty content,
-/// non-ASCII text, reasoning and tools — equals `apply_chat_template(...,
+/// non-ASCII text, reasoning, tools, tool calls and results — equals `apply_chat_template(...,
 /// tokenize=False)` byte for byte.
 #[test]
 fn templates_render_as_transformers_does() {
     let dir = chat_dir();
     let cases = json(&dir.join("renders.json"));
     let cases = cases.as_array().unwrap();
-    assert!(cases.len() >= 40, "{} cases", cases.len());
+    assert!(cases.len() >= 48, "{} cases", cases.len());
     let mut seen = std::collections::BTreeSet::new();
     for (i, c) in cases.iter().enumerate() {
         let name = c["template"].as_str().unwrap();

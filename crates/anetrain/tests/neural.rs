@@ -11,23 +11,29 @@ use anetrain::kernels::{Kernel, Shape};
 use anetrain::model::Model;
 use anetrain::runner::{CpuKernels, Dropout, KernelRunner};
 
+/// A fixture's model, token rows (flat), expected logits (flat) and row count.
+fn fixture_logits(kind: &str) -> (Model, Vec<i64>, Vec<f32>, usize) {
+    let dir = fixture(kind);
+    let model = Model::load(&dir.join("model")).unwrap();
+    let a = npy::read(&dir.join("tokens.npy")).unwrap();
+    let rows = a.shape[0];
+    let npy::NpyData::Int(t) = a.data else {
+        panic!("tokens.npy holds integers")
+    };
+    let npy::NpyData::Float(want) = npy::read(&dir.join("logits.npy")).unwrap().data else {
+        panic!("logits.npy holds floats")
+    };
+    (model, t, want, rows)
+}
+
 #[test]
 fn ane_sim_logits_match_transformers_in_fp16() {
     for kind in ["qwen3", "llama"] {
-        let dir = fixture(kind);
-        let model = Model::load(&dir.join("model")).unwrap();
-        let a = npy::read(&dir.join("tokens.npy")).unwrap();
-        let npy::NpyData::Int(t) = a.data else {
-            panic!()
-        };
-        let want = npy::read(&dir.join("logits.npy")).unwrap();
-        let npy::NpyData::Float(want) = want.data else {
-            panic!()
-        };
-        let n = a.shape[1] - 1; // 12: padded to 16 on the device
+        let (model, t, want, rows) = fixture_logits(kind);
+        let n = t.len() / rows - 1; // 12: padded to 16 on the device
         let v = model.cfg.vocab_size;
         let mut eng = Engine::neural(&model, ane::SimDevice::new());
-        for b in 0..a.shape[0] {
+        for b in 0..rows {
             let row: Vec<u32> = t[b * (n + 1)..b * (n + 1) + n]
                 .iter()
                 .map(|&x| x as u32)
@@ -184,16 +190,8 @@ fn tiled(model: &Model) -> Engine<anetrain::runner::NeuralKernels<ane::SimDevice
 #[test]
 fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
     for kind in ["qwen3", "llama"] {
-        let dir = fixture(kind);
-        let model = Model::load(&dir.join("model")).unwrap();
-        let a = npy::read(&dir.join("tokens.npy")).unwrap();
-        let npy::NpyData::Int(t) = a.data else {
-            panic!()
-        };
-        let npy::NpyData::Float(want) = npy::read(&dir.join("logits.npy")).unwrap().data else {
-            panic!()
-        };
-        let n = a.shape[1] - 1;
+        let (model, t, want, rows) = fixture_logits(kind);
+        let n = t.len() / rows - 1;
         let v = model.cfg.vocab_size;
         let mut eng = tiled(&model);
         let row: Vec<u32> = t[..n].iter().map(|&x| x as u32).collect();
