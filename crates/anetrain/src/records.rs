@@ -376,19 +376,38 @@ impl Fitted {
     }
 }
 
-/// The record index of draw `cursor`: records in a fresh order every epoch
-/// (a Fisher–Yates shuffle seeded by `seed` and the epoch), so a run's
-/// data order is a function of the cursor alone and resumes exactly.
-pub fn shuffled_index(n: usize, seed: u64, cursor: u64) -> usize {
-    let epoch = cursor / n as u64;
-    let k = (cursor % n as u64) as usize;
+/// The order of `n` records in `epoch`: a Fisher–Yates shuffle seeded by
+/// `seed` and the epoch, so a run's data order is a function of the data
+/// position alone and resumes exactly.
+pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
     let mut rng =
         crate::rng::Rng::new(seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed_da7a);
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         order.swap(i, rng.below(i + 1));
     }
-    order[k]
+    order
+}
+
+/// The record indices of draws `cursor..cursor + count`, each epoch's
+/// order shuffled once.
+pub fn draws(n: usize, seed: u64, cursor: u64, count: usize) -> Vec<usize> {
+    let n64 = n as u64;
+    let mut order: Option<(u64, Vec<usize>)> = None;
+    (cursor..cursor + count as u64)
+        .map(|c| {
+            let epoch = c / n64;
+            if order.as_ref().map(|o| o.0) != Some(epoch) {
+                order = Some((epoch, epoch_order(n, seed, epoch)));
+            }
+            order.as_ref().map_or(0, |o| o.1[(c % n64) as usize])
+        })
+        .collect()
+}
+
+/// The record index of draw `cursor` (see [`draws`]).
+pub fn shuffled_index(n: usize, seed: u64, cursor: u64) -> usize {
+    draws(n, seed, cursor, 1)[0]
 }
 
 #[cfg(test)]

@@ -95,9 +95,10 @@ impl Tokenizer {
     /// when it names one in the vocabulary, else the first of
     /// [`Tokenizer::end_tokens`].
     pub fn eos(&self) -> Option<(String, u32)> {
-        let named = self.special.get("eos_token").and_then(|v| v.as_str());
-        if let Some(id) = named.and_then(|t| self.token_id(t)) {
-            return Some((named.unwrap_or_default().to_owned(), id));
+        if let Some(t) = self.special.get("eos_token").and_then(|v| v.as_str()) {
+            if let Some(id) = self.token_id(t) {
+                return Some((t.to_owned(), id));
+            }
         }
         self.end_tokens().first().map(|&(t, id)| (t.to_owned(), id))
     }

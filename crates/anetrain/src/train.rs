@@ -294,20 +294,28 @@ fn load_corpus(
     })
 }
 
-/// Draws the next example: a window of `seq + 1` tokens from a stream
-/// (every target counted), or the next record of the epoch's order.
-fn next_example(source: &Source, s: &TrainSettings, rng: &mut Rng, cursor: &mut u64) -> Example {
+/// Draws the next `count` examples: windows of `seq + 1` tokens from a
+/// stream (every target counted), or the next records of the epochs' order.
+fn next_examples(
+    source: &Source,
+    s: &TrainSettings,
+    rng: &mut Rng,
+    cursor: &mut u64,
+    count: usize,
+) -> Vec<Example> {
     match source {
         Source::Stream {
             tokens, train_end, ..
-        } => Example {
-            tokens: next_window(tokens, *train_end, s.seq, s.sample, rng, cursor),
-            offset: 0,
-        },
+        } => (0..count)
+            .map(|_| Example {
+                tokens: next_window(tokens, *train_end, s.seq, s.sample, rng, cursor),
+                offset: 0,
+            })
+            .collect(),
         Source::Records { train, .. } => {
-            let i = records::shuffled_index(train.len(), s.seed, *cursor);
-            *cursor += 1;
-            train[i].clone()
+            let picks = records::draws(train.len(), s.seed, *cursor, count);
+            *cursor += count as u64;
+            picks.into_iter().map(|i| train[i].clone()).collect()
         }
     }
 }
@@ -593,11 +601,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         // A model the device cannot run, even tiled, fails before any work.
         let cfg = ModelConfig::resolve(&s.model)?;
         let mut o = crate::kernels::KernelOptions::hf(&cfg);
-        o.lora = s.lora.as_ref().map(|l| crate::kernels::LoraKernel {
-            rank: l.rank,
-            scale: l.scale(),
-            targets: l.targets.clone(),
-        });
+        o.lora = s.lora.as_ref().map(crate::kernels::LoraKernel::of);
         let compiled = s.seq.div_ceil(16).next_power_of_two() * 16;
         crate::kernels::tiling::plan(&crate::kernels::Shape::new(&cfg, compiled), &o)
             .map_err(anyhow::Error::msg)?;
@@ -976,9 +980,7 @@ impl Run<'_> {
         let (rng_before, cursor_before) = (rng.clone(), state.cursor);
         // The step's examples first: the loss is the mean over all their
         // counted targets, however they split into micro-batches.
-        let examples: Vec<Example> = (0..s.accum * s.batch)
-            .map(|_| next_example(&corpus.source, s, rng, &mut state.cursor))
-            .collect();
+        let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
         let n_targets = examples.iter().map(Example::n_targets).sum::<usize>() as f32;
         let n_tokens = examples.iter().map(|e| e.tokens.len() - 1).sum();
         for (micro, example) in examples.iter().enumerate() {

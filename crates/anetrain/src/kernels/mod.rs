@@ -194,6 +194,17 @@ pub struct LoraKernel {
     pub targets: Vec<Projection>,
 }
 
+impl LoraKernel {
+    /// What the kernels need of adapters configured as `cfg`.
+    pub fn of(cfg: &crate::lora::LoraConfig) -> LoraKernel {
+        LoraKernel {
+            rank: cfg.rank,
+            scale: cfg.scale(),
+            targets: cfg.targets.clone(),
+        }
+    }
+}
+
 /// How a kernel uses a projection, which decides where its adapter
 /// regions go and how the MIL multiplies them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,11 +300,7 @@ impl KernelOptions {
     /// Hugging Face semantics for `model`, with its adapters if it has any.
     pub fn for_model(model: &crate::model::Model) -> KernelOptions {
         let mut o = KernelOptions::hf(&model.cfg);
-        o.lora = model.lora.as_ref().map(|l| LoraKernel {
-            rank: l.cfg.rank,
-            scale: l.cfg.scale(),
-            targets: l.cfg.targets.clone(),
-        });
+        o.lora = model.lora.as_ref().map(|l| LoraKernel::of(&l.cfg));
         o
     }
 

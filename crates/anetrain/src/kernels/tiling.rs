@@ -388,10 +388,11 @@ fn block(k: &KernelTiles, t: usize, data: &[f32], rows: usize, re: Extent, ce: E
 }
 
 /// The weights of tile `t` of `k` from the full layer's weights `w`
-/// (tensors by port, as [`super::LayerWeights::from_tensors`] reads).
+/// (tensors by port, as [`super::LayerWeights::from_tensors`] reads): the
+/// blocks of the projections the kernel applies, and no others.
 pub fn tile_weights(k: &KernelTiles, full: &Shape, w: &super::LayerWeights, t: usize) -> Tensors {
     let mut out = Tensors::new();
-    for p in Projection::ALL {
+    for &(p, _) in k.kind.projections() {
         let (oe, ie) = projection_extents(p);
         let (rows, cols) = full.projection(p);
         let base = w.projection(p);
