@@ -10,12 +10,14 @@
 use std::fmt;
 
 pub mod apple;
+pub mod family;
 pub mod rules;
 
 pub use apple::AneDevice;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use family::{Family, Limits};
 use mil::{DType, Executable, Precision, Tensor};
 use rules::RuleSet;
 
@@ -79,8 +81,11 @@ pub trait Device {
         input: &Self::Buffer,
         output: &mut Self::Buffer,
     ) -> Result<()>;
-    /// Programs compiled so far in this process.
+    /// Programs compiled so far in this process (failed compiles included).
     fn compiles(&self) -> usize;
+    /// The limits programs for this device are built to: its chip
+    /// family's (see [`family`]).
+    fn limits(&self) -> Limits;
 }
 
 /// What every device checks before compiling: the text parses and
@@ -144,6 +149,67 @@ pub struct SimDevice {
     budget: usize,
     compiles: usize,
     precision: Precision,
+    faults: ChipFaults,
+    family: Option<Family>,
+    limits: Limits,
+}
+
+/// The numeric faults of a chip, as published measurements describe them
+/// (see [`family::Limits`] for the sources), applied by the simulator to
+/// every op's result before fp16 rounding.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChipFaults {
+    /// A `slice_by_size` whose last-axis begin is nonzero turns every
+    /// value above this magnitude into ±inf (M1–M3).
+    pub width_slice_clamp: Option<f32>,
+    /// A matmul result above this magnitude becomes ±inf (every measured chip).
+    pub matmul_cliff: Option<f32>,
+}
+
+impl ChipFaults {
+    /// The faults of a family's limits.
+    pub fn of(l: &Limits) -> ChipFaults {
+        ChipFaults {
+            width_slice_clamp: l.width_slice_clamp,
+            matmul_cliff: l.matmul_cliff,
+        }
+    }
+}
+
+fn saturate(t: &mut Tensor, bound: f32) {
+    if let mil::tensor::Data::F32(v) = &mut t.data {
+        if v.iter().any(|x| x.abs() > bound) {
+            for x in std::sync::Arc::make_mut(v) {
+                if x.abs() > bound {
+                    *x = f32::INFINITY.copysign(*x);
+                }
+            }
+        }
+    }
+}
+
+impl mil::interp::Faults for ChipFaults {
+    fn after(&self, op: &str, args: &[(&'static str, Vec<&Tensor>)], result: &mut Tensor) {
+        match op {
+            "matmul" => {
+                if let Some(c) = self.matmul_cliff {
+                    saturate(result, c);
+                }
+            }
+            "slice_by_size" => {
+                let Some(c) = self.width_slice_clamp else { return };
+                let begin = args
+                    .iter()
+                    .find(|(n, _)| *n == "begin")
+                    .and_then(|(_, t)| t.first())
+                    .and_then(|t| t.ints().ok());
+                if begin.is_some_and(|b| b.last().is_some_and(|&w| w != 0)) {
+                    saturate(result, c);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// A program compiled by [`SimDevice`].
@@ -164,14 +230,65 @@ impl Default for SimDevice {
 }
 
 impl SimDevice {
-    /// A simulator with the default ANE rules and compile budget.
+    /// A simulator with the default ANE rules and compile budget, playing
+    /// the matmul output cliff every measured chip has (see [`ChipFaults`])
+    /// and no family's other faults.
     pub fn new() -> SimDevice {
         SimDevice {
             rules: RuleSet::default(),
             budget: DEFAULT_COMPILE_BUDGET,
             compiles: 0,
             precision: Precision::Fp16,
+            faults: ChipFaults {
+                width_slice_clamp: None,
+                matmul_cliff: Some(family::MATMUL_CLIFF),
+            },
+            family: None,
+            limits: Limits::default(),
         }
+    }
+
+    /// A simulator playing `family`: its rules and caps refuse programs at
+    /// compile time as the chip is reported to, and its numeric faults
+    /// ([`ChipFaults`]) apply at evaluation.
+    pub fn for_family(family: Family) -> SimDevice {
+        let mut l = family.limits();
+        if let Ok(Some(n)) = rules::max_dim_from_env() {
+            l = l.with_max_dim(n);
+        }
+        SimDevice {
+            rules: RuleSet::for_limits(l),
+            faults: ChipFaults::of(&l),
+            family: Some(family),
+            limits: l,
+            ..SimDevice::new()
+        }
+    }
+
+    /// [`SimDevice::for_family`] for `ANETRAIN_SIM_FAMILY` when it is set;
+    /// else [`SimDevice::new`] building kernels to the limits in force
+    /// ([`family::Profile::in_force`]: `ANETRAIN_ANE_FAMILY`, a profile
+    /// `doctor` saved, or the conservative row). An unusable variable is an
+    /// error naming it.
+    pub fn from_env() -> Result<SimDevice> {
+        Ok(match family::sim_family_from_env().map_err(DeviceError)? {
+            Some(f) => SimDevice::for_family(f),
+            None => SimDevice {
+                limits: family::Profile::in_force().map_err(DeviceError)?.limits,
+                ..SimDevice::new()
+            },
+        })
+    }
+
+    /// The family this simulator plays, if any.
+    pub fn family(&self) -> Option<Family> {
+        self.family
+    }
+
+    /// Sets the numeric faults applied at evaluation.
+    pub fn with_faults(mut self, faults: ChipFaults) -> SimDevice {
+        self.faults = faults;
+        self
     }
 
     /// Flushes fp16 subnormals to zero in every evaluation (inputs,
@@ -208,6 +325,9 @@ impl Device for SimDevice {
 
     fn compile(&mut self, text: &str, blobs: &[(String, Vec<u8>)]) -> Result<SimProgram> {
         check_budget(self.compiles, self.budget)?;
+        // A failed compile counts too: the budget is of calls to the
+        // compiler (Orion docs/ane_constraints.md §5 counts ANECCompile()).
+        self.compiles += 1;
         let p = check_program(text, &self.rules)?;
         let f = p
             .main()
@@ -215,7 +335,6 @@ impl Device for SimDevice {
         let exe = Executable::with_blobs(f, blobs).map_err(|e| DeviceError(e.to_string()))?;
         let ins = exe.input_types();
         let outs = exe.output_types();
-        self.compiles += 1;
         Ok(SimProgram {
             input_shape: ins[0].1.dims().to_vec(),
             input_elems: ins[0].1.elems(),
@@ -277,7 +396,7 @@ impl Device for SimDevice {
         let x = Tensor::float(DType::Fp16, p.input_shape.clone(), xs);
         let out = p
             .exe
-            .run(vec![x], self.precision)
+            .run_with_faults(vec![x], self.precision, Some(&self.faults))
             .map_err(|e| DeviceError(format!("evaluation failed: {e}")))?;
         let y = out[0].f32s().map_err(DeviceError)?;
         output.0.convert_from_f32_slice(y);
@@ -286,6 +405,12 @@ impl Device for SimDevice {
 
     fn compiles(&self) -> usize {
         self.compiles
+    }
+
+    /// The family's limits when the simulator plays one, else those it
+    /// was made with ([`SimDevice::from_env`]).
+    fn limits(&self) -> Limits {
+        self.limits
     }
 }
 

@@ -19,38 +19,37 @@ pub struct Rule {
     check: fn(&Function, &Limits, &mut Vec<String>),
 }
 
-/// The device limits the rules measure against.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limits {
-    /// Largest extent of any tensor dimension.
-    pub max_dim: usize,
-}
+pub use crate::family::Limits;
 
 impl Default for Limits {
-    /// [`MAX_DIM`], or `ANETRAIN_ANE_MAX_DIM` when set to a usable number
-    /// (see [`Limits::from_env`]).
+    /// The most conservative row of the family table ([`Limits::conservative`]),
+    /// both axis caps overridden by `ANETRAIN_ANE_MAX_DIM` when it holds a
+    /// usable number (see [`crate::family::Profile::in_force`] for the
+    /// limits of the chip at hand).
     fn default() -> Limits {
-        Limits::from_env().unwrap_or(Limits { max_dim: MAX_DIM })
+        let l = Limits::conservative();
+        match max_dim_from_env() {
+            Ok(Some(n)) => l.with_max_dim(n),
+            _ => l,
+        }
     }
 }
 
-/// Overrides [`MAX_DIM`]: for chips that accept less (one report from an
-/// M5 says 4096), and to force tiling in tests.
+/// Overrides both axis caps: for chips that accept less (one report from
+/// an M5 says 4096), and to force tiling in tests.
 pub const MAX_DIM_ENV: &str = "ANETRAIN_ANE_MAX_DIM";
 
-impl Limits {
-    /// The limits in force: [`MAX_DIM`] unless `ANETRAIN_ANE_MAX_DIM` says
-    /// otherwise; an unusable value is an error naming the variable.
-    pub fn from_env() -> Result<Limits, String> {
-        match std::env::var(MAX_DIM_ENV) {
-            Err(_) => Ok(Limits { max_dim: MAX_DIM }),
-            Ok(v) => match v.trim().parse::<usize>() {
-                Ok(n) if n >= 16 => Ok(Limits { max_dim: n }),
-                _ => Err(format!(
-                    "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
-                )),
-            },
-        }
+/// `ANETRAIN_ANE_MAX_DIM` when set; an unusable value is an error naming
+/// the variable.
+pub fn max_dim_from_env() -> Result<Option<usize>, String> {
+    match std::env::var(MAX_DIM_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n >= 16 => Ok(Some(n)),
+            _ => Err(format!(
+                "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
+            )),
+        },
     }
 }
 
@@ -75,7 +74,8 @@ impl std::fmt::Display for Finding {
 /// Smallest IOSurface the runtime reportedly accepts, in bytes: 768
 /// channels × 16 positions of fp16 (Orion `docs/ane_constraints.md` §4).
 pub const MIN_SURFACE_BYTES: usize = 49_152;
-/// Largest extent reported for any tensor dimension.
+/// Largest extent every family accepts on every axis (the spatial cap of
+/// M1–M3, see [`crate::family`]).
 pub const MAX_DIM: usize = 16_384;
 
 fn io_types(f: &Function) -> Vec<(String, mil::types::Ty)> {
@@ -90,6 +90,29 @@ fn io_types(f: &Function) -> Vec<(String, mil::types::Ty)> {
         }
     }
     v
+}
+
+/// The value of an int constant named `name`.
+fn const_ints(f: &Function, name: &str) -> Option<Vec<i64>> {
+    let c = f.ops.iter().find(|o| o.op == "const" && o.output.name == name)?;
+    match &c.val.as_ref()?.data {
+        ConstData::Ints(v) => Some(v.clone()),
+        _ => None,
+    }
+}
+
+/// The contracted extent of a matmul (its `x`'s last axis, or the one
+/// before when `transpose_x` is a true constant).
+fn matmul_contraction(f: &Function, op: &mil::ir::Operation) -> Option<usize> {
+    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { return None };
+    let tx = matches!(op.arg("transpose_x"), Some(mil::ir::Arg::Var(n))
+        if f.ops.iter().any(|c| &c.output.name == n
+            && c.val.as_ref().and_then(|v| v.as_bool()) == Some(true)));
+    let d = f.var_type(x)?.dims();
+    if d.len() < 2 {
+        return None;
+    }
+    Some(if tx { d[d.len() - 2] } else { d[d.len() - 1] })
 }
 
 /// Every rule, in report order.
@@ -132,17 +155,98 @@ pub fn all() -> &'static [Rule] {
         },
         Rule {
             id: "max-dim",
-            summary: "no tensor dimension exceeds the device's maximum (16384, or ANETRAIN_ANE_MAX_DIM)",
+            summary: "no axis exceeds the family's cap: the channel axis (axis 1 of a rank-4 tensor) \
+                      65536, spatial axes and matmul contractions 16384 on M1-M3 and 65536 on M4/M5 \
+                      (ANEForge docs/cross-chip.md \"oversize\"; ANETRAIN_ANE_MAX_DIM sets both)",
             default_on: true,
             check: |f, limits, out| {
-                for (what, t) in io_types(f).into_iter().chain(
+                let typed = io_types(f).into_iter().chain(
                     f.ops.iter().map(|o| (format!("'{}'", o.output.name), o.output.ty.clone())),
-                ) {
-                    if let Some(d) = t.dims().iter().find(|&&d| d > limits.max_dim) {
-                        out.push(format!(
-                            "{what} has a dimension of {d}, over the limit of {}",
-                            limits.max_dim
-                        ));
+                );
+                for (what, t) in typed {
+                    let d = t.dims();
+                    for (axis, &n) in d.iter().enumerate() {
+                        let (cap, kind) = if d.len() == 4 && axis == 1 {
+                            (limits.max_channel, "channel")
+                        } else {
+                            (limits.max_spatial, "spatial")
+                        };
+                        if n > cap {
+                            out.push(format!(
+                                "{what} has a {kind} extent of {n} (axis {axis}), over the limit of {cap}"
+                            ));
+                            break;
+                        }
+                    }
+                }
+                for op in f.ops.iter().filter(|o| o.op == "matmul") {
+                    if let Some(k) = matmul_contraction(f, op) {
+                        if k > limits.max_spatial {
+                            out.push(format!(
+                                "matmul '{}' contracts over {k}, over the limit of {}",
+                                op.output.name, limits.max_spatial
+                            ));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "max-rank",
+            summary: "no tensor of rank above 5 (ANEForge docs/developer/op-quirks.md, \"Global constraints\")",
+            default_on: true,
+            check: |f, limits, out| {
+                for op in &f.ops {
+                    let r = op.output.ty.dims().len();
+                    if r > limits.max_rank {
+                        out.push(format!("'{}' has rank {r}", op.output.name));
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "min-width",
+            summary: "inputs and outputs are at least 32 wide: narrower runtime surfaces gave garbage \
+                      or a nonzero status (apple-neural-engine-field-guide README.md, \"The SP=32 Constraint\")",
+            default_on: true,
+            check: |f, limits, out| {
+                for (what, t) in io_types(f) {
+                    if let Some(&w) = t.dims().last() {
+                        if w < limits.min_width {
+                            out.push(format!("{what} is {w} wide, under {}", limits.min_width));
+                        }
+                    }
+                }
+            },
+        },
+        Rule {
+            id: "no-tile",
+            summary: "no tile op: it leaves the Neural Engine failing with 0x1d until the process exits \
+                      (apple-neural-engine-field-guide README.md, \"The tile Poison\")",
+            default_on: true,
+            check: |f, _, out| {
+                for op in f.ops.iter().filter(|o| o.op == "tile") {
+                    out.push(format!("tile '{}'", op.output.name));
+                }
+            },
+        },
+        Rule {
+            id: "width-offset-slice",
+            summary: "no slice_by_size with a nonzero last-axis begin: before A16 (M1-M3) it clamps \
+                      |v| > 4094 to ±inf (ANEForge docs/numeric-cliffs.md, docs/cross-chip.md \"The h13 \
+                      slice-saturation warning\"); on for families that clamp",
+            default_on: false,
+            check: |f, _, out| {
+                for op in f.ops.iter().filter(|o| o.op == "slice_by_size") {
+                    let Some(mil::ir::Arg::Var(b)) = op.arg("begin") else { continue };
+                    let Some(begin) = const_ints(f, b) else { continue };
+                    if let Some(&last) = begin.last() {
+                        if last != 0 {
+                            out.push(format!(
+                                "slice '{}' begins at width offset {last}",
+                                op.output.name
+                            ));
+                        }
                     }
                 }
             },
@@ -249,21 +353,15 @@ pub fn all() -> &'static [Rule] {
         },
         Rule {
             id: "matmul-inner-32",
-            summary: "matmul inner (contracted) dimension is a multiple of 32",
+            summary: "matmul contractions are multiples of 32 (silent zeros reported otherwise: \
+                      maderix/ANE PR #47); on for the chip families",
             default_on: false,
-            check: |f, _, out| {
+            check: |f, limits, out| {
+                let m = limits.inner_multiple.max(1);
                 for op in f.ops.iter().filter(|o| o.op == "matmul") {
-                    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { continue };
-                    let tx = matches!(op.arg("transpose_x"), Some(mil::ir::Arg::Var(n))
-                        if f.ops.iter().any(|c| &c.output.name == n
-                            && c.val.as_ref().and_then(|v| v.as_bool()) == Some(true)));
-                    if let Some(t) = f.var_type(x) {
-                        let d = t.dims();
-                        if d.len() >= 2 {
-                            let k = if tx { d[d.len() - 2] } else { d[d.len() - 1] };
-                            if k % 32 != 0 {
-                                out.push(format!("matmul '{}' contracts over {k}", op.output.name));
-                            }
+                    if let Some(k) = matmul_contraction(f, op) {
+                        if k % m != 0 {
+                            out.push(format!("matmul '{}' contracts over {k}", op.output.name));
                         }
                     }
                 }
@@ -285,7 +383,8 @@ pub fn all() -> &'static [Rule] {
         },
         Rule {
             id: "no-concat",
-            summary: "avoid concat (one report says the compiler rejects it; the seed relies on it)",
+            summary: "no concat (Orion docs/ane_constraints.md §1 saw ANECCompile() fail on it; maderix/ANE's \
+                      working kernels use it): on for a profile whose probe saw it rejected",
             default_on: false,
             check: |f, _, out| {
                 let n = f.ops.iter().filter(|o| o.op == "concat").count();
@@ -346,6 +445,24 @@ impl RuleSet {
             on: all().iter().map(|r| r.id).collect(),
             limits: Limits::default(),
         }
+    }
+
+    /// The rules a chip of `limits` needs: the default set, plus
+    /// `width-offset-slice` where width slices clamp, `matmul-inner-32`
+    /// where contractions must be multiples, and `no-concat` where concat
+    /// is rejected; measured against `limits`.
+    pub fn for_limits(limits: Limits) -> RuleSet {
+        let mut r = RuleSet::default().with_limits(limits);
+        if limits.width_slice_clamp.is_some() {
+            r.on.insert("width-offset-slice");
+        }
+        if limits.inner_multiple > 1 {
+            r.on.insert("matmul-inner-32");
+        }
+        if !limits.concat {
+            r.on.insert("no-concat");
+        }
+        r
     }
 
     /// The same rules measured against `limits`.

@@ -41,6 +41,13 @@ impl Backend {
     }
 }
 
+/// The simulated device for `--backend ane-sim`: playing the chip family
+/// `ANETRAIN_SIM_FAMILY` names, if any, with kernels built to the limits
+/// in force (see [`ane::SimDevice::from_env`]).
+pub fn open_sim() -> Result<ane::SimDevice> {
+    ane::SimDevice::from_env().map_err(|e| anyhow::anyhow!("--backend ane-sim: {e}"))
+}
+
 /// Whether the private-API Neural Engine device opens here.
 pub fn ane_available() -> bool {
     ane::AneDevice::available()

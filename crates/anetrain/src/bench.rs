@@ -239,12 +239,10 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     }
     match a.backend {
         Backend::Cpu => run(a, model, Engine::cpu, progress),
-        Backend::AneSim => run(
-            a,
-            model,
-            |m| Engine::neural(m, ane::SimDevice::new()),
-            progress,
-        ),
+        Backend::AneSim => {
+            let device = crate::backend::open_sim()?;
+            run(a, model, |m| Engine::neural(m, device), progress)
+        }
         Backend::Ane => {
             let device = backend::open_ane()?;
             run(a, model, move |m| Engine::neural(m, device), progress)

@@ -93,8 +93,10 @@ pub struct Report {
     pub matmul: String,
     pub model: String,
     pub seq: usize,
-    /// The largest tensor dimension in force (`ANETRAIN_ANE_MAX_DIM`).
-    pub max_dim: usize,
+    /// The chip family and where it came from.
+    pub family: String,
+    /// The limits kernels were built to.
+    pub limits: ane::family::Limits,
     pub kernels: Vec<KernelResult>,
     pub training: Option<TrainingResult>,
     /// One line per problem, naming the kernel or step.
@@ -320,7 +322,7 @@ fn scratch(tag: &str) -> PathBuf {
 /// Runs the checks; `progress` receives one line per finished item.
 pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Report> {
     let cfg = ModelConfig::resolve(&req.model)?;
-    ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
     let full = Shape::new(&cfg, req.seq);
     let o = KernelOptions::hf(&cfg);
     let mut failures = vec![];
@@ -454,7 +456,8 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         matmul: linalg::selected().describe().into(),
         model: req.model.clone(),
         seq: req.seq,
-        max_dim: o.max_dim,
+        family: profile.describe(),
+        limits: o.limits,
         kernels,
         training,
         failures,
@@ -473,9 +476,9 @@ impl Report {
         let _ = writeln!(m, "## anetrain doctor {}\n", self.anetrain_version);
         let _ = writeln!(
             m,
-            "* host: {} ({}, {}), {} CPU threads\n* device: **{}** — {}\n* matrix multiply: {}\n* model: {} at seq {}\n* largest tensor dimension: {} ({} overrides); a tiled kernel's row checks one tile\n",
+            "* host: {} ({}, {}), {} CPU threads\n* device: **{}** — {}\n* matrix multiply: {}\n* model: {} at seq {}\n* chip family: {}\n* axis caps: spatial {}, channel {} ({} overrides); a tiled kernel's row checks one tile\n",
             h.chip, h.os_version, h.arch, h.cpu_threads, self.device, self.device_note, self.matmul, self.model, self.seq,
-            self.max_dim, ane::rules::MAX_DIM_ENV
+            self.family, self.limits.max_spatial, self.limits.max_channel, ane::rules::MAX_DIM_ENV
         );
         let _ = writeln!(
             m,

@@ -12,8 +12,8 @@
 //! attention is causal and every other op is per position, so real
 //! positions never see the padding, and zero upstream gradients keep the
 //! padding out of every backward result. Lengths are padded to a
-//! power-of-two multiple of 16 (the `spatial-multiple-16` ANE rule, and a
-//! bounded number of compiled sets: see `NeuralKernels::padded`).
+//! power-of-two multiple of 32 ([`SEQ_MULTIPLE`], and a bounded number of
+//! compiled sets: see `NeuralKernels::padded`).
 
 use std::collections::BTreeMap;
 
@@ -90,8 +90,12 @@ impl KernelRunner for CpuKernels {
     }
 }
 
-/// Padding granularity of the sequence axis.
-pub const SEQ_MULTIPLE: usize = 16;
+/// Padding granularity of the sequence axis: surfaces at least 32 wide
+/// (apple-neural-engine-field-guide README.md, "The SP=32 Constraint"),
+/// sequence strides multiples of 16 (Orion core/ane_runtime.m), and
+/// products contracting over the sequence multiples of 32 (maderix/ANE
+/// PR #47).
+pub const SEQ_MULTIPLE: usize = 32;
 
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
 /// `[rows, sp]` (or `[heads·sp, sp]`) layout, zeros elsewhere.
@@ -164,7 +168,9 @@ fn kind_index(kind: KernelKind) -> usize {
 }
 
 impl<D: Device> NeuralKernels<D> {
-    pub fn new(device: D, opts: KernelOptions) -> NeuralKernels<D> {
+    /// Kernels for `device`, built to its limits (its chip family's).
+    pub fn new(device: D, mut opts: KernelOptions) -> NeuralKernels<D> {
+        opts.limits = device.limits();
         NeuralKernels {
             device,
             opts,
@@ -186,11 +192,11 @@ impl<D: Device> NeuralKernels<D> {
 
     /// The compiled length a sequence of `seq` tokens runs at: the fixed
     /// length when there is one; else the live set's length when the
-    /// sequence fits in it; else the smallest power-of-two multiple of 16
+    /// sequence fits in it; else the smallest power-of-two multiple of 32
     /// that fits. Compiled lengths only grow and a new set replaces the
     /// smaller one (its programs are unloaded), so `eval` on rows of any mix
     /// of lengths compiles at most one set per power of two — 10 programs
-    /// each, 110 for every length up to 16384, within the ~119-compile
+    /// each, 100 for every length up to 16384, within the ~119-compile
     /// budget — at the price of padding short rows to the longest seen.
     fn padded(&self, seq: usize) -> Result<usize> {
         match self.fixed_seq {

@@ -755,7 +755,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             &mut state,
         ),
         (Backend::AneSim, _) => run.go(
-            Engine::neural(&model, ane::SimDevice::new()),
+            Engine::neural(&model, crate::backend::open_sim()?),
             &mut model,
             &mut opt,
             &mut state,

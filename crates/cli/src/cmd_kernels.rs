@@ -16,7 +16,7 @@ pub fn setup(
     seed_compat: bool,
 ) -> Result<(ModelConfig, Shape, KernelOptions)> {
     let cfg = ModelConfig::resolve(model)?;
-    ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
     if seq == 0 || seq > cfg.max_position_embeddings {
         bail!(
             "--seq {seq} must be between 1 and the model's max_position_embeddings ({})",
@@ -34,6 +34,9 @@ pub fn setup(
             cfg.head_dim,
             cfg.hidden_size
         );
+    }
+    if !seed_compat {
+        println!("device: {}", profile.describe());
     }
     Ok((cfg.clone(), Shape::new(&cfg, seq), opts))
 }
@@ -115,7 +118,7 @@ pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()
     }
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
     println!(
-        "{model}: dim {} intermediate {} heads {}/{} head_dim {} layers {} seq {}{}; largest dimension {}{}",
+        "{model}: dim {} intermediate {} heads {}/{} head_dim {} layers {} seq {}{}; axis caps: spatial {}, channel {}{}",
         shape.dim,
         shape.hidden,
         shape.heads,
@@ -124,7 +127,8 @@ pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()
         cfg.num_hidden_layers,
         seq,
         lora_rank.map_or(String::new(), |r| format!(", LoRA rank {r} on all projections")),
-        plan.max_dim,
+        plan.limits.max_spatial,
+        plan.limits.max_channel,
         if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
             format!(" (from {})", ane::rules::MAX_DIM_ENV)
         } else {
@@ -196,7 +200,11 @@ pub fn run_check(
         "kernel", "fp32 maxabs", "fp32 rel", "fp16 maxabs", "fp16 rel", "time"
     );
     let mut failed = vec![];
-    let rules = ane::rules::RuleSet::default();
+    let rules = if seed_compat {
+        ane::rules::RuleSet::default()
+    } else {
+        ane::rules::RuleSet::for_limits(opts.limits)
+    };
     let mut broken = vec![];
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
     for kind in selected(only)? {
@@ -234,7 +242,7 @@ pub fn run_check(
     );
     if broken.is_empty() {
         println!(
-            "ANE rules: every kernel meets all {} default rules (`mil check` lists them)",
+            "ANE rules: every kernel meets all {} rules in force (`mil check` lists them)",
             ane::rules::all()
                 .iter()
                 .filter(|r| rules.is_on(r.id))

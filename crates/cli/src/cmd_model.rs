@@ -126,7 +126,8 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
     let (loss, count) = match a.backend {
         Backend::Cpu => engine::examples_loss(&mut Engine::cpu(model), model, ex)?,
         Backend::AneSim => {
-            engine::examples_loss(&mut Engine::neural(model, ane::SimDevice::new()), model, ex)?
+            let device = anetrain::backend::open_sim()?;
+            engine::examples_loss(&mut Engine::neural(model, device), model, ex)?
         }
         Backend::Ane => {
             engine::examples_loss(&mut Engine::neural(model, backend::open_ane()?), model, ex)?
@@ -190,7 +191,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let (total, count, all_logits) = match a.backend {
         Backend::Cpu => eval_rows(Engine::cpu(&model), &model, &rows, keep)?,
         Backend::AneSim => eval_rows(
-            Engine::neural(&model, ane::SimDevice::new()),
+            Engine::neural(&model, anetrain::backend::open_sim()?),
             &model,
             &rows,
             keep,
@@ -342,7 +343,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
             generate_with_engine(eng, &model, &prompt, &options, emit)?;
         }
         _ => {
-            let mut eng = Engine::neural(&model, ane::SimDevice::new());
+            let mut eng = Engine::neural(&model, anetrain::backend::open_sim()?);
             eng.runner.set_fixed_seq(total);
             generate_with_engine(eng, &model, &prompt, &options, emit)?;
         }

@@ -414,24 +414,36 @@ fn info() {
         "simulated device (ane-sim): available; compile budget {} programs per process",
         ane::DEFAULT_COMPILE_BUDGET
     );
-    match ane::rules::Limits::from_env() {
-        Ok(l) => println!(
-            "device limits: largest tensor dimension {}{}; kernels wider than that run in tiles (`anetrain kernels plan`){}",
-            l.max_dim,
-            if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
-                format!(" (from {})", ane::rules::MAX_DIM_ENV)
-            } else {
-                format!(" (default; {} overrides)", ane::rules::MAX_DIM_ENV)
-            },
-            match anetrain::kernels::tiling::min_tiles_from_env() {
-                1 => String::new(),
-                n => format!(
-                    "; at least {n} tiles per kernel ({} is set: a testing aid)",
-                    anetrain::kernels::tiling::MIN_TILES_ENV
-                ),
+    match ane::family::Profile::in_force() {
+        Ok(p) => {
+            println!(
+                "chip family: {} ({} sets it; kernels wider than the caps run in tiles, `anetrain kernels plan`){}",
+                p.describe(),
+                ane::family::FAMILY_ENV,
+                match anetrain::kernels::tiling::min_tiles_from_env() {
+                    1 => String::new(),
+                    n => format!(
+                        "; at least {n} tiles per kernel ({} is set: a testing aid)",
+                        anetrain::kernels::tiling::MIN_TILES_ENV
+                    ),
+                }
+            );
+            for (what, v) in p.limits.describe() {
+                println!("  {what:<26} {v}");
             }
+            if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
+                println!("  (axis caps from {})", ane::rules::MAX_DIM_ENV);
+            }
+        }
+        Err(e) => println!("chip family: {e}"),
+    }
+    match ane::family::sim_family_from_env() {
+        Ok(Some(f)) => println!(
+            "simulated chip ({}): {f}, its faults played by ane-sim",
+            ane::family::SIM_FAMILY_ENV
         ),
-        Err(e) => println!("device limits: {e}"),
+        Ok(None) => {}
+        Err(e) => println!("simulated chip: {e}"),
     }
     println!(
         "default backend: {}",
@@ -452,8 +464,9 @@ fn one_line(rendered: &str) -> String {
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
     if !matches!(cli.command, Command::Info) {
-        // The device limit shapes every kernel: a typo must not pass silently.
-        ane::rules::Limits::from_env().map_err(anyhow::Error::msg)?;
+        // The device limits shape every kernel: a typo must not pass silently.
+        ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+        ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
     }
     // Long computations keep the CPUs from halting between parallel regions
     // (see `awake`): on virtual machines a halted CPU comes back late.

@@ -43,6 +43,15 @@ impl Precision {
     }
 }
 
+/// A device's departures from exact fp16 arithmetic, applied to each op's
+/// result before it is rounded: the simulator plays a chip's documented
+/// numeric faults through this (the `ane` crate says which).
+pub trait Faults: Sync {
+    /// May change `result`, the value op `op` computed from `args`
+    /// (argument name, its tensors).
+    fn after(&self, op: &str, args: &[(&'static str, Vec<&Tensor>)], result: &mut Tensor);
+}
+
 struct Step {
     def: &'static dyn OpDef,
     args: Vec<(&'static str, Vec<usize>)>,
@@ -240,6 +249,16 @@ impl Executable {
     /// Evaluates the function. Float inputs may be given as fp16 or fp32
     /// tensors for an fp16 input; their shapes must match exactly.
     pub fn run(&self, inputs: Vec<Tensor>, precision: Precision) -> Result<Vec<Tensor>> {
+        self.run_with_faults(inputs, precision, None)
+    }
+
+    /// [`Executable::run`] with `faults` applied to every op's result.
+    pub fn run_with_faults(
+        &self,
+        inputs: Vec<Tensor>,
+        precision: Precision,
+        faults: Option<&dyn Faults>,
+    ) -> Result<Vec<Tensor>> {
         if inputs.len() != self.inputs.len() {
             return Err(MilError::new(format!(
                 "the function takes {} input(s), {} given",
@@ -282,12 +301,17 @@ impl Executable {
                     .iter()
                     .map(|(n, ss)| (*n, ss.iter().filter_map(|&s| slots[s].as_ref()).collect()))
                     .collect();
-                step.def
+                let mut r = step
+                    .def
                     .eval(&EvalArgs {
-                        args,
+                        args: args.clone(),
                         out: &step.ty,
                     })
-                    .map_err(|e| MilError::new(format!("{}: {e}", step.locate)))?
+                    .map_err(|e| MilError::new(format!("{}: {e}", step.locate)))?;
+                if let Some(f) = faults {
+                    f.after(step.def.name(), &args, &mut r);
+                }
+                r
             };
             result
                 .check_type(&step.ty, &step.locate)

@@ -305,6 +305,7 @@ pub fn surface_bytes(elems: usize) -> usize {
 /// The Apple Neural Engine.
 pub struct AneDevice {
     rt: Rc<Runtime>,
+    profile: crate::family::Profile,
     rules: RuleSet,
     budget: usize,
     compiles: usize,
@@ -364,12 +365,19 @@ impl AneDevice {
     fn load(stand_in: Option<&str>) -> Result<AneDevice> {
         let rt =
             Runtime::load(stand_in).map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
+        let profile = crate::family::Profile::in_force().map_err(DeviceError)?;
         Ok(AneDevice {
             rt: Rc::new(rt),
-            rules: RuleSet::default(),
+            rules: RuleSet::for_limits(profile.limits),
+            profile,
             budget: DEFAULT_COMPILE_BUDGET,
             compiles: 0,
         })
+    }
+
+    /// The chip family and limits the device checks programs against.
+    pub fn profile(&self) -> &crate::family::Profile {
+        &self.profile
     }
 
     /// Whether [`AneDevice::open`] succeeds here.
@@ -494,6 +502,9 @@ impl Device for AneDevice {
             .map(|(k, b)| Ok((blob_file(k)?, b.as_slice())))
             .collect::<Result<_>>()?;
         let rt = self.rt.clone();
+        // Every call that reaches the compiler counts, failed or not
+        // (Orion docs/ane_constraints.md §5 counts calls to ANECCompile()).
+        self.compiles += 1;
         let (model, dir) = rt.pool(|| -> Result<(Id, DirClaim)> {
             let api = &rt.api;
             let mil = rt.data(text.as_bytes());
@@ -587,7 +598,6 @@ impl Device for AneDevice {
                 Ok(((api.objc_retain)(model), claim))
             }
         })?;
-        self.compiles += 1;
         Ok(AneProgram {
             rt,
             model,
@@ -758,6 +768,10 @@ impl Device for AneDevice {
                 Ok(())
             }
         })
+    }
+
+    fn limits(&self) -> crate::family::Limits {
+        self.profile.limits
     }
 
     fn compiles(&self) -> usize {

@@ -29,11 +29,21 @@ pub struct Region {
     pub channels: Range<usize>,
     pub spatial: Range<usize>,
     pub encoding: Encoding,
+    /// `[rows, cols]` of the tensor the region holds, when smaller than the
+    /// region: the rest of the region is zeros (a LoRA rank padded to a
+    /// multiple of 32, so every matmul contraction is one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub holds: Option<[usize; 2]>,
 }
 
 impl Region {
     /// Shape of the logical tensor this region holds (`[rows, cols]`).
     pub fn tensor_shape(&self) -> [usize; 2] {
+        self.holds.unwrap_or_else(|| self.padded_shape())
+    }
+
+    /// Shape of the tensor the whole region encodes, padding included.
+    pub fn padded_shape(&self) -> [usize; 2] {
         let (c, s) = (self.channels.len(), self.spatial.len());
         match self.encoding {
             Encoding::Transposed => [s, c],
@@ -62,6 +72,10 @@ pub struct Block {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct KernelLayout {
     pub kernel: String,
+    /// Regions start at multiples of this many columns (0: anywhere, the
+    /// seed's layouts), so the program can cut them out of the input
+    /// viewed as `[1, C, W/view, view]` without a width-offset slice.
+    pub view: usize,
     pub in_channels: usize,
     pub in_spatial: usize,
     pub out_channels: usize,
@@ -132,6 +146,19 @@ impl KernelLayout {
             self.kernel,
             port.name()
         );
+        let [prows, pcols] = r.padded_shape();
+        let padded;
+        let data = if [prows, pcols] == [rows, cols] {
+            data
+        } else {
+            let mut v = vec![0f32; prows * pcols];
+            for (dst, src) in v.chunks_mut(pcols).zip(data.chunks(cols)) {
+                dst[..cols].copy_from_slice(src);
+            }
+            padded = v;
+            &padded[..]
+        };
+        let cols = pcols;
         match r.encoding {
             Encoding::Activation | Encoding::AsIs => data.to_vec(),
             Encoding::Transposed => {
@@ -188,6 +215,7 @@ impl KernelLayout {
 /// width, regions stacked top to bottom), and its output along channels.
 pub struct LayoutBuilder {
     kernel: String,
+    view: usize,
     channels: usize,
     spatial: usize,
     seq: usize,
@@ -200,6 +228,7 @@ impl LayoutBuilder {
     pub fn new(kernel: &str, seq: usize) -> LayoutBuilder {
         LayoutBuilder {
             kernel: kernel.into(),
+            view: 0,
             channels: 0,
             spatial: 0,
             seq,
@@ -207,6 +236,13 @@ impl LayoutBuilder {
             outputs: vec![],
             out_channels: 0,
         }
+    }
+
+    /// Starts every region at a multiple of `view` columns, and keeps the
+    /// width a multiple of it (see [`KernelLayout::view`]).
+    pub fn aligned(&mut self, view: usize) -> &mut Self {
+        self.view = view;
+        self
     }
 
     /// Spatial stacking: a region `width` columns wide over `channels`
@@ -218,20 +254,36 @@ impl LayoutBuilder {
         width: usize,
         encoding: Encoding,
     ) -> &mut Self {
+        self.columns_holding(port, channels, width, encoding, None)
+    }
+
+    /// [`LayoutBuilder::columns`] for a region holding a smaller tensor
+    /// (`[rows, cols]`, zeros elsewhere).
+    pub fn columns_holding(
+        &mut self,
+        port: Port,
+        channels: usize,
+        width: usize,
+        encoding: Encoding,
+        holds: Option<[usize; 2]>,
+    ) -> &mut Self {
+        self.pad_spatial_to(1);
         self.channels = self.channels.max(channels);
         self.inputs.push(Region {
             port,
             channels: 0..channels,
             spatial: self.spatial..self.spatial + width,
             encoding,
+            holds,
         });
         self.spatial += width;
         self
     }
 
     /// Pads the spatial width with unused columns up to a multiple of `m`
-    /// (the `spatial-multiple-16` ANE rule).
+    /// (and of the view, when aligned).
     pub fn pad_spatial_to(&mut self, m: usize) -> &mut Self {
+        let m = m.max(self.view).max(1);
         self.spatial = self.spatial.div_ceil(m) * m;
         self
     }
@@ -246,7 +298,8 @@ impl LayoutBuilder {
             return self;
         }
         if self.channels * self.spatial < min {
-            let width = min.div_ceil(self.channels).div_ceil(16) * 16;
+            let m = self.view.max(16);
+            let width = min.div_ceil(self.channels).div_ceil(m) * m;
             if width <= max_dim {
                 self.spatial = self.spatial.max(width);
             } else {
@@ -265,6 +318,7 @@ impl LayoutBuilder {
             channels: self.channels..self.channels + channels,
             spatial: 0..self.seq,
             encoding: Encoding::Activation,
+            holds: None,
         });
         self.channels += channels;
         self
@@ -281,10 +335,12 @@ impl LayoutBuilder {
     }
 
     pub fn build(&self) -> KernelLayout {
+        let m = self.view.max(1);
         KernelLayout {
             kernel: self.kernel.clone(),
+            view: self.view,
             in_channels: self.channels,
-            in_spatial: self.spatial,
+            in_spatial: self.spatial.div_ceil(m) * m,
             out_channels: self.out_channels,
             out_spatial: self.seq,
             inputs: self.inputs.clone(),

@@ -174,10 +174,10 @@ pub struct KernelOptions {
     /// it (the device rejects smaller surfaces; see
     /// [`ane::rules::MIN_SURFACE_BYTES`]). 0 in seed-compatible mode.
     pub min_surface_bytes: usize,
-    /// The device's largest tensor dimension (see [`ane::rules::Limits`]):
-    /// padding never widens an input past it, and [`tiling`] splits
-    /// kernels that would.
-    pub max_dim: usize,
+    /// The device's limits (its chip family's, see [`ane::family`]):
+    /// padding never widens an input past the spatial cap, and [`tiling`]
+    /// splits kernels whose programs would break a limit.
+    pub limits: ane::family::Limits,
     /// Tile every kernel at least this many times where its axis allows
     /// (`ANETRAIN_ANE_MIN_TILES`; 1 unless set): exercises tiled execution
     /// on models too small to need it.
@@ -292,7 +292,9 @@ impl KernelOptions {
             fp16_constants: false,
             lora: None,
             min_surface_bytes: ane::rules::MIN_SURFACE_BYTES,
-            max_dim: ane::rules::Limits::default().max_dim,
+            limits: ane::family::Profile::in_force()
+                .map(|p| p.limits)
+                .unwrap_or_default(),
             min_tiles: tiling::min_tiles_from_env(),
         }
     }
@@ -323,7 +325,7 @@ impl KernelOptions {
             fp16_constants: false,
             lora: None,
             min_surface_bytes: 0,
-            max_dim: ane::rules::MAX_DIM,
+            limits: ane::rules::Limits::default().with_max_dim(ane::rules::MAX_DIM),
             min_tiles: 1,
         }
     }
@@ -443,19 +445,27 @@ pub fn layout(kind: KernelKind, s: &Shape, o: &KernelOptions) -> KernelLayout {
 pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
     use Encoding::*;
     let mut b = LayoutBuilder::new(K::KIND.name(), s.seq);
+    if !o.seed_compat {
+        b.aligned(COLUMN_GROUP);
+    }
     K::layout(&mut b, s, o);
     let mut adapted = false;
     for &(t, product) in K::PROJECTIONS {
         let Some((r, _)) = o.adapter(t) else { continue };
         let (out, inp) = s.projection(t);
         let (a, bn) = (Port::LoraA(t), Port::LoraB(t));
+        // The rank padded with zeros to a multiple of 32, so the products
+        // contracting over it do so over a multiple of 32 (see
+        // `matmul-inner-32`); zero rows of A and columns of B add nothing.
+        let rp = if o.seed_compat { r } else { r.div_ceil(COLUMN_GROUP) * COLUMN_GROUP };
+        let (ha, hb) = (Some([r, inp]), Some([out, r]));
         match product {
             Product::Forward => b
-                .columns(a, inp, r, Transposed)
-                .columns(bn, r, out, Transposed),
-            Product::ForwardRows | Product::Backward => {
-                b.columns(bn, out, r, AsIs).columns(a, r, inp, AsIs)
-            }
+                .columns_holding(a, inp, rp, Transposed, ha)
+                .columns_holding(bn, rp, out, Transposed, hb),
+            Product::ForwardRows | Product::Backward => b
+                .columns_holding(bn, out, rp, AsIs, hb)
+                .columns_holding(a, rp, inp, AsIs, ha),
         };
         adapted = true;
     }
@@ -463,9 +473,15 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
         b.pad_spatial_to(16);
     }
     // fp16 surfaces: two bytes an element.
-    b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2), o.max_dim);
+    b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2), o.limits.max_spatial);
     b.build()
 }
+
+/// Column group of aligned layouts ([`KernelLayout::view`]): the smallest
+/// surface width the device accepts (apple-neural-engine-field-guide
+/// README.md, "The SP=32 Constraint"), and the contraction multiple LoRA
+/// ranks are padded to.
+pub const COLUMN_GROUP: usize = 32;
 
 /// A generated kernel: program, the blob files it reads, its layout.
 pub struct KernelProgram {
@@ -522,6 +538,10 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgra
             let data = match name.as_str() {
                 BLOB_MASK => causal_mask(s.seq, s.ratio()),
                 BLOB_COS => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).0,
+                n if n.starts_with(BLOB_ROT) => {
+                    let heads = n[BLOB_ROT.len()..n.len() - 4].parse().unwrap_or(1);
+                    rope_rotation(heads, s.head_dim, o.rope)
+                }
                 n if n.starts_with(BLOB_ZEROS) => vec![0.0; layout.out_padding() * s.seq],
                 _ => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).1,
             };
@@ -564,6 +584,8 @@ pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
 pub(crate) const BLOB_MASK: &str = "mask.bin";
 pub(crate) const BLOB_COS: &str = "rope_cos.bin";
 pub(crate) const BLOB_SIN: &str = "rope_sin.bin";
+/// RoPE's rotation as a matrix per head, `rope_rot_{heads}.bin`.
+pub(crate) const BLOB_ROT: &str = "rope_rot_";
 /// Zero channels padding an output, `zeros_{channels}x{seq}.bin`.
 pub(crate) const BLOB_ZEROS: &str = "zeros_";
 
@@ -579,6 +601,26 @@ pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
         }
     }
     m
+}
+
+/// RoPE's rotation as `heads` copies of a signed permutation `R [HD, HD]`
+/// with `x·R = rotate(x)` for a row `x [HD]`: half-split,
+/// `rotate(x) = concat(−x[HD/2..], x[..HD/2])`; interleaved, pairs
+/// `(x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)`.
+pub fn rope_rotation(heads: usize, hd: usize, rope: Rope) -> Vec<f32> {
+    let mut r = vec![0f32; hd * hd];
+    let half = hd / 2;
+    for j in 0..hd {
+        // output column j takes sign · x[i]
+        let (i, sign) = match rope {
+            Rope::HalfSplit if j < half => (j + half, -1.0),
+            Rope::HalfSplit => (j - half, 1.0),
+            Rope::Interleaved if j % 2 == 0 => (j + 1, -1.0),
+            Rope::Interleaved => (j - 1, 1.0),
+        };
+        r[i * hd + j] = sign;
+    }
+    r.repeat(heads)
 }
 
 /// RoPE tables `cos, sin [S, HD]` for positions 0..S.

@@ -26,6 +26,8 @@ pub struct Gen<'a> {
     layout: &'a KernelLayout,
     blobs: Vec<String>,
     regions: std::collections::HashMap<Port, Value>,
+    /// The input viewed as `[1, C, W/view, view]`, once made.
+    grouped: Option<Value>,
 }
 
 fn key(v: &[i64]) -> String {
@@ -48,6 +50,7 @@ impl<'a> Gen<'a> {
             layout,
             blobs: vec![],
             regions: Default::default(),
+            grouped: None,
         }
     }
 
@@ -60,15 +63,62 @@ impl<'a> Gen<'a> {
     }
 
     /// The input region of `port` as `[1, C, 1, W]`.
+    ///
+    /// A region at width offset 0 is one `slice_by_size`. Elsewhere, in an
+    /// aligned layout (`view` columns per group), the input is viewed as
+    /// `[1, C, W/view, view]` and the region's column groups are cut along
+    /// axis 2, then reshaped back (and trimmed from width offset 0 when
+    /// narrower than its groups): no slice begins at a nonzero offset on
+    /// the last axis, which M1–M3 compute through a crop that turns
+    /// |v| > 4094 into ±inf (ANEForge docs/numeric-cliffs.md, "Width-offset
+    /// slice saturation": "moving the offset to another axis" avoids it).
+    /// Reshapes of a contiguous tensor move no value, so the region's
+    /// values are exactly the input's. Seed layouts (`view` 0) slice at
+    /// their width offsets as the seed does.
     pub fn region(&mut self, port: Port) -> Result<Value> {
         if let Some(v) = self.regions.get(&port) {
             return Ok(v.clone());
         }
-        let (begin, size) = self.layout.region(port).begin_size();
-        let bv = self.ints("begin", &begin)?;
-        let sv = self.ints("size", &size)?;
-        let x = self.x.clone();
-        let v = self.b.slice_by_size(port.name(), &x, &bv, &sv)?;
+        let r = self.layout.region(port).clone();
+        let view = self.layout.view;
+        let v = if r.spatial.start == 0 || view == 0 {
+            let (begin, size) = r.begin_size();
+            let bv = self.ints("begin", &begin)?;
+            let sv = self.ints("size", &size)?;
+            let x = self.x.clone();
+            self.b.slice_by_size(port.name(), &x, &bv, &sv)?
+        } else {
+            let l = self.layout;
+            let grouped = match self.grouped.clone() {
+                Some(g) => g,
+                None => {
+                    let x = self.x.clone();
+                    let g =
+                        self.reshape("x_groups", &x, &[1, l.in_channels, l.in_spatial / view, view])?;
+                    self.grouped = Some(g.clone());
+                    g
+                }
+            };
+            let (c, w) = (r.channels.len(), r.spatial.len());
+            let groups = w.div_ceil(view);
+            let bv = self.ints(
+                "begin",
+                &[0, r.channels.start as i64, (r.spatial.start / view) as i64, 0],
+            )?;
+            let sv = self.ints("size", &[1, c as i64, groups as i64, view as i64])?;
+            let name = port.name();
+            let cut = self
+                .b
+                .slice_by_size(&format!("{name}_groups"), &grouped, &bv, &sv)?;
+            if groups * view == w {
+                self.reshape(name, &cut, &[1, c, 1, w])?
+            } else {
+                let flat = self.reshape(&format!("{name}_wide"), &cut, &[1, c, 1, groups * view])?;
+                let b0 = self.ints("begin", &[0, 0, 0, 0])?;
+                let sz = self.ints("size", &[1, c as i64, 1, w as i64])?;
+                self.b.slice_by_size(name, &flat, &b0, &sz)?
+            }
+        };
         self.regions.insert(port, v.clone());
         Ok(v)
     }
@@ -260,6 +310,28 @@ impl<'a> Gen<'a> {
                 self.reshape(&format!("{out}_rot"), &r, &[1, h, s, hd])?
             }
         };
+        let xc = self.b.mul(&format!("{out}_c"), x, cos)?;
+        let xs = self.b.mul(&format!("{out}_s"), &rot, sin)?;
+        self.b.add(out, &xc, &xs)
+    }
+
+    /// x·cos + rotate(x)·sin for `x [1, heads, S, HD]`, the rotation a
+    /// product with a constant signed permutation `R [1, heads, HD, HD]`
+    /// (blob `rope_rot_{heads}.bin`, see [`super::rope_rotation`]): no
+    /// slice at a width offset (M1–M3 clamp those, see
+    /// [`Gen::region`]) and no `concat`. Every output of the product is one
+    /// input times ±1 plus zeros, so it is exact in fp16.
+    pub fn rope_by_matrix(
+        &mut self,
+        out: &str,
+        x: &Value,
+        cos: &Value,
+        sin: &Value,
+    ) -> Result<Value> {
+        let (h, hd) = (x.dims()[1], x.dims()[3]);
+        let file = format!("{}{h}.bin", super::BLOB_ROT);
+        let rot_m = self.blob(&format!("rope_rot_{h}"), [1, h, hd, hd], &file)?;
+        let rot = self.matmul(&format!("{out}_rot"), x, &rot_m, false, false)?;
         let xc = self.b.mul(&format!("{out}_c"), x, cos)?;
         let xs = self.b.mul(&format!("{out}_s"), &rot, sin)?;
         self.b.add(out, &xc, &xs)

@@ -55,8 +55,9 @@ impl Kernel for SdpaForward {
             .columns(Port::Weight(Projection::K), d, kv, Transposed)
             .columns(Port::Weight(Projection::V), d, kv, Transposed);
         if o.qk_norm {
-            // Two [HD] vectors in one column each, then padding so the
-            // input width stays a multiple of 16 like the other kernels'.
+            // Two [HD] vectors in one column each (each in a column group
+            // of its own in aligned layouts), then padding so the input
+            // width stays a multiple of 16 like the other kernels'.
             b.columns(Port::QNorm, s.head_dim, 1, Activation)
                 .columns(Port::KNorm, s.head_dim, 1, Activation)
                 .pad_spatial_to(16);
@@ -91,8 +92,17 @@ impl Kernel for SdpaForward {
         }
         let cos = g.blob("rope_cos", [1, 1, seq, hd], BLOB_COS)?;
         let sin = g.blob("rope_sin", [1, 1, seq, hd], BLOB_SIN)?;
-        let q_rope = g.rope("q_rope", &q, &cos, &sin, o.rope)?;
-        let k_rope = g.rope("k_rope", &k, &cos, &sin, o.rope)?;
+        let (q_rope, k_rope) = if o.seed_compat {
+            (
+                g.rope("q_rope", &q, &cos, &sin, o.rope)?,
+                g.rope("k_rope", &k, &cos, &sin, o.rope)?,
+            )
+        } else {
+            (
+                g.rope_by_matrix("q_rope", &q, &cos, &sin)?,
+                g.rope_by_matrix("k_rope", &k, &cos, &sin)?,
+            )
+        };
         // Fold the R query heads of each KV head along the sequence.
         let qf = g.reshape("q_fold", &q_rope, &[1, kvh, r * seq, hd])?;
         let probs = g.attention_probs(&qf, &k_rope, s)?;

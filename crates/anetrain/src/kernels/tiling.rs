@@ -209,7 +209,8 @@ impl KernelTiles {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
     pub shape: Shape,
-    pub max_dim: usize,
+    /// The device limits planned for.
+    pub limits: ane::family::Limits,
     pub kernels: Vec<KernelTiles>,
 }
 
@@ -297,12 +298,12 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
 }
 
 /// Plans every kernel: the fewest equal tiles whose program passes every
-/// enabled device rule at `o.max_dim`; failing that, the fewest that at
-/// least fit the dimension limit. An error names the kernel, the axes and
-/// the limit when no tiling fits.
+/// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
+/// per-axis caps, contraction multiples, …); failing that, the fewest that
+/// at least fit the axis caps. An error names the kernel, the axes and
+/// the caps when no tiling fits.
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
-    let limits = ane::rules::Limits { max_dim: o.max_dim };
-    let rules = ane::rules::RuleSet::default().with_limits(limits);
+    let rules = ane::rules::RuleSet::for_limits(o.limits);
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL {
         let mut fits_dim = None;
@@ -340,9 +341,10 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                     .map(|a| format!("the {} ({})", a.name(), a.count(full)))
                     .collect();
                 return Err(format!(
-                    "{}: no tiling fits the device's largest dimension of {} ({} sets it): split as far as {} allow{}, {last_problem}",
+                    "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}",
                     kind.name(),
-                    o.max_dim,
+                    o.limits.max_spatial,
+                    o.limits.max_channel,
                     ane::rules::MAX_DIM_ENV,
                     axes.join(" and "),
                     if axes.len() == 1 { "s" } else { "" },
@@ -352,7 +354,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     }
     Ok(Plan {
         shape: *full,
-        max_dim: o.max_dim,
+        limits: o.limits,
         kernels,
     })
 }
