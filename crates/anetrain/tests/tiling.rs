@@ -3,6 +3,7 @@
 //! every default ANE rule at the limit in force, within the compile budget,
 //! and a model that cannot be tiled is refused with one line.
 
+use ane::family::{Family, Limits};
 use std::path::Path;
 
 use anetrain::config::ModelConfig;
@@ -17,7 +18,8 @@ fn config(name: &str) -> ModelConfig {
     ModelConfig::from_file(&p).unwrap()
 }
 
-/// Plans `cfg` at `seq` under `max_dim` and checks every tile program.
+/// Plans `cfg` at `seq` under both axis caps at `max_dim` (and every
+/// other limit of the conservative row) and checks every tile program.
 fn plan_and_check(
     what: &str,
     cfg: &ModelConfig,
@@ -25,8 +27,14 @@ fn plan_and_check(
     max_dim: usize,
     lora: bool,
 ) -> tiling::Plan {
+    plan_for(what, cfg, seq, Limits::conservative().with_max_dim(max_dim), lora)
+}
+
+/// Plans `cfg` at `seq` for `limits` and checks every tile program
+/// against every rule those limits imply.
+fn plan_for(what: &str, cfg: &ModelConfig, seq: usize, limits: Limits, lora: bool) -> tiling::Plan {
     let mut o = KernelOptions::hf(cfg);
-    o.max_dim = max_dim;
+    o.limits = limits;
     if lora {
         o.lora = Some(LoraKernel {
             rank: 16,
@@ -36,7 +44,7 @@ fn plan_and_check(
     }
     let full = Shape::new(cfg, seq);
     let plan = tiling::plan(&full, &o).unwrap_or_else(|e| panic!("{what}: {e}"));
-    let rules = ane::rules::RuleSet::default().with_limits(ane::rules::Limits { max_dim });
+    let rules = ane::rules::RuleSet::for_limits(limits);
     for k in &plan.kernels {
         // Tiles cut their axes evenly.
         for sp in &k.splits {
@@ -51,7 +59,11 @@ fn plan_and_check(
             k.tiles
         );
         assert!(
-            k.input.iter().chain(&k.output).all(|&d| d <= max_dim),
+            k.input[1] <= limits.max_spatial && k.output[1] <= limits.max_spatial,
+            "{what} {k:?}"
+        );
+        assert!(
+            k.input[0] <= limits.max_channel && k.output[0] <= limits.max_channel,
             "{what} {k:?}"
         );
     }
@@ -94,7 +106,7 @@ fn an_untileable_model_is_refused_with_one_line_naming_kernel_and_limit() {
     // be cut below the limit.
     let cfg = config("qwen3-1.7b");
     let mut o = KernelOptions::hf(&cfg);
-    o.max_dim = 128;
+    o.limits = o.limits.with_max_dim(128);
     let e = tiling::plan(&Shape::new(&cfg, 256), &o).unwrap_err();
     assert!(!e.contains('\n'), "{e}");
     assert!(e.starts_with("sdpa_forward: no tiling fits"), "{e}");
@@ -102,4 +114,26 @@ fn an_untileable_model_is_refused_with_one_line_naming_kernel_and_limit() {
         e.contains("128") && e.contains("ANETRAIN_ANE_MAX_DIM"),
         "{e}"
     );
+}
+
+#[test]
+fn every_family_plans_the_qwen3_shapes_within_its_rules() {
+    for f in Family::ALL {
+        for name in ["qwen3-1.7b", "qwen3-4b"] {
+            plan_for(&format!("{name} on {f}"), &config(name), 256, f.limits(), false);
+        }
+        let small = ModelConfig::preset("qwen3-0.6b").unwrap();
+        plan_for(&format!("qwen3-0.6b on {f}"), &small, 256, f.limits(), false);
+    }
+}
+
+#[test]
+fn per_axis_caps_plan_4096_tokens_on_a16() {
+    // sdpa_backward1's output has 16512 channels at 4096 tokens: over one
+    // cap of 16384 for every axis, within the channel cap every family has.
+    let small = ModelConfig::preset("qwen3-0.6b").unwrap();
+    for f in [Family::M4, Family::M5] {
+        plan_for(&format!("qwen3-0.6b at 4096 on {f}"), &small, 4096, f.limits(), false);
+        plan_for(&format!("qwen3-1.7b at 4096 on {f}"), &config("qwen3-1.7b"), 4096, f.limits(), false);
+    }
 }
