@@ -145,7 +145,7 @@ fn short(e: &str) -> String {
 }
 
 fn cliff_text(v: Option<f32>) -> String {
-    v.map_or("exact".into(), |c| format!("|v| > {c} → ±inf"))
+    v.map_or("exact".into(), |c| format!("magnitudes above {c} → ±inf"))
 }
 
 /// Runs every probe on `dev` and compares it with `expected` (the family

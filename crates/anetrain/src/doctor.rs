@@ -97,6 +97,12 @@ pub struct Report {
     pub family: String,
     /// The limits kernels were built to.
     pub limits: ane::family::Limits,
+    /// The family's facts measured on the device (see [`ane::probes`]).
+    pub probes: Option<ane::probes::ProbeReport>,
+    /// Probes whose result contradicts the family table, one line each.
+    pub contradictions: Vec<String>,
+    /// Where the measured profile was saved (later runs use it), or why not.
+    pub profile: String,
     pub kernels: Vec<KernelResult>,
     pub training: Option<TrainingResult>,
     /// One line per problem, naming the kernel or step.
@@ -324,7 +330,12 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     let cfg = ModelConfig::resolve(&req.model)?;
     let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
     let full = Shape::new(&cfg, req.seq);
-    let o = KernelOptions::hf(&cfg);
+    let mut o = KernelOptions::hf(&cfg);
+    if let Some(f) = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)? {
+        if !ane::AneDevice::available() {
+            o.limits = SimDevice::for_family(f).limits();
+        }
+    }
     let mut failures = vec![];
     // Kernels too wide for the device are checked as their tiles run; a
     // model no tiling fits is a failure, and its kernels are tried whole.
@@ -355,13 +366,74 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
             None,
         ),
     };
+    // The family's facts, measured by probe programs on a device of their
+    // own (a real device checks only what it binds, so its compiler answers).
+    let sim_family = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let expected = match (device, sim_family) {
+        ("ane-sim", Some(f)) => f.limits(),
+        _ => profile.limits,
+    };
+    let probes = match device {
+        "ane" => ane::AneDevice::open()
+            .map(|d| ane::probes::run(&mut d.with_rules(ane::probes::probe_rules()), &expected))
+            .map_err(|e| e.to_string()),
+        _ => SimDevice::from_env()
+            .map(|mut d| ane::probes::run(&mut d, &expected))
+            .map_err(|e| e.to_string()),
+    };
+    let (probes, contradictions, profile_note) = match probes {
+        Ok(p) => {
+            for r in &p.results {
+                progress(&format!(
+                    "probe {:<15} {} (table: {}){}",
+                    r.probe,
+                    r.measured,
+                    r.expected,
+                    if r.agrees { "" } else { " — contradicts the table" }
+                ));
+            }
+            let contradictions: Vec<String> = p
+                .results
+                .iter()
+                .filter(|r| !r.agrees)
+                .map(|r| format!("{}: measured {}, the table says {}", r.probe, r.measured, r.expected))
+                .collect();
+            let saved = ane::family::SavedProfile {
+                format: ane::family::PROFILE_FORMAT,
+                family: sim_family.or(profile.family),
+                chip: ane::family::chip_key(),
+                device: device.into(),
+                limits: p.limits,
+                measured_at: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            };
+            let note = match ane::family::profile_path() {
+                _ if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() => format!(
+                    "not saved: {} is set, so the axis caps measured are its",
+                    ane::rules::MAX_DIM_ENV
+                ),
+                Some(path) => match ane::family::save(&saved, &path) {
+                    Ok(()) => format!("saved to {} (later runs build kernels to it)", path.display()),
+                    Err(e) => format!("not saved: {e}"),
+                },
+                None => "not saved: no configuration directory (set ANETRAIN_CONFIG_DIR)".into(),
+            };
+            progress(&format!("device profile {note}"));
+            (Some(p), contradictions, note)
+        }
+        Err(e) => {
+            failures.push(format!("probes: {e}"));
+            (None, vec![], "not measured".into())
+        }
+    };
     let mut rng = Rng::new(1);
     let mut sim = SimDevice::new();
     let mut kernels = vec![];
     // One device for all kernels, as a training run has; each program is
     // dropped (unloaded) after its check.
     let mut ane_dev = ane;
-    let mut sim_dev = SimDevice::new();
+    let mut sim_dev = SimDevice::from_env().map_err(anyhow::Error::msg)?;
     for kind in KernelKind::ALL {
         let s = plan.as_ref().map_or(full, |p| p.of(kind).shape);
         let mut r = match ane_dev.as_mut() {
@@ -456,8 +528,14 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         matmul: linalg::selected().describe().into(),
         model: req.model.clone(),
         seq: req.seq,
-        family: profile.describe(),
+        family: match sim_family.filter(|_| device == "ane-sim") {
+            Some(f) => format!("{f}, played by the simulator ({})", ane::family::SIM_FAMILY_ENV),
+            None => profile.describe(),
+        },
         limits: o.limits,
+        probes,
+        contradictions,
+        profile: profile_note,
         kernels,
         training,
         failures,
@@ -480,6 +558,27 @@ impl Report {
             h.chip, h.os_version, h.arch, h.cpu_threads, self.device, self.device_note, self.matmul, self.model, self.seq,
             self.family, self.limits.max_spatial, self.limits.max_channel, ane::rules::MAX_DIM_ENV
         );
+        if let Some(p) = &self.probes {
+            let _ = writeln!(
+                m,
+                "Probes ({} of at most {} compiles; {}):\n\n| probe | question | measured | family table | |\n|---|---|---|---|---|",
+                p.compiles,
+                ane::probes::COMPILE_BUDGET,
+                if self.device == "ane" { "on the device" } else { "on the simulator: nothing about hardware is shown" }
+            );
+            for r in &p.results {
+                let _ = writeln!(
+                    m,
+                    "| {} | {} | {} | {} | {} |",
+                    r.probe,
+                    r.question,
+                    r.measured.replace('|', "/"),
+                    r.expected,
+                    if r.agrees { "agrees" } else { "**contradicts the table**" }
+                );
+            }
+            let _ = writeln!(m, "\nDevice profile: {}\n", self.profile);
+        }
         let _ = writeln!(
             m,
             "| kernel | tiles | input KiB | output KiB | compile ms | eval ms (median) | max rel. error vs ane-sim | status |\n|---|---:|---:|---:|---:|---:|---:|---|"

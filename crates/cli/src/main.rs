@@ -248,6 +248,10 @@ enum Command {
         /// Write the full report here as JSON.
         #[arg(long, value_name = "FILE")]
         report: Option<PathBuf>,
+        /// Without a Neural Engine: the chip family the simulator plays
+        /// (m1 … m5; as ANETRAIN_SIM_FAMILY).
+        #[arg(long, value_name = "FAMILY")]
+        sim_family: Option<String>,
     },
 }
 
@@ -463,6 +467,15 @@ fn one_line(rendered: &str) -> String {
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    if let Command::Doctor {
+        sim_family: Some(f),
+        ..
+    } = &cli.command
+    {
+        let f = ane::family::Family::parse(f).map_err(|e| anyhow::anyhow!("--sim-family: {e}"))?;
+        // Before any thread starts: the simulator reads it where it opens.
+        std::env::set_var(ane::family::SIM_FAMILY_ENV, f.name());
+    }
     if !matches!(cli.command, Command::Info) {
         // The device limits shape every kernel: a typo must not pass silently.
         ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
@@ -483,6 +496,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             steps,
             evals,
             report,
+            ..
         } => cmd_doctor::run(&model, seq, steps, evals as usize, report.as_deref())?,
         Command::Convert {
             input,

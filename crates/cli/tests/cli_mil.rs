@@ -93,7 +93,15 @@ fn check_prints_summary_and_rules() {
         &["ANE rule"],
     );
     let out = bin()
-        .args(["mil", "check", "--strict", "--no-rule", "min-surface"])
+        .args([
+            "mil",
+            "check",
+            "--strict",
+            "--no-rule",
+            "min-surface",
+            "--no-rule",
+            "min-width",
+        ])
         .arg(&prog)
         .output()
         .unwrap();

@@ -366,9 +366,14 @@ impl AneDevice {
         let rt =
             Runtime::load(stand_in).map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
         let profile = crate::family::Profile::in_force().map_err(DeviceError)?;
+        // Contractions that are not multiples of 32 rest on one report
+        // (maderix/ANE PR #47): kernel plans prefer multiples, `doctor`
+        // probes it, and Apple's compiler, not this check, has the last word.
+        let mut rules = RuleSet::for_limits(profile.limits);
+        rules.set("matmul-inner-32", false).expect("a known rule");
         Ok(AneDevice {
             rt: Rc::new(rt),
-            rules: RuleSet::for_limits(profile.limits),
+            rules,
             profile,
             budget: DEFAULT_COMPILE_BUDGET,
             compiles: 0,

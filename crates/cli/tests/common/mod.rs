@@ -5,9 +5,21 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The `anetrain` binary under test.
+/// The `anetrain` binary under test, reading (and `doctor` writing) its
+/// device profile in a directory of the build, never the user's
+/// configuration directory, and playing no chip family unless a test says.
 pub fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_anetrain"))
+    let mut c = Command::new(env!("CARGO_BIN_EXE_anetrain"));
+    c.env("ANETRAIN_CONFIG_DIR", config_dir())
+        .env_remove("ANETRAIN_SIM_FAMILY")
+        .env_remove("ANETRAIN_ANE_FAMILY");
+    c
+}
+
+/// A configuration directory of this test process, empty unless a test
+/// writes into it.
+pub fn config_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("anetrain-test-config-{}", std::process::id()))
 }
 
 /// A fresh temporary directory, removed when dropped.
