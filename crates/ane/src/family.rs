@@ -185,11 +185,8 @@ impl Limits {
         let rows: Vec<Limits> = Family::ALL.iter().map(|f| f.limits()).collect();
         let min = |f: fn(&Limits) -> usize| rows.iter().map(f).min().unwrap_or(0);
         let max = |f: fn(&Limits) -> usize| rows.iter().map(f).max().unwrap_or(1);
-        let lowest = |f: fn(&Limits) -> Option<f32>| {
-            rows.iter()
-                .filter_map(f)
-                .min_by(|a, b| a.total_cmp(b))
-        };
+        let lowest =
+            |f: fn(&Limits) -> Option<f32>| rows.iter().filter_map(f).min_by(|a, b| a.total_cmp(b));
         Limits {
             max_spatial: min(|l| l.max_spatial),
             max_channel: min(|l| l.max_channel),
@@ -222,14 +219,23 @@ impl Limits {
             None => "none".to_string(),
         };
         vec![
-            ("spatial/contraction axes".into(), format!("≤ {}", self.max_spatial)),
+            (
+                "spatial/contraction axes".into(),
+                format!("≤ {}", self.max_spatial),
+            ),
             ("channel axis".into(), format!("≤ {}", self.max_channel)),
             ("rank".into(), format!("≤ {}", self.max_rank)),
             ("surface width".into(), format!("≥ {}", self.min_width)),
-            ("matmul contraction".into(), format!("multiple of {}", self.inner_multiple)),
+            (
+                "matmul contraction".into(),
+                format!("multiple of {}", self.inner_multiple),
+            ),
             ("width-offset slice".into(), cliff(self.width_slice_clamp)),
             ("matmul output".into(), cliff(self.matmul_cliff)),
-            ("concat".into(), if self.concat { "accepted" } else { "rejected" }.into()),
+            (
+                "concat".into(),
+                if self.concat { "accepted" } else { "rejected" }.into(),
+            ),
         ]
     }
 }
@@ -280,7 +286,11 @@ pub const PROFILE_FORMAT: u32 = 1;
 /// `~/Library/Application Support/anetrain` on macOS, else
 /// `$XDG_CONFIG_HOME/anetrain` or `~/.config/anetrain`.
 pub fn profile_path() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
     let dir = if let Some(d) = env(CONFIG_DIR_ENV) {
         d
     } else if cfg!(target_os = "macos") {
@@ -320,7 +330,9 @@ fn family_env(var: &str) -> Result<Option<Family>, String> {
     match std::env::var(var) {
         Err(_) => Ok(None),
         Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => Family::parse(&v).map(Some).map_err(|e| format!("{var}: {e}")),
+        Ok(v) => Family::parse(&v)
+            .map(Some)
+            .map_err(|e| format!("{var}: {e}")),
     }
 }
 
@@ -484,6 +496,9 @@ mod tests {
         assert_eq!(load_saved(&path).unwrap(), Some(p));
         std::fs::write(&path, "{").unwrap();
         let e = load_saved(&path).unwrap_err();
-        assert!(e.contains("device-profile.json") && e.contains("doctor"), "{e}");
+        assert!(
+            e.contains("device-profile.json") && e.contains("doctor"),
+            "{e}"
+        );
     }
 }

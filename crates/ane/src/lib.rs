@@ -16,9 +16,9 @@ pub mod rules;
 
 pub use apple::AneDevice;
 
+use family::{Family, Limits};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use family::{Family, Limits};
 use mil::{DType, Executable, Precision, Tensor};
 use rules::RuleSet;
 
@@ -198,7 +198,9 @@ impl mil::interp::Faults for ChipFaults {
                 }
             }
             "slice_by_size" => {
-                let Some(c) = self.width_slice_clamp else { return };
+                let Some(c) = self.width_slice_clamp else {
+                    return;
+                };
                 let begin = args
                     .iter()
                     .find(|(n, _)| *n == "begin")
@@ -260,7 +262,9 @@ impl SimDevice {
         // The chip compiles a width-offset slice and computes it wrong:
         // the simulator plays the fault rather than refusing the program.
         let mut rules = RuleSet::for_limits(l);
-        rules.set("width-offset-slice", false).expect("a known rule");
+        rules
+            .set("width-offset-slice", false)
+            .expect("a known rule");
         SimDevice {
             rules,
             faults: ChipFaults::of(&l),

@@ -167,7 +167,9 @@ pub fn run<D: Device>(dev: &mut D, expected: &Limits) -> ProbeReport {
 
     // 1. Width-offset slice: columns 32..64 of [768, 64] hold ±5000 and
     //    ±1000; a clamping route turns the ±5000 into ±inf.
-    let p = program([1, 768, 1, 64], |b, x| cut(b, "out", x, [0, 0, 0, 32], [1, 768, 1, 32]));
+    let p = program([1, 768, 1, 64], |b, x| {
+        cut(b, "out", x, [0, 0, 0, 32], [1, 768, 1, 32])
+    });
     let input: Vec<f32> = (0..768 * 64)
         .map(|i| {
             let (c, w) = (i / 64, i % 64);
@@ -188,10 +190,13 @@ pub fn run<D: Device>(dev: &mut D, expected: &Limits) -> ProbeReport {
             cliff_text(None)
         }
         Ok(got) => {
-            let clamped = got
-                .iter()
-                .zip(&want)
-                .all(|(g, w)| if w.abs() > 4094.0 { g.is_infinite() && g.signum() == w.signum() } else { g == w });
+            let clamped = got.iter().zip(&want).all(|(g, w)| {
+                if w.abs() > 4094.0 {
+                    g.is_infinite() && g.signum() == w.signum()
+                } else {
+                    g == w
+                }
+            });
             limits.width_slice_clamp = Some(crate::family::WIDTH_SLICE_CLAMP);
             if clamped {
                 cliff_text(limits.width_slice_clamp)
@@ -268,7 +273,11 @@ pub fn run<D: Device>(dev: &mut D, expected: &Limits) -> ProbeReport {
         "spatial-extent",
         "the widest input (65536, else 16384) that compiles and computes",
         expected.max_spatial.to_string(),
-        if spatial > 0 { spatial.to_string() } else { "neither".into() },
+        if spatial > 0 {
+            spatial.to_string()
+        } else {
+            "neither".into()
+        },
     );
 
     // 4. The channel axis at 65536.
@@ -296,11 +305,15 @@ pub fn run<D: Device>(dev: &mut D, expected: &Limits) -> ProbeReport {
     // 6. A contraction of 16 (maderix/ANE PR #47: silent zeros).
     let (k, n) = (16, 768);
     let p = channel_product(k, n);
-    let input: Vec<f32> = (0..2 * k * n).map(|i| ((i * 7919) % 17) as f32 / 16.0 - 0.5).collect();
+    let input: Vec<f32> = (0..2 * k * n)
+        .map(|i| ((i * 7919) % 17) as f32 / 16.0 - 0.5)
+        .collect();
     let inner16 = match run_one(dev, &mut compiles, &p, &input) {
         Ok(got) => (0..n).step_by(37).all(|i| {
             (0..n).step_by(41).all(|j| {
-                let want: f32 = (0..k).map(|r| input[r * n + i] * input[(k + r) * n + j]).sum();
+                let want: f32 = (0..k)
+                    .map(|r| input[r * n + i] * input[(k + r) * n + j])
+                    .sum();
                 (got[i * n + j] - want).abs() <= 1e-2
             })
         }),
@@ -360,7 +373,11 @@ mod tests {
             for p in &r.results {
                 assert!(p.agrees, "{f:?}: {p:?}");
             }
-            assert_eq!(r.limits.width_slice_clamp, f.limits().width_slice_clamp, "{f:?}");
+            assert_eq!(
+                r.limits.width_slice_clamp,
+                f.limits().width_slice_clamp,
+                "{f:?}"
+            );
             assert_eq!(r.limits.matmul_cliff, f.limits().matmul_cliff, "{f:?}");
             assert_eq!(r.limits.max_spatial, f.limits().max_spatial, "{f:?}");
         }

@@ -94,7 +94,10 @@ fn io_types(f: &Function) -> Vec<(String, mil::types::Ty)> {
 
 /// The value of an int constant named `name`.
 fn const_ints(f: &Function, name: &str) -> Option<Vec<i64>> {
-    let c = f.ops.iter().find(|o| o.op == "const" && o.output.name == name)?;
+    let c = f
+        .ops
+        .iter()
+        .find(|o| o.op == "const" && o.output.name == name)?;
     match &c.val.as_ref()?.data {
         ConstData::Ints(v) => Some(v.clone()),
         _ => None,
@@ -104,7 +107,9 @@ fn const_ints(f: &Function, name: &str) -> Option<Vec<i64>> {
 /// The contracted extent of a matmul (its `x`'s last axis, or the one
 /// before when `transpose_x` is a true constant).
 fn matmul_contraction(f: &Function, op: &mil::ir::Operation) -> Option<usize> {
-    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else { return None };
+    let Some(mil::ir::Arg::Var(x)) = op.arg("x") else {
+        return None;
+    };
     let tx = matches!(op.arg("transpose_x"), Some(mil::ir::Arg::Var(n))
         if f.ops.iter().any(|c| &c.output.name == n
             && c.val.as_ref().and_then(|v| v.as_bool()) == Some(true)));

@@ -389,14 +389,23 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
                     r.probe,
                     r.measured,
                     r.expected,
-                    if r.agrees { "" } else { " — contradicts the table" }
+                    if r.agrees {
+                        ""
+                    } else {
+                        " — contradicts the table"
+                    }
                 ));
             }
             let contradictions: Vec<String> = p
                 .results
                 .iter()
                 .filter(|r| !r.agrees)
-                .map(|r| format!("{}: measured {}, the table says {}", r.probe, r.measured, r.expected))
+                .map(|r| {
+                    format!(
+                        "{}: measured {}, the table says {}",
+                        r.probe, r.measured, r.expected
+                    )
+                })
                 .collect();
             let saved = ane::family::SavedProfile {
                 format: ane::family::PROFILE_FORMAT,
@@ -414,7 +423,10 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
                     ane::rules::MAX_DIM_ENV
                 ),
                 Some(path) => match ane::family::save(&saved, &path) {
-                    Ok(()) => format!("saved to {} (later runs build kernels to it)", path.display()),
+                    Ok(()) => format!(
+                        "saved to {} (later runs build kernels to it)",
+                        path.display()
+                    ),
                     Err(e) => format!("not saved: {e}"),
                 },
                 None => "not saved: no configuration directory (set ANETRAIN_CONFIG_DIR)".into(),
@@ -529,7 +541,10 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         model: req.model.clone(),
         seq: req.seq,
         family: match sim_family.filter(|_| device == "ane-sim") {
-            Some(f) => format!("{f}, played by the simulator ({})", ane::family::SIM_FAMILY_ENV),
+            Some(f) => format!(
+                "{f}, played by the simulator ({})",
+                ane::family::SIM_FAMILY_ENV
+            ),
             None => profile.describe(),
         },
         limits: o.limits,
@@ -574,7 +589,11 @@ impl Report {
                     r.question,
                     r.measured.replace('|', "/"),
                     r.expected,
-                    if r.agrees { "agrees" } else { "**contradicts the table**" }
+                    if r.agrees {
+                        "agrees"
+                    } else {
+                        "**contradicts the table**"
+                    }
                 );
             }
             let _ = writeln!(m, "\nDevice profile: {}\n", self.profile);

@@ -27,7 +27,13 @@ fn plan_and_check(
     max_dim: usize,
     lora: bool,
 ) -> tiling::Plan {
-    plan_for(what, cfg, seq, Limits::conservative().with_max_dim(max_dim), lora)
+    plan_for(
+        what,
+        cfg,
+        seq,
+        Limits::conservative().with_max_dim(max_dim),
+        lora,
+    )
 }
 
 /// Plans `cfg` at `seq` for `limits` and checks every tile program
@@ -120,10 +126,22 @@ fn an_untileable_model_is_refused_with_one_line_naming_kernel_and_limit() {
 fn every_family_plans_the_qwen3_shapes_within_its_rules() {
     for f in Family::ALL {
         for name in ["qwen3-1.7b", "qwen3-4b"] {
-            plan_for(&format!("{name} on {f}"), &config(name), 256, f.limits(), false);
+            plan_for(
+                &format!("{name} on {f}"),
+                &config(name),
+                256,
+                f.limits(),
+                false,
+            );
         }
         let small = ModelConfig::preset("qwen3-0.6b").unwrap();
-        plan_for(&format!("qwen3-0.6b on {f}"), &small, 256, f.limits(), false);
+        plan_for(
+            &format!("qwen3-0.6b on {f}"),
+            &small,
+            256,
+            f.limits(),
+            false,
+        );
     }
 }
 
@@ -133,7 +151,19 @@ fn per_axis_caps_plan_4096_tokens_on_a16() {
     // cap of 16384 for every axis, within the channel cap every family has.
     let small = ModelConfig::preset("qwen3-0.6b").unwrap();
     for f in [Family::M4, Family::M5] {
-        plan_for(&format!("qwen3-0.6b at 4096 on {f}"), &small, 4096, f.limits(), false);
-        plan_for(&format!("qwen3-1.7b at 4096 on {f}"), &config("qwen3-1.7b"), 4096, f.limits(), false);
+        plan_for(
+            &format!("qwen3-0.6b at 4096 on {f}"),
+            &small,
+            4096,
+            f.limits(),
+            false,
+        );
+        plan_for(
+            &format!("qwen3-1.7b at 4096 on {f}"),
+            &config("qwen3-1.7b"),
+            4096,
+            f.limits(),
+            false,
+        );
     }
 }

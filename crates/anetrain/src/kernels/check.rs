@@ -131,3 +131,51 @@ pub fn check_kernel(
         fp16_rel: r16,
     })
 }
+
+/// Runs kernel `kind` on `dev` (compiled there, evaluated on random inputs
+/// from `seed`) and returns the worst relative error against the exact
+/// CPU twin, as [`check_kernel`] measures fp16 mode. With `outlier`, one
+/// channel of the residual stream (`x2`, where a model's massive
+/// activations ride) holds ±`outlier`, as Qwen-family models' do.
+pub fn check_on_device<D: ane::Device>(
+    dev: &mut D,
+    kind: KernelKind,
+    s: &Shape,
+    o: &KernelOptions,
+    seed: u64,
+    outlier: Option<f32>,
+) -> Result<f32, String> {
+    let k = build(kind, s, o).map_err(|e| e.to_string())?;
+    let mut rng = Rng::new(seed);
+    let mut t = random_inputs(&k, &mut rng);
+    if let (Some(v), Some(x2)) = (outlier, t.get_mut(&Port::X2)) {
+        let seq = s.seq;
+        for (j, x) in x2[3 * seq..4 * seq].iter_mut().enumerate() {
+            *x = if j % 2 == 0 { v } else { -v };
+        }
+    }
+    for v in t.values_mut() {
+        mil::tensor::round_to_f16_in_place(v);
+    }
+    let input = pack_all(&k, &t);
+    let p = dev
+        .compile(&k.text(), &k.blob_paths())
+        .map_err(|e| e.to_string())?;
+    let (ni, no) = dev.io_elems(&p);
+    let mut x = dev.buffer(ni).map_err(|e| e.to_string())?;
+    let mut y = dev.buffer(no).map_err(|e| e.to_string())?;
+    dev.write(&mut x, 0, &input).map_err(|e| e.to_string())?;
+    dev.eval(&p, &x, &mut y).map_err(|e| e.to_string())?;
+    let mut got = vec![0f32; no];
+    dev.read(&y, 0, &mut got).map_err(|e| e.to_string())?;
+    let exact = KernelOptions {
+        fp16_constants: false,
+        ..o.clone()
+    };
+    let (_, rel) = compare(&k, &got, &run_cpu(kind, s, &exact, &t));
+    Ok(if got.iter().any(|v| !v.is_finite()) {
+        f32::INFINITY
+    } else {
+        rel
+    })
+}

@@ -457,7 +457,11 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
         // The rank padded with zeros to a multiple of 32, so the products
         // contracting over it do so over a multiple of 32 (see
         // `matmul-inner-32`); zero rows of A and columns of B add nothing.
-        let rp = if o.seed_compat { r } else { r.div_ceil(COLUMN_GROUP) * COLUMN_GROUP };
+        let rp = if o.seed_compat {
+            r
+        } else {
+            r.div_ceil(COLUMN_GROUP) * COLUMN_GROUP
+        };
         let (ha, hb) = (Some([r, inp]), Some([out, r]));
         match product {
             Product::Forward => b

@@ -93,8 +93,11 @@ impl<'a> Gen<'a> {
                 Some(g) => g,
                 None => {
                     let x = self.x.clone();
-                    let g =
-                        self.reshape("x_groups", &x, &[1, l.in_channels, l.in_spatial / view, view])?;
+                    let g = self.reshape(
+                        "x_groups",
+                        &x,
+                        &[1, l.in_channels, l.in_spatial / view, view],
+                    )?;
                     self.grouped = Some(g.clone());
                     g
                 }
@@ -103,7 +106,12 @@ impl<'a> Gen<'a> {
             let groups = w.div_ceil(view);
             let bv = self.ints(
                 "begin",
-                &[0, r.channels.start as i64, (r.spatial.start / view) as i64, 0],
+                &[
+                    0,
+                    r.channels.start as i64,
+                    (r.spatial.start / view) as i64,
+                    0,
+                ],
             )?;
             let sv = self.ints("size", &[1, c as i64, groups as i64, view as i64])?;
             let name = port.name();
@@ -113,7 +121,8 @@ impl<'a> Gen<'a> {
             if groups * view == w {
                 self.reshape(name, &cut, &[1, c, 1, w])?
             } else {
-                let flat = self.reshape(&format!("{name}_wide"), &cut, &[1, c, 1, groups * view])?;
+                let flat =
+                    self.reshape(&format!("{name}_wide"), &cut, &[1, c, 1, groups * view])?;
                 let b0 = self.ints("begin", &[0, 0, 0, 0])?;
                 let sz = self.ints("size", &[1, c as i64, 1, w as i64])?;
                 self.b.slice_by_size(name, &flat, &b0, &sz)?

@@ -1,0 +1,143 @@
+//! The chip families on the simulated device: each family's documented
+//! faults have teeth (a program written the seed's way, slicing regions out
+//! of its input at width offsets, turns a residual outlier into inf on a
+//! simulated M1 and not on an M5), and every kernel of our layouts stays
+//! within fp16 tolerance of its CPU twin under every family, outliers
+//! above the 4094 clamp included.
+
+use ane::family::Family;
+use ane::SimDevice;
+use anetrain::config::{Arch, ModelConfig};
+use anetrain::kernels::check::{check_on_device, FP16_TOL};
+use anetrain::kernels::tiling;
+use anetrain::kernels::{KernelKind, KernelOptions, Shape};
+
+/// Residual values beyond the M1's width-slice clamp of 4094.
+const OUTLIER: f32 = 6000.0;
+
+/// A small Qwen3-style config with grouped-query attention and QK-norm,
+/// every extent a multiple of 32.
+fn gqa() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Qwen3,
+        hidden_size: 128,
+        intermediate_size: 320,
+        num_hidden_layers: 2,
+        num_attention_heads: 8,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        vocab_size: 64,
+        rope_theta: 1e6,
+        rms_norm_eps: 1e-6,
+        tie_word_embeddings: true,
+        max_position_embeddings: 128,
+        qk_norm: true,
+        bos_token_id: None,
+        eos_token_id: None,
+    }
+}
+
+#[test]
+fn a_seed_layout_overflows_on_a_simulated_m1_and_not_on_an_m5() {
+    let cfg = ModelConfig::preset("tiny").unwrap();
+    let s = Shape::new(&cfg, 64);
+    let seed = KernelOptions::seed(&cfg);
+    // The seed's programs are not padded to the device's surface minimum:
+    // let the simulated chips compile them anyway, faults kept.
+    let device = |f: Family| SimDevice::for_family(f).with_rules(ane::rules::RuleSet::none());
+    let m1 = check_on_device(
+        &mut device(Family::M1),
+        KernelKind::FfnForward,
+        &s,
+        &seed,
+        1,
+        Some(OUTLIER),
+    )
+    .unwrap();
+    let m5 = check_on_device(
+        &mut device(Family::M5),
+        KernelKind::FfnForward,
+        &s,
+        &seed,
+        1,
+        Some(OUTLIER),
+    )
+    .unwrap();
+    assert!(m1.is_infinite(), "seed layout on m1: {m1}");
+    assert!(m5 <= FP16_TOL, "seed layout on m5: {m5}");
+    // Our layout cuts the same region along column groups: exact on both.
+    let ours = KernelOptions::hf(&cfg);
+    for f in [Family::M1, Family::M5] {
+        let r = check_on_device(
+            &mut SimDevice::for_family(f),
+            KernelKind::FfnForward,
+            &s,
+            &ours,
+            1,
+            Some(OUTLIER),
+        )
+        .unwrap();
+        assert!(r <= FP16_TOL, "{f}: {r}");
+    }
+}
+
+#[test]
+fn every_kernel_stays_within_fp16_tolerance_under_every_family() {
+    let lora = |cfg: &ModelConfig| {
+        let mut o = KernelOptions::hf(cfg);
+        o.lora = Some(anetrain::kernels::LoraKernel {
+            rank: 8,
+            scale: 2.0,
+            targets: anetrain::model::Projection::ALL.to_vec(),
+        });
+        o
+    };
+    for (name, cfg) in [
+        ("tiny", ModelConfig::preset("tiny").unwrap()),
+        ("gqa", gqa()),
+    ] {
+        for f in Family::ALL {
+            for (what, mut o) in [("plain", KernelOptions::hf(&cfg)), ("lora", lora(&cfg))] {
+                o.limits = f.limits();
+                let full = Shape::new(&cfg, 64);
+                let plan = tiling::plan(&full, &o).unwrap();
+                let mut dev = SimDevice::for_family(f);
+                for kind in KernelKind::ALL {
+                    let s = plan.of(kind).shape;
+                    for outlier in [None, Some(OUTLIER)] {
+                        let r = check_on_device(&mut dev, kind, &s, &o, 7, outlier)
+                            .unwrap_or_else(|e| panic!("{name} {what} on {f}: {kind:?}: {e}"));
+                        assert!(
+                            r <= FP16_TOL,
+                            "{name} {what} on {f}: {kind:?} outlier {outlier:?}: rel {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_outputs_past_the_cliff_become_inf_on_every_family() {
+    // The probe programs measure what the simulator plays: every family
+    // saturates matmul outputs above 32752; M1–M3 clamp width slices.
+    for f in Family::ALL {
+        let r = ane::probes::run(&mut SimDevice::for_family(f), &f.limits());
+        let get = |p: &str| {
+            r.results
+                .iter()
+                .find(|x| x.probe == p)
+                .unwrap()
+                .measured
+                .clone()
+        };
+        assert!(get("matmul-cliff").contains("32752"), "{f}: {r:?}");
+        assert_eq!(
+            get("width-slice").contains("4094"),
+            f < Family::M4,
+            "{f}: {r:?}"
+        );
+        assert!(r.results.iter().all(|x| x.agrees), "{f}: {r:?}");
+    }
+}
