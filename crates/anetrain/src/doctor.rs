@@ -281,6 +281,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         lora: None,
         mask_prompt: false,
         keys: Default::default(),
+        loss_scale: None,
     };
     let request = TrainRequest {
         settings,

@@ -280,7 +280,24 @@ pub struct LossScaler {
     pub good_steps: u64,
     pub growth_interval: u64,
     pub dynamic: bool,
+    /// The scale never grows past this.
+    #[serde(default = "default_max_scale")]
+    pub max_scale: f64,
 }
+
+fn default_max_scale() -> f64 {
+    65536.0
+}
+
+/// Largest loss scale on the Neural Engine paths. A matmul output above
+/// 32752 becomes ±inf on every measured chip (ANEForge
+/// docs/numeric-cliffs.md, "Matmul output saturation"), and the backward
+/// products run on the scaled gradient: the loss gradient per logit is at
+/// most scale / targets (≤ 8192 / 32 = 256 at the shortest padded length),
+/// which keeps `Wᵀ·dy` sums well below the cliff for weights of ordinary
+/// size, while still lifting gradients of 2⁻²⁴ out of fp16's subnormals.
+/// A step that overflows anyway is skipped and the scale halved.
+pub const DEVICE_MAX_LOSS_SCALE: f64 = 8192.0;
 
 impl LossScaler {
     /// No scaling (f32 engines).
@@ -290,16 +307,20 @@ impl LossScaler {
             good_steps: 0,
             growth_interval: 0,
             dynamic: false,
+            max_scale: 1.0,
         }
     }
 
-    /// Starts at 2^10, grows every 100 clean steps up to 2^16.
-    pub fn dynamic() -> LossScaler {
+    /// Starts at `initial` (2^10 unless given), grows every 100 clean
+    /// steps up to [`DEVICE_MAX_LOSS_SCALE`] (or `initial`, if larger).
+    pub fn dynamic(initial: Option<f64>) -> LossScaler {
+        let scale = initial.unwrap_or(1024.0);
         LossScaler {
-            scale: 1024.0,
+            scale,
             good_steps: 0,
             growth_interval: 100,
             dynamic: true,
+            max_scale: DEVICE_MAX_LOSS_SCALE.max(scale),
         }
     }
 
@@ -311,7 +332,7 @@ impl LossScaler {
         if finite {
             self.good_steps += 1;
             if self.good_steps >= self.growth_interval {
-                self.scale = (self.scale * 2.0).min(65536.0);
+                self.scale = (self.scale * 2.0).min(self.max_scale);
                 self.good_steps = 0;
             }
         } else {

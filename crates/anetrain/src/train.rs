@@ -79,6 +79,9 @@ pub struct TrainSettings {
     /// JSONL records: the prompt/completion field names.
     #[serde(default)]
     pub keys: records::Keys,
+    /// The device paths' initial loss scale (dynamic; 1024 unless given).
+    #[serde(default)]
+    pub loss_scale: Option<f64>,
 }
 
 /// Everything `anetrain train` was asked to do.
@@ -571,6 +574,10 @@ const RUN_FLAGS: &[(&str, Shown)] = &[
     ("--beta2", |_, a| a.beta2.to_string()),
     ("--eps", |_, a| a.eps.to_string()),
     ("--wd", |_, a| a.weight_decay.to_string()),
+    ("--loss-scale", |s, _| {
+        s.loss_scale
+            .map_or_else(|| "(default)".into(), |v| v.to_string())
+    }),
 ];
 
 /// How the settings given now differ from the run's, in flag terms:
@@ -718,7 +725,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             total_steps: r.steps,
             config: model.cfg.clone(),
             scaler: if s.backend.uses_fp16() {
-                LossScaler::dynamic()
+                LossScaler::dynamic(s.loss_scale)
             } else {
                 LossScaler::fixed()
             },

@@ -131,6 +131,11 @@ pub struct TrainArgs {
     /// a run written by scripts/continue_in_torch.py.
     #[arg(long, requires = "out")]
     resume: bool,
+    /// Initial loss scale of the Neural Engine backends (a power of two;
+    /// halved after a step whose gradients overflow fp16, doubled after
+    /// 100 clean steps up to 8192) [default: 1024].
+    #[arg(long, value_name = "F", value_parser = loss_scale)]
+    loss_scale: Option<f64>,
     /// Print a progress line every N steps when stderr is not a terminal
     /// [default: steps/20].
     #[arg(long)]
@@ -198,6 +203,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         lora,
         mask_prompt: a.records.mask_prompt,
         keys: a.records.keys(),
+        loss_scale: a.loss_scale,
     };
     let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
     let request = TrainRequest {
@@ -228,4 +234,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let stop = crate::progress::stop_flag();
     train::train(request, &mut |e| progress.event(e), stop)?;
     Ok(())
+}
+
+/// `--loss-scale`: a power of two from 1 to 2^30, so scaling and unscaling
+/// the gradients is exact.
+fn loss_scale(v: &str) -> Result<f64, String> {
+    let x: f64 = v.parse().map_err(|_| format!("'{v}' is not a number"))?;
+    if !(1.0..=1073741824.0).contains(&x) || x.log2().fract() != 0.0 {
+        return Err(format!("{v} is not a power of two between 1 and 2^30"));
+    }
+    Ok(x)
 }

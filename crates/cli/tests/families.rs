@@ -183,3 +183,55 @@ fn a_model_with_residual_outliers_trains_on_a_simulated_m1() {
         );
     }
 }
+
+/// A loss scale far past what fp16 gradients hold: the first steps
+/// overflow (on the device, gradients beyond the 32752 matmul cliff and
+/// fp16's range), are skipped and the scale halved until steps are clean
+/// (near the edge some batches still overflow and are skipped in turn);
+/// training then goes on and its losses fall.
+#[test]
+fn an_overflowing_loss_scale_skips_steps_and_recovers() {
+    let d = tmp();
+    let out = d.path().join("run");
+    let o = bin()
+        .env("ANETRAIN_SIM_FAMILY", "m1")
+        .args([
+            "train",
+            "--steps",
+            "30",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "ane-sim",
+            "--loss-scale",
+            "1073741824",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    let recs = records(&out);
+    let skipped: Vec<bool> = recs
+        .iter()
+        .map(|r| r["skipped"].as_bool().unwrap())
+        .collect();
+    let first_clean = skipped.iter().position(|s| !s).expect("a step recovers");
+    assert!(
+        first_clean >= 1,
+        "the first step should overflow: {skipped:?}"
+    );
+    let clean: Vec<usize> = (0..recs.len()).filter(|&i| !skipped[i]).collect();
+    assert!(clean.len() >= recs.len() / 3, "{skipped:?}");
+    let scale = |i: usize| recs[i]["loss_scale"].as_f64().unwrap();
+    assert!(scale(first_clean) < scale(0), "the scale fell");
+    let loss = |i: usize| recs[i]["loss"].as_f64().unwrap();
+    let last = *clean.last().unwrap();
+    assert!(
+        loss(last).is_finite() && loss(last) < loss(first_clean),
+        "training went on after recovery"
+    );
+}
