@@ -48,6 +48,27 @@ pub fn open_sim() -> Result<ane::SimDevice> {
     ane::SimDevice::from_env().map_err(|e| anyhow::anyhow!("--backend ane-sim: {e}"))
 }
 
+/// Which chip family the device kernels are built for (and which one the
+/// simulator plays), in one line; `None` on the CPU.
+pub fn chip_family_line(backend: Backend) -> Result<Option<String>> {
+    if backend == Backend::Cpu {
+        return Ok(None);
+    }
+    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    Ok(Some(match played {
+        Some(f) if backend == Backend::AneSim => format!(
+            "chip family: {f}, played by the simulator ({})",
+            ane::family::SIM_FAMILY_ENV
+        ),
+        _ => format!(
+            "chip family: {}",
+            ane::family::Profile::in_force()
+                .map_err(anyhow::Error::msg)?
+                .describe()
+        ),
+    }))
+}
+
 /// Whether the private-API Neural Engine device opens here.
 pub fn ane_available() -> bool {
     ane::AneDevice::available()

@@ -856,6 +856,9 @@ impl Run<'_> {
         let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
         let (train_tokens, val_tokens) = self.corpus.source.sizes();
+        if let Some(line) = crate::backend::chip_family_line(s.backend)? {
+            (self.report)(&Event::Note(line));
+        }
         (self.report)(&Event::Started {
             model: s.model.clone(),
             params: model.num_params(),

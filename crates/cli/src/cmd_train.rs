@@ -220,17 +220,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         tokenizer: a.tokenizer,
         save_every: a.save_every,
     };
-    if request.settings.backend != Backend::Cpu {
-        // Which chip the kernels are built for, and which the simulator plays.
-        let p = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
-        match ane::family::sim_family_from_env().map_err(anyhow::Error::msg)? {
-            Some(f) if request.settings.backend == Backend::AneSim => eprintln!(
-                "chip family: {f}, played by the simulator ({})",
-                ane::family::SIM_FAMILY_ENV
-            ),
-            _ => eprintln!("chip family: {}", p.describe()),
-        }
-    }
     let stop = crate::progress::stop_flag();
     train::train(request, &mut |e| progress.event(e), stop)?;
     Ok(())
