@@ -27,6 +27,10 @@ use crate::objects::{Handle, Obj, Table};
 /// (Orion docs/ane_constraints.md §4).
 pub const MIN_SURFACE_BYTES: usize = 49_152;
 
+/// Smallest width (last axis) of a runtime surface
+/// (apple-neural-engine-field-guide README.md, "The SP=32 Constraint").
+pub const MIN_WIDTH: usize = 32;
+
 /// Compiles per process before the compiler fails (maderix, Orion
 /// docs/ane_constraints.md §5: "After approximately 119 calls").
 pub const COMPILE_BUDGET: usize = 119;
@@ -41,7 +45,7 @@ pub struct Descriptor {
     /// The MIL text, an NSData (Orion §9: `milText` must be NSData).
     pub mil: Handle,
     /// `{ "@model_path/weights/NAME": { "offset": @0, "data": NSData } }`
-    /// (maderix/ANE training/ane_runtime.h:57) or nil.
+    /// (maderix/ANE training/ane_runtime.h, ane_compile); never nil here.
     pub weights: Handle,
 }
 
@@ -146,9 +150,11 @@ fn dict_get(t: &Table, dict: Handle, key: &str) -> Option<Handle> {
 }
 
 /// The weights dictionary as `(key, data)` pairs; a malformed entry is a
-/// violation (maderix/ANE training/ane_runtime.h:57 and Orion
-/// core/ane_runtime.m:84-95 build `{path: {"offset": @0, "data": NSData}}`;
-/// Orion §8: the offset in the dictionary is 0, the 64 is in the text).
+/// violation (maderix/ANE training/ane_runtime.h, ane_compile, builds
+/// `{path: {"offset": @0, "data": NSData}}`; Orion core/ane_runtime.m,
+/// orion_compile_mil, reads each entry's `data` back to write the blob
+/// files; Orion §8: the offset in the dictionary is 0, the 64 is in the
+/// text).
 fn weight_entries(t: &mut Table, weights: Handle) -> Vec<(String, Vec<u8>)> {
     if weights == 0 {
         return vec![];
@@ -194,22 +200,40 @@ pub fn descriptor(
         ));
         return None;
     }
-    if weights != 0 && !matches!(t.get(weights), Some(Obj::Dict(_))) {
-        t.violation("modelWithMILText: weights must be a dictionary or nil".into());
+    // "The weights parameter must be a dictionary, not nil. Pass @{} for
+    // weight-free programs" (Orion docs/ane_api_reference.md, "1. Create
+    // Descriptor"; Orion core/ane_runtime.m passes `weight_dict ?: @{}`).
+    // maderix/ANE training/ane_runtime.h passes nil without weights; the
+    // stand-in holds callers to the stricter reading.
+    if !matches!(t.get(weights), Some(Obj::Dict(_))) {
+        t.violation(format!(
+            "modelWithMILText: weights is {}; pass a dictionary (@{{}} without weights)",
+            if weights == 0 {
+                "nil".to_string()
+            } else {
+                format!("a {}", t.kind(weights))
+            }
+        ));
         return None;
     }
     weight_entries(t, weights);
-    // Every reference passes nil options (maderix ane_runtime.h:61, Orion
-    // core/ane_runtime.m:65).
+    // The references pass nil options (maderix/ANE training/ane_runtime.h
+    // and Orion core/ane_runtime.m, modelWithMILText:weights:optionsPlist:).
     if options != 0 {
         t.violation("modelWithMILText: optionsPlist is not nil, as no reference passes".into());
     }
     Some(Descriptor { mil, weights })
 }
 
-/// `inMemoryModelWithDescriptor:`.
+/// `inMemoryModelWithDescriptor:`. The model's identifier, and so its
+/// temporary directory and compiled program, follows the MIL text and the
+/// weight dictionary's keys, not the weights' bytes: Orion
+/// core/ane_runtime.m reuses a donor's directory when "Same hexId as donor
+/// (same MIL text + weight dict keys)" and only rewrites the weight files.
+/// Two programs that differ only in a constant's bytes therefore share a
+/// directory: callers must let every constant show in the text.
 pub fn model(t: &Table, desc: &Descriptor) -> Model {
-    // Only equality matters: identical programs share a directory.
+    // Only equality matters.
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     let mut eat = |bytes: &[u8]| {
         for &b in bytes {
@@ -218,17 +242,10 @@ pub fn model(t: &Table, desc: &Descriptor) -> Model {
     };
     eat(data(t, desc.mil).unwrap_or_default());
     if let Some(Obj::Dict(pairs)) = t.get(desc.weights) {
-        let mut entries: Vec<(String, Vec<u8>)> = pairs
-            .iter()
-            .filter_map(|&(k, v)| {
-                let d = dict_get(t, v, "data").and_then(|d| data(t, d))?;
-                Some((t.text(k)?, d.to_vec()))
-            })
-            .collect();
-        entries.sort();
-        for (k, d) in entries {
+        let mut keys: Vec<String> = pairs.iter().filter_map(|&(k, _)| t.text(k)).collect();
+        keys.sort();
+        for k in keys {
             eat(k.as_bytes());
-            eat(&d);
         }
     }
     Model {
@@ -479,6 +496,19 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
                     len,
                     ty.dtype,
                     ty.dims()
+                ),
+            );
+        }
+        // Runtime surfaces narrower than 32 "compile without error and the
+        // eval call returns, but the output contains garbage or the eval
+        // returns a non-zero status" (apple-neural-engine-field-guide
+        // README.md, "The SP=32 Constraint"): the stand-in fails them.
+        let width = ty.dims().last().copied().unwrap_or(0);
+        if width < MIN_WIDTH {
+            return fail(
+                5,
+                format!(
+                    "{STATUS_0X1D} ('{name}' is {width} wide; runtime surfaces need a width of at least {MIN_WIDTH}, field guide \"The SP=32 Constraint\")"
                 ),
             );
         }

@@ -36,12 +36,15 @@ struct State {
     compiles: usize,
     evaluations: u64,
     exit_hook: bool,
+    /// Every model directory name handed out (`hexStringIdentifier`).
+    hexes: std::collections::BTreeSet<String>,
 }
 
 static STATE: Mutex<State> = Mutex::new(State {
     table: Table::new(),
     selectors: Vec::new(),
     compiles: 0,
+    hexes: std::collections::BTreeSet::new(),
     evaluations: 0,
     exit_hook: false,
 });
@@ -291,7 +294,9 @@ pub unsafe extern "C" fn objc_msgSend(
         return 0;
     };
     let class = class_index(recv);
-    let t = &mut s.table;
+    let State {
+        table: t, hexes, ..
+    } = &mut *s;
     match (class, name.as_str()) {
         (Some(0), "modelWithMILText:weights:optionsPlist:") => {
             match ane::descriptor(t, a, b, c) {
@@ -309,6 +314,7 @@ pub unsafe extern "C" fn objc_msgSend(
             };
             let mut m = ane::model(t, desc);
             m.descriptor = a;
+            hexes.insert(m.hex.clone());
             t.autoreleased(Obj::Model(Box::new(m)))
         }
         (Some(2), "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:") => {
@@ -767,6 +773,23 @@ pub fn report() -> String {
     let s = state();
     let t = &s.table;
     let locked = t.surfaces().filter(|(_, x)| !x.locks.is_empty()).count();
+    // A model's temporary directory must be gone once the model is: the
+    // references remove it after a failed compile or load and when they
+    // free a program (maderix/ANE training/ane_runtime.h, ane_compile's
+    // failure paths and ane_free; Orion core/ane_runtime.m,
+    // orion_compile_mil's failure paths and orion_release_program).
+    let live_hexes: std::collections::BTreeSet<String> =
+        t.models().map(|m| m.hex.clone()).collect();
+    let mut violations = t.violations.clone();
+    for hex in s.hexes.difference(&live_hexes) {
+        let dir = std::path::Path::new(&ane::temporary_directory()).join(hex);
+        if dir.exists() {
+            violations.push(format!(
+                "the temporary directory {} outlived its model",
+                dir.display()
+            ));
+        }
+    }
     let live_locks: u64 = t.surfaces().map(|(_, x)| x.locks_taken).sum();
     serde_json::json!({
         "live_objects": t.live(),
@@ -776,7 +799,7 @@ pub fn report() -> String {
         "compiles": s.compiles,
         "evaluations": s.evaluations,
         "open_pools": t.pools(),
-        "violations": t.violations,
+        "violations": violations,
     })
     .to_string()
 }

@@ -297,6 +297,14 @@ impl Table {
         m
     }
 
+    /// Every live model.
+    pub fn models(&self) -> impl Iterator<Item = &crate::ane::Model> {
+        self.objects.values().filter_map(|e| match &e.obj {
+            Obj::Model(m) => Some(&**m),
+            _ => None,
+        })
+    }
+
     pub fn surfaces(&self) -> impl Iterator<Item = (Handle, &Surface)> {
         self.objects.iter().filter_map(|(&h, e)| match &e.obj {
             Obj::Surface(s) => Some((h, s)),

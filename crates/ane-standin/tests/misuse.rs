@@ -148,6 +148,33 @@ fn misuses_are_recorded() {
     });
     assert!(v[0].contains("must be NSData"), "{v:?}");
 
+    // Nil weights (Orion docs/ane_api_reference.md: "must be a dictionary,
+    // not nil"), even for a program without any.
+    let v = caught(|| {
+        let pool = objc_autoreleasePoolPush();
+        let text = b"program(1.3)";
+        // SAFETY: the bytes outlive the call.
+        let mil = unsafe { CFDataCreate(0, text.as_ptr(), text.len() as isize) };
+        // SAFETY: modelWithMILText:weights:optionsPlist: takes three ids.
+        let desc = unsafe {
+            objc_msgSend(
+                class("_ANEInMemoryModelDescriptor"),
+                sel("modelWithMILText:weights:optionsPlist:"),
+                mil,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+            )
+        };
+        assert_eq!(desc, 0);
+        CFRelease(mil);
+        objc_autoreleasePoolPop(pool);
+    });
+    assert!(v[0].contains("weights is nil"), "{v:?}");
+
     // Autoreleasing with no pool leaks; releasing twice is an over-release.
     let v = caught(|| {
         NSTemporaryDirectory();

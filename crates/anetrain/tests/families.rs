@@ -141,3 +141,22 @@ fn matmul_outputs_past_the_cliff_become_inf_on_every_family() {
         assert!(r.results.iter().all(|x| x.agrees), "{f}: {r:?}");
     }
 }
+
+/// The runtime keys compiled programs on the MIL text and the weight keys
+/// (Orion core/ane_runtime.m: "Same hexId as donor (same MIL text + weight
+/// dict keys)"), so a constant's bytes must show in the text: RoPE tables
+/// for two values of `rope_theta` give two texts.
+#[test]
+fn programs_differing_only_in_a_constant_differ_in_text() {
+    let cfg = ModelConfig::preset("tiny").unwrap();
+    let s = Shape::new(&cfg, 32);
+    let mut o = KernelOptions::hf(&cfg);
+    let a = anetrain::kernels::build(KernelKind::SdpaForward, &s, &o).unwrap();
+    o.rope_theta *= 2.0;
+    let b = anetrain::kernels::build(KernelKind::SdpaForward, &s, &o).unwrap();
+    assert_ne!(a.text(), b.text());
+    // Same constants, same text and names.
+    o.rope_theta /= 2.0;
+    let c = anetrain::kernels::build(KernelKind::SdpaForward, &s, &o).unwrap();
+    assert_eq!(a.text(), c.text());
+}

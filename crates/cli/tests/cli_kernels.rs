@@ -47,8 +47,19 @@ fn kernels_dump_writes_programs_blobs_and_layouts() {
         let text = std::fs::read_to_string(out.join(format!("{}.mil", k.name()))).unwrap();
         mil::parse_and_validate(&text).unwrap();
     }
-    for b in ["mask.bin", "rope_cos.bin", "rope_sin.bin"] {
-        assert!(out.join("weights").join(b).is_file());
+    // Blob files are named after their content (`rope_cos.<hash>.bin`), and
+    // the programs refer to them by those names.
+    let names: Vec<String> = std::fs::read_dir(out.join("weights"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let sdpa = std::fs::read_to_string(out.join("sdpa_forward.mil")).unwrap();
+    for stem in ["mask.", "rope_cos.", "rope_sin.", "rope_rot_"] {
+        let name = names
+            .iter()
+            .find(|n| n.starts_with(stem) && n.ends_with(".bin"))
+            .unwrap_or_else(|| panic!("no {stem}* blob in {names:?}"));
+        assert!(sdpa.contains(name.as_str()), "{name}");
     }
     let layout: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("layout.json")).unwrap()).unwrap();

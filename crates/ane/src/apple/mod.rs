@@ -32,7 +32,9 @@ use half::slice::HalfFloatSliceExt;
 use self::ffi::{msg, Api, CfRef, Id, Sel, LOCK_READ_ONLY, SINT64, UTF8};
 use crate::{check_program, io_elems, Device, DeviceError, Result, DEFAULT_COMPILE_BUDGET};
 
-/// `QOS_CLASS_DEFAULT`, what every known caller passes.
+/// `QOS_CLASS_DEFAULT` (21), what maderix/ANE (training/ane_runtime.h) and
+/// Orion (core/ane_runtime.m; docs/ane_api_reference.md "QoS = 21") pass
+/// to every compile, load, evaluate and unload.
 const QOS: u32 = 21;
 
 /// The classes the device uses and, per selector, whether it is a class
@@ -296,10 +298,12 @@ pub fn blob_file(key: &str) -> Result<PathBuf> {
     Ok(p.to_path_buf())
 }
 
-/// Bytes of the IOSurface backing `elems` fp16 values: rounded up to a
-/// multiple of 128 (reported necessary for M5 surfaces).
+/// Bytes of the IOSurface backing `elems` fp16 values, as the references
+/// size theirs: exactly the tensor's bytes (maderix/ANE
+/// training/ane_runtime.h ane_create_surface; Orion
+/// docs/ane_api_reference.md "6. Create IOSurface Tensors").
 pub fn surface_bytes(elems: usize) -> usize {
-    (elems * 2).max(1).div_ceil(128) * 128
+    (elems * 2).max(1)
 }
 
 /// The Apple Neural Engine.
@@ -841,10 +845,9 @@ mod tests {
     }
 
     #[test]
-    fn surfaces_round_up_to_128_bytes() {
-        assert_eq!(surface_bytes(0), 128);
-        assert_eq!(surface_bytes(64), 128);
-        assert_eq!(surface_bytes(65), 256);
+    fn surfaces_hold_exactly_the_tensor() {
+        assert_eq!(surface_bytes(0), 1);
+        assert_eq!(surface_bytes(65), 130);
         assert_eq!(surface_bytes(1024 * 256), 1024 * 512);
     }
 

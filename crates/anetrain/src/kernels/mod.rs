@@ -535,8 +535,8 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgra
         let zeros = g.blob("out_pad", [1, pad, 1, s.seq], &file)?;
         out = g.concat("out_padded", &[&out, &zeros], 1)?;
     }
-    let (function, blob_names) = g.finish(&out)?;
-    let blobs = blob_names
+    let (mut function, blob_names) = g.finish(&out)?;
+    let blobs: Vec<(String, Vec<u8>)> = blob_names
         .into_iter()
         .map(|name| {
             let data = match name.as_str() {
@@ -552,12 +552,49 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgra
             (name, mil::blob::encode(&data))
         })
         .collect();
+    let blobs = if o.seed_compat {
+        blobs
+    } else {
+        name_by_content(&mut function, blobs)
+    };
     Ok(KernelProgram {
         kind: K::KIND,
         layout,
         program: mil::Program::new(vec![function]),
         blobs,
     })
+}
+
+/// Renames every blob file after its content (`rope_cos.bin` →
+/// `rope_cos.3f2a…​.bin`) in the file list and in the program's BLOBFILE
+/// paths, so a program's text changes whenever a constant's bytes do. The
+/// runtime keys compiled programs on the MIL text and the weight keys, not
+/// the bytes (Orion core/ane_runtime.m: "Same hexId as donor (same MIL text
+/// + weight dict keys)"): RoPE tables that differ only by `rope_theta`
+/// would otherwise share one compiled program.
+fn name_by_content(f: &mut mil::Function, blobs: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
+    use sha2::Digest;
+    let renamed: Vec<(String, String, Vec<u8>)> = blobs
+        .into_iter()
+        .map(|(name, bytes)| {
+            let digest = sha2::Sha256::digest(&bytes);
+            let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+            let stem = name.strip_suffix(".bin").unwrap_or(&name);
+            (name.clone(), format!("{stem}.{hex}.bin"), bytes)
+        })
+        .collect();
+    for op in &mut f.ops {
+        let Some(val) = op.val.as_mut() else { continue };
+        if let mil::ir::ConstData::Blob { path, .. } = &mut val.data {
+            if let Some((_, new, _)) = renamed
+                .iter()
+                .find(|(old, _, _)| path.strip_prefix(mil::blob::PATH_PREFIX) == Some(old))
+            {
+                *path = format!("{}{new}", mil::blob::PATH_PREFIX);
+            }
+        }
+    }
+    renamed.into_iter().map(|(_, new, b)| (new, b)).collect()
 }
 
 /// Runs kernel `kind`'s CPU twin on tensors by port (weights and
