@@ -566,12 +566,12 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgra
 }
 
 /// Renames every blob file after its content (`rope_cos.bin` →
-/// `rope_cos.3f2a…​.bin`) in the file list and in the program's BLOBFILE
+/// `rope_cos.3f2a….bin`) in the file list and in the program's BLOBFILE
 /// paths, so a program's text changes whenever a constant's bytes do. The
 /// runtime keys compiled programs on the MIL text and the weight keys, not
-/// the bytes (Orion core/ane_runtime.m: "Same hexId as donor (same MIL text
-/// + weight dict keys)"): RoPE tables that differ only by `rope_theta`
-/// would otherwise share one compiled program.
+/// the bytes (Orion core/ane_runtime.m: "Same hexId as donor (same
+/// MIL text + weight dict keys)"): RoPE tables that differ only by
+/// `rope_theta` would otherwise share one compiled program.
 fn name_by_content(f: &mut mil::Function, blobs: Vec<(String, Vec<u8>)>) -> Vec<(String, Vec<u8>)> {
     use sha2::Digest;
     let renamed: Vec<(String, String, Vec<u8>)> = blobs
