@@ -91,9 +91,10 @@ pub trait Device {
 
 /// What every device checks before compiling: the text parses and
 /// type-checks, breaks none of the enabled ANE rules, and its `main` takes
-/// exactly one fp16 input and produces one fp16 output (the rules
+/// exactly one fp16 input and produces one or more fp16 outputs (the rules
 /// `single-input`/`fp16-io` may be switched off, but a device still binds
-/// one fp16 buffer each way).
+/// one fp16 input buffer). Several outputs land one after another, in the
+/// program's (name) order, in one output buffer.
 pub fn check_program(text: &str, rules: &RuleSet) -> Result<mil::Program> {
     let p = mil::parse_and_validate(text).map_err(|e| DeviceError(format!("MIL rejected: {e}")))?;
     let broken = rules::check(&p, rules);
@@ -108,12 +109,12 @@ pub fn check_program(text: &str, rules: &RuleSet) -> Result<mil::Program> {
         .ok_or_else(|| DeviceError("the program has no main function".into()))?;
     let outs: Vec<&mil::Ty> = f.outputs.iter().filter_map(|o| f.var_type(o)).collect();
     if f.inputs.len() != 1
-        || outs.len() != 1
+        || outs.is_empty()
         || f.inputs[0].ty.dtype != DType::Fp16
-        || outs[0].dtype != DType::Fp16
+        || outs.iter().any(|o| o.dtype != DType::Fp16)
     {
         return Err(DeviceError(
-            "a device program needs exactly one fp16 input and one fp16 output".into(),
+            "a device program needs exactly one fp16 input and fp16 outputs".into(),
         ));
     }
     Ok(p)
@@ -130,13 +131,22 @@ pub fn check_budget(compiles: usize, budget: usize) -> Result<()> {
     Ok(())
 }
 
-/// Elements of `main`'s input and output of a program [`check_program`] accepted.
+/// Elements of `main`'s input and of all its outputs together, of a
+/// program [`check_program`] accepted.
 pub fn io_elems(p: &mil::Program) -> (usize, usize) {
+    let (input, outputs) = io_parts(p);
+    (input, outputs.iter().sum())
+}
+
+/// Elements of `main`'s input and of each output, in order.
+pub fn io_parts(p: &mil::Program) -> (usize, Vec<usize>) {
     let f = p.main().expect("checked programs have main");
-    let out = f
-        .var_type(&f.outputs[0])
-        .expect("checked outputs have types");
-    (f.inputs[0].ty.elems(), out.elems())
+    let outs = f
+        .outputs
+        .iter()
+        .map(|o| f.var_type(o).expect("checked outputs have types").elems())
+        .collect();
+    (f.inputs[0].ty.elems(), outs)
 }
 
 /// The real compiler reportedly stops working after about 119 in-process
@@ -259,19 +269,27 @@ impl SimDevice {
         if let Ok(Some(n)) = rules::max_dim_from_env() {
             l = l.with_max_dim(n);
         }
+        SimDevice {
+            family: Some(family),
+            ..SimDevice::new()
+        }
+        .with_limits(l)
+    }
+
+    /// Plays a chip of limits `l`: its rules refuse programs at compile
+    /// (`concat` too, where `l` says the compiler rejects it), its faults
+    /// apply at evaluation, and kernels are built to `l`.
+    pub fn with_limits(mut self, l: Limits) -> SimDevice {
         // The chip compiles a width-offset slice and computes it wrong:
         // the simulator plays the fault rather than refusing the program.
         let mut rules = RuleSet::for_limits(l);
         rules
             .set("width-offset-slice", false)
             .expect("a known rule");
-        SimDevice {
-            rules,
-            faults: ChipFaults::of(&l),
-            family: Some(family),
-            limits: l,
-            ..SimDevice::new()
-        }
+        self.rules = rules;
+        self.faults = ChipFaults::of(&l);
+        self.limits = l;
+        self
     }
 
     /// [`SimDevice::for_family`] for `ANETRAIN_SIM_FAMILY` when it is set;
@@ -344,10 +362,11 @@ impl Device for SimDevice {
         let exe = Executable::with_blobs(f, blobs).map_err(|e| DeviceError(e.to_string()))?;
         let ins = exe.input_types();
         let outs = exe.output_types();
+        let output_elems = outs.iter().map(|(_, t)| t.elems()).sum();
         Ok(SimProgram {
             input_shape: ins[0].1.dims().to_vec(),
             input_elems: ins[0].1.elems(),
-            output_elems: outs[0].1.elems(),
+            output_elems,
             exe,
         })
     }
@@ -407,8 +426,13 @@ impl Device for SimDevice {
             .exe
             .run_with_faults(vec![x], self.precision, Some(&self.faults))
             .map_err(|e| DeviceError(format!("evaluation failed: {e}")))?;
-        let y = out[0].f32s().map_err(DeviceError)?;
-        output.0.convert_from_f32_slice(y);
+        // Several outputs one after another, in the program's order.
+        let mut at = 0;
+        for t in &out {
+            let y = t.f32s().map_err(DeviceError)?;
+            output.0[at..at + y.len()].convert_from_f32_slice(y);
+            at += y.len();
+        }
         Ok(())
     }
 

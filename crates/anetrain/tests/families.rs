@@ -160,3 +160,66 @@ fn programs_differing_only_in_a_constant_differ_in_text() {
     let c = anetrain::kernels::build(KernelKind::SdpaForward, &s, &o).unwrap();
     assert_eq!(a.text(), c.text());
 }
+
+/// A chip whose compiler rejects `concat` (Orion docs/ane_constraints.md
+/// §1): the kernels are built without it — each output block an output of
+/// its own, in name order — the simulator refuses any program that still
+/// uses it, and every kernel, the loss and the gradients hold the same
+/// tolerances as with `concat`.
+#[test]
+fn kernels_without_concat_compute_the_same() {
+    use anetrain::engine::{self, zero_grads, Engine};
+    let no_concat = ane::family::Limits {
+        concat: false,
+        ..Family::M4.limits()
+    };
+    for (name, cfg) in [
+        ("tiny", ModelConfig::preset("tiny").unwrap()),
+        ("gqa", gqa()),
+    ] {
+        let mut o = KernelOptions::hf(&cfg);
+        o.limits = no_concat;
+        let full = Shape::new(&cfg, 64);
+        let plan = tiling::plan(&full, &o).unwrap();
+        let mut dev = SimDevice::new().with_limits(no_concat);
+        for kind in KernelKind::ALL {
+            let k = anetrain::kernels::build(kind, &plan.of(kind).shape, &o).unwrap();
+            assert!(!k.text().contains("concat("), "{name} {kind:?}");
+            let r = check_on_device(&mut dev, kind, &plan.of(kind).shape, &o, 3, None)
+                .unwrap_or_else(|e| panic!("{name} {kind:?}: {e}"));
+            assert!(r <= FP16_TOL, "{name} {kind:?}: {r}");
+        }
+        // The same chip refuses a program joined with concat.
+        let mut joined = KernelOptions::hf(&cfg);
+        joined.limits.concat = true;
+        let k = anetrain::kernels::build(KernelKind::FfnForward, &full, &joined).unwrap();
+        let e = ane::Device::compile(&mut dev, &k.text(), &k.blob_paths())
+            .err()
+            .unwrap();
+        assert!(e.0.contains("no-concat"), "{e}");
+    }
+    // Training maths end to end on that chip: loss and gradients track the
+    // CPU engine as with concat.
+    let model = anetrain::model::Model::init(&ModelConfig::preset("tiny").unwrap(), 5).unwrap();
+    let rows = vec![(0..40).map(|i| (i * 37 % 200) as u32).collect::<Vec<u32>>()];
+    let mut cpu = Engine::cpu(&model);
+    let mut sim = Engine::neural(&model, SimDevice::new().with_limits(no_concat));
+    let (mut gc, mut gs) = (zero_grads(&model), zero_grads(&model));
+    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
+    assert!((lc - ls).abs() < 2e-2, "loss {lc} vs {ls}");
+    for (p, (a, b)) in model.params.iter().zip(gc.iter().zip(&gs)) {
+        let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            worst / scale < 5e-2,
+            "{}: gradient rel err {}",
+            p.name,
+            worst / scale
+        );
+    }
+}

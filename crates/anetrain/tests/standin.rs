@@ -115,6 +115,15 @@ fn every_kernel_gives_the_simulators_bits() {
     {
         let mut ane = device();
         let mut sim = SimDevice::new();
+        // A second device for a chip that rejects concat: its programs'
+        // small outputs are sized by the device.
+        let no_concat = ane::family::Limits {
+            concat: false,
+            ..ane::family::Limits::conservative()
+        };
+        let rules_nc = ane::rules::RuleSet::default().with_limits(no_concat);
+        let mut ane_nc = device().with_rules(rules_nc.clone());
+        let mut sim_nc = SimDevice::new().with_rules(rules_nc);
         for cfg in [ModelConfig::preset("tiny").unwrap(), gqa()] {
             let mut lora = KernelOptions::hf(&cfg);
             lora.lora = Some(LoraKernel {
@@ -122,12 +131,21 @@ fn every_kernel_gives_the_simulators_bits() {
                 scale: 2.0,
                 targets: Projection::ALL.to_vec(),
             });
-            for (seq, o) in [(32, KernelOptions::hf(&cfg)), (64, lora)] {
+            // Without concat: one output per block, in device-sized
+            // surfaces of one size that AneDevice gathers into the buffer.
+            let mut separate = KernelOptions::hf(&cfg);
+            separate.limits.concat = false;
+            for (seq, o) in [(32, KernelOptions::hf(&cfg)), (64, lora), (32, separate)] {
                 let s = Shape::new(&cfg, seq);
                 for kind in KernelKind::ALL {
                     let k = build(kind, &s, &o).unwrap();
                     let input = rng.normals(k.layout.input_elems(), 0.5);
-                    let (ya, ys) = both(&mut ane, &mut sim, &k.text(), &k.blob_paths(), &input);
+                    let (ane, sim) = if o.limits.concat {
+                        (&mut ane, &mut sim)
+                    } else {
+                        (&mut ane_nc, &mut sim_nc)
+                    };
+                    let (ya, ys) = both(ane, sim, &k.text(), &k.blob_paths(), &input);
                     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert!(
                         bits(&ya) == bits(&ys),
@@ -139,8 +157,8 @@ fn every_kernel_gives_the_simulators_bits() {
         }
         let r = report();
         let compiled = r["compiles"].as_u64().unwrap() - before["compiles"].as_u64().unwrap();
-        assert_eq!(compiled, ane.compiles() as u64, "{r}");
-        assert_eq!(compiled, 2 * 2 * KernelKind::ALL.len() as u64);
+        assert_eq!(compiled, (ane.compiles() + ane_nc.compiles()) as u64, "{r}");
+        assert_eq!(compiled, 2 * 3 * KernelKind::ALL.len() as u64);
     }
     // Every program unloaded and released, every surface freed.
     assert_clean(&report());

@@ -325,6 +325,15 @@ pub struct AneProgram {
     dir: DirClaim,
     input_elems: usize,
     output_elems: usize,
+    /// Elements of each output, in the program's (name) order.
+    outputs: Vec<usize>,
+    /// Output surfaces the device sizes itself — one per output, all of
+    /// one size, at least 48 KiB (Orion docs/ane_constraints.md §2:
+    /// several outputs need surfaces of one allocation size; §4: at least
+    /// 49152 bytes; §14: the ANE writes each output packed from the
+    /// surface's first byte) — for a program with several outputs or a
+    /// small one; empty when the caller's buffer is the output surface.
+    surfaces: Vec<AneBuffer>,
 }
 
 /// An IOSurface holding fp16 values.
@@ -506,6 +515,7 @@ impl Device for AneDevice {
         crate::check_budget(self.compiles, self.budget)?;
         let program = check_program(text, &self.rules)?;
         let (input_elems, output_elems) = io_elems(&program);
+        let outputs = crate::io_parts(&program).1;
         let files: Vec<(PathBuf, &[u8])> = blobs
             .iter()
             .map(|(k, b)| Ok((blob_file(k)?, b.as_slice())))
@@ -607,12 +617,22 @@ impl Device for AneDevice {
                 Ok(((api.objc_retain)(model), claim))
             }
         })?;
+        let largest = outputs.iter().copied().max().unwrap_or(0);
+        let min_elems = crate::rules::MIN_SURFACE_BYTES / 2;
+        let mut surfaces = vec![];
+        if outputs.len() > 1 || largest < min_elems {
+            for _ in &outputs {
+                surfaces.push(self.buffer(largest.max(min_elems))?);
+            }
+        }
         Ok(AneProgram {
             rt,
             model,
             dir,
             input_elems,
             output_elems,
+            outputs,
+            surfaces,
         })
     }
 
@@ -730,6 +750,10 @@ impl Device for AneDevice {
             let api = &rt.api;
             let zero = rt.number(0);
             let indices = rt.array(&[zero.p]);
+            let numbers: Vec<_> = (0..p.outputs.len().max(1))
+                .map(|i| rt.number(i as i64))
+                .collect();
+            let out_indices = rt.array(&numbers.iter().map(|n| n.p).collect::<Vec<_>>());
             let options = rt.dict(&[]);
             let mut err: Id = std::ptr::null_mut();
             // SAFETY: prototypes from ffi::msg; the surfaces and model are
@@ -740,19 +764,27 @@ impl Device for AneDevice {
                 let send7: msg::Id7 = std::mem::transmute(api.objc_msgSend);
                 let evaluate: msg::QosOptionsRequestError = std::mem::transmute(api.objc_msgSend);
                 let wi = send1(rt.class(3), rt.sel(S::SurfaceObject), input.surface);
-                let wo = send1(rt.class(3), rt.sel(S::SurfaceObject), output.surface);
-                if wi.is_null() || wo.is_null() {
+                let targets: Vec<Id> = if p.surfaces.is_empty() {
+                    vec![output.surface]
+                } else {
+                    p.surfaces.iter().map(|s| s.surface).collect()
+                };
+                let wo: Vec<Id> = targets
+                    .iter()
+                    .map(|&s| send1(rt.class(3), rt.sel(S::SurfaceObject), s))
+                    .collect();
+                if wi.is_null() || wo.iter().any(|w| w.is_null()) {
                     return Err(DeviceError("cannot wrap an IOSurface for the ANE".into()));
                 }
                 let ins = rt.array(&[wi as CfRef]);
-                let outs = rt.array(&[wo as CfRef]);
+                let outs = rt.array(&wo.iter().map(|&w| w as CfRef).collect::<Vec<_>>());
                 let request = send7(
                     rt.class(2),
                     rt.sel(S::Request),
                     ins.p as Id,
                     indices.p as Id,
                     outs.p as Id,
-                    indices.p as Id,
+                    out_indices.p as Id,
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
                     zero.p as Id,
@@ -776,7 +808,16 @@ impl Device for AneDevice {
                 }
                 Ok(())
             }
-        })
+        })?;
+        // Device-sized output surfaces: each output, packed at its
+        // surface's start, goes after the previous one in the caller's buffer.
+        let mut at = 0;
+        for (s, &n) in p.surfaces.iter().zip(&p.outputs) {
+            let values = self.with_surface(s, true, |v| v[..n].to_vec())?;
+            self.with_surface(output, false, |v| v[at..at + n].copy_from_slice(&values))?;
+            at += n;
+        }
+        Ok(())
     }
 
     fn limits(&self) -> crate::family::Limits {

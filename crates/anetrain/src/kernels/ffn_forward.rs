@@ -48,7 +48,7 @@ impl Kernel for FfnForward {
             .output(Port::Gate, h);
     }
 
-    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let xt = g.act_rows(Port::X2norm)?;
         let h1m = g.project("h1_mm", &xt, Port::Weight(Projection::Gate))?;
         let h1m = g.with_adapter(h1m, &xt, Projection::Gate, Product::Forward, o)?;
@@ -76,7 +76,7 @@ impl Kernel for FfnForward {
             g.b.mul("ffn_scaled", &ffn, &a)?
         };
         let x_next = g.b.add("x_next", &x2, &branch)?;
-        g.concat("out", &[&x_next, &h1, &h3, &gate], 1)
+        Ok(vec![x_next, h1, h3, gate])
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {

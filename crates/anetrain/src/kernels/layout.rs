@@ -310,6 +310,18 @@ impl LayoutBuilder {
         self
     }
 
+    /// Drops the output's padding channels: a program with several outputs
+    /// has its surfaces sized by the device instead.
+    pub fn unpadded_output(&mut self) -> &mut Self {
+        self.out_channels = self
+            .outputs
+            .iter()
+            .map(|b| b.channels.end)
+            .max()
+            .unwrap_or(0);
+        self
+    }
+
     /// Channel stacking: an activation `[channels, seq]` below the previous ones.
     pub fn rows(&mut self, port: Port, channels: usize) -> &mut Self {
         self.spatial = self.seq;

@@ -266,8 +266,10 @@ pub trait Kernel {
     /// Declares the kernel's input regions and output blocks.
     fn layout(b: &mut LayoutBuilder, s: &Shape, o: &KernelOptions);
 
-    /// Builds the program's body; returns its one output.
-    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<mil::builder::Value>;
+    /// Builds the program's body; returns its output blocks in the
+    /// layout's order (joined by `concat`, or the program's several
+    /// outputs where the device rejects `concat`: see [`build`]).
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<mil::builder::Value>>;
 
     /// The native f32 twin.
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Self::Acts<'_>) -> Self::Out;
@@ -304,6 +306,15 @@ impl KernelOptions {
         let mut o = KernelOptions::hf(&model.cfg);
         o.lora = model.lora.as_ref().map(|l| LoraKernel::of(&l.cfg));
         o
+    }
+
+    /// Whether a program joins its output blocks into one output with
+    /// `concat` (and pads it to the minimum surface with zero channels):
+    /// unless the device rejects `concat` (Orion docs/ane_constraints.md
+    /// §1), when each block is an output of its own and the device
+    /// allocates the surfaces (§2). The seed's programs always join.
+    pub fn joins_outputs(&self) -> bool {
+        self.limits.concat || self.seed_compat
     }
 
     /// The adapter (rank, scale) of projection `t`, if it has one.
@@ -478,6 +489,10 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
     }
     // fp16 surfaces: two bytes an element.
     b.pad_to_min_elems(o.min_surface_bytes.div_ceil(2), o.limits.max_spatial);
+    if !o.joins_outputs() {
+        // Several outputs: the device sizes their surfaces (see `build`).
+        b.unpadded_output();
+    }
     b.build()
 }
 
@@ -526,16 +541,35 @@ pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<Kern
 fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
     let layout = layout_of::<K>(s, o);
     let mut g = Gen::new(&layout);
-    let mut out = K::mil(&mut g, s, o)?;
-    let pad = layout.out_padding();
-    if pad > 0 {
-        // Zero channels below the results, so the output surface reaches
-        // the minimum size (concat along channels as the seed's outputs are).
-        let file = format!("{BLOB_ZEROS}{pad}x{}.bin", s.seq);
-        let zeros = g.blob("out_pad", [1, pad, 1, s.seq], &file)?;
-        out = g.concat("out_padded", &[&out, &zeros], 1)?;
-    }
-    let (mut function, blob_names) = g.finish(&out)?;
+    let blocks = K::mil(&mut g, s, o)?;
+    let outputs = if o.joins_outputs() {
+        let mut out = match blocks.as_slice() {
+            [one] => one.clone(),
+            _ => g.concat("out", &blocks.iter().collect::<Vec<_>>(), 1)?,
+        };
+        let pad = layout.out_padding();
+        if pad > 0 {
+            // Zero channels below the results, so the output surface reaches
+            // the minimum size (concat along channels as the seed's outputs are).
+            let file = format!("{BLOB_ZEROS}{pad}x{}.bin", s.seq);
+            let zeros = g.blob("out_pad", [1, pad, 1, s.seq], &file)?;
+            out = g.concat("out_padded", &[&out, &zeros], 1)?;
+        }
+        vec![out]
+    } else {
+        // One output per block, named so that name order (the order the
+        // runtime binds output surfaces in: Orion docs/ane_constraints.md
+        // §3) is the layout's; a reshape to the same shape moves nothing.
+        blocks
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let name = format!("out{i:02}_{}", v.name);
+                g.reshape(&name, v, v.dims())
+            })
+            .collect::<mil::Result<Vec<_>>>()?
+    };
+    let (mut function, blob_names) = g.finish(&outputs)?;
     let blobs: Vec<(String, Vec<u8>)> = blob_names
         .into_iter()
         .map(|name| {

@@ -390,9 +390,11 @@ impl<'a> Gen<'a> {
         self.rows_to_channels(out, &y)
     }
 
-    /// The finished function and the blob files it reads.
-    pub fn finish(mut self, out: &Value) -> Result<(Function, Vec<String>)> {
-        self.b.output(out);
+    /// The finished function with `outputs` and the blob files it reads.
+    pub fn finish(mut self, outputs: &[Value]) -> Result<(Function, Vec<String>)> {
+        for out in outputs {
+            self.b.output(out);
+        }
         Ok((self.b.finish()?, self.blobs))
     }
 }

@@ -63,9 +63,9 @@ macro_rules! projections_backward {
                 super::projections_backward::layout(b, s, Self::PROJECTIONS, &acts, $out_port);
             }
 
-            fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+            fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
                 let acts = [$($act_port),+];
-                g.projections_backward(Self::PROJECTIONS, &acts, $out_port.name(), o)
+                Ok(vec![g.projections_backward(Self::PROJECTIONS, &acts, $out_port.name(), o)?])
             }
 
             fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {

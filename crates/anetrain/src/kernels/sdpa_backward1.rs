@@ -39,7 +39,7 @@ impl Kernel for SdpaBackward1 {
             .output(Port::Dp, s.score_channels());
     }
 
-    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Value> {
+    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
         let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
         let qc = g.region(Port::QRope)?;
         let kc = g.region(Port::KRope)?;
@@ -59,7 +59,7 @@ impl Kernel for SdpaBackward1 {
         let sc = s.score_channels();
         let pf = g.reshape("probs_out", &probs, &[1, sc, 1, seq])?;
         let dpf = g.reshape("dp_out", &dp, &[1, sc, 1, seq])?;
-        g.concat("out", &[&dvc, &pf, &dpf], 1)
+        Ok(vec![dvc, pf, dpf])
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {

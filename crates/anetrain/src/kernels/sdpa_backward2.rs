@@ -36,7 +36,7 @@ impl Kernel for SdpaBackward2 {
             .output(Port::Dk, s.kv_dim());
     }
 
-    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Value> {
+    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
         let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
         let pf = g.region(Port::Probs)?;
         let dpf = g.region(Port::Dp)?;
@@ -62,7 +62,7 @@ impl Kernel for SdpaBackward2 {
         let dqh = g.reshape("dq_h", &dq, &[1, s.heads, seq, hd])?;
         let dqc = g.heads_rows_to_channels("dq", &dqh)?;
         let dkc = g.heads_rows_to_channels("dk", &dk)?;
-        g.concat("out", &[&dqc, &dkc], 1)
+        Ok(vec![dqc, dkc])
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {

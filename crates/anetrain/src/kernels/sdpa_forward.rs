@@ -74,7 +74,7 @@ impl Kernel for SdpaForward {
         }
     }
 
-    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
         let xt = g.act_rows(Port::Xnorm)?;
         let mut projected = vec![];
@@ -120,8 +120,7 @@ impl Kernel for SdpaForward {
             outs.push(g.rows_to_channels("q_raw", &qm)?);
             outs.push(g.rows_to_channels("k_raw", &km)?);
         }
-        let refs: Vec<&Value> = outs.iter().collect();
-        g.concat("out", &refs, 1)
+        Ok(outs)
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {

@@ -28,11 +28,11 @@ impl Kernel for WoForward {
             .output(Port::O, s.dim);
     }
 
-    fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Value> {
+    fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let at = g.act_rows(Port::Attn)?;
         let y = g.project("o_mm", &at, Port::Weight(Projection::O))?;
         let y = g.with_adapter(y, &at, Projection::O, Product::Forward, o)?;
-        g.rows_to_channels("o", &y)
+        Ok(vec![g.rows_to_channels("o", &y)?])
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
