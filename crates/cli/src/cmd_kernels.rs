@@ -36,7 +36,7 @@ pub fn setup(
         );
     }
     if !seed_compat {
-        println!("device: {}", profile.describe());
+        println!("chip family: {}", profile.describe());
     }
     Ok((cfg.clone(), Shape::new(&cfg, seq), opts))
 }

@@ -153,13 +153,22 @@ pub fn run(a: RunArgs) -> Result<()> {
 pub struct CheckArgs {
     pub program: PathBuf,
     pub strict: bool,
+    /// Check against this chip family's rules and limits.
+    pub family: Option<String>,
     pub enable: Vec<String>,
     pub disable: Vec<String>,
 }
 
 pub fn check(a: CheckArgs) -> Result<()> {
     let p = load_program(&a.program)?;
-    let mut set = RuleSet::default();
+    let mut set = match &a.family {
+        None => RuleSet::default(),
+        Some(f) => {
+            let f = ane::family::Family::parse(f).map_err(|e| anyhow::anyhow!("--family: {e}"))?;
+            println!("rules and limits of {f}");
+            RuleSet::for_limits(f.limits())
+        }
+    };
     for id in &a.enable {
         set.set(id, true).map_err(anyhow::Error::msg)?;
     }
@@ -188,7 +197,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
         let list: Vec<String> = counts.iter().map(|(k, v)| format!("{k} {v}")).collect();
         println!("  ops     {} ({})", f.ops.len(), list.join(", "));
     }
-    let findings = rules::check_all(&p);
+    let findings = rules::check_all_within(&p, &set.limits);
     let mut broken_enabled = 0;
     println!("ANE constraint rules:");
     for r in rules::all() {

@@ -377,6 +377,10 @@ enum MilCommand {
         /// Switch a rule off (repeatable), e.g. --no-rule min-surface.
         #[arg(long = "no-rule", value_name = "ID")]
         disable: Vec<String>,
+        /// Check against a chip family's rules and limits (m1 … m5)
+        /// instead of the default rules.
+        #[arg(long, value_name = "FAMILY")]
+        family: Option<String>,
     },
 }
 
@@ -668,9 +672,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 strict,
                 enable,
                 disable,
+                family,
             } => cmd_mil::check(cmd_mil::CheckArgs {
                 program,
                 strict,
+                family,
                 enable,
                 disable,
             })?,

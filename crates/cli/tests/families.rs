@@ -235,3 +235,43 @@ fn an_overflowing_loss_scale_skips_steps_and_recovers() {
         "training went on after recovery"
     );
 }
+
+/// `mil check --family` judges a program by a chip's rules: the seed's FFN
+/// program, which cuts its regions at width offsets, breaks the M1's
+/// `width-offset-slice` rule and not the M5's; the same kernel as we build
+/// it passes every rule of both.
+#[test]
+fn mil_check_applies_a_familys_rules() {
+    let seed = common::fixture("../seed-reference/seed-mil/mha_b/ffnFused.mil");
+    let line = |family: &str, p: &Path| -> Option<String> {
+        let o = bin()
+            .args(["mil", "check", "--family", family])
+            .arg(p)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .find(|l| l.contains("width-offset-slice"))
+            .map(str::to_string)
+    };
+    assert!(line("m1", &seed).unwrap().contains("FAIL"));
+    assert!(!line("m5", &seed).unwrap().contains("FAIL"));
+    let d = tmp();
+    for family in ["m1", "m5"] {
+        let out = d.path().join(family);
+        let o = bin()
+            .env("ANETRAIN_ANE_FAMILY", family)
+            .args(["kernels", "dump", "--model", "qwen3-0.6b", "--seq", "256", "--kernel", "ffn_forward", "--out"])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let o = bin()
+            .args(["mil", "check", "--strict", "--family", family])
+            .arg(out.join("ffn_forward.mil"))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{family}: {}", String::from_utf8_lossy(&o.stdout));
+    }
+}
