@@ -262,7 +262,17 @@ fn mil_check_applies_a_familys_rules() {
         let out = d.path().join(family);
         let o = bin()
             .env("ANETRAIN_ANE_FAMILY", family)
-            .args(["kernels", "dump", "--model", "qwen3-0.6b", "--seq", "256", "--kernel", "ffn_forward", "--out"])
+            .args([
+                "kernels",
+                "dump",
+                "--model",
+                "qwen3-0.6b",
+                "--seq",
+                "256",
+                "--kernel",
+                "ffn_forward",
+                "--out",
+            ])
             .arg(&out)
             .output()
             .unwrap();
@@ -272,6 +282,10 @@ fn mil_check_applies_a_familys_rules() {
             .arg(out.join("ffn_forward.mil"))
             .output()
             .unwrap();
-        assert!(o.status.success(), "{family}: {}", String::from_utf8_lossy(&o.stdout));
+        assert!(
+            o.status.success(),
+            "{family}: {}",
+            String::from_utf8_lossy(&o.stdout)
+        );
     }
 }
