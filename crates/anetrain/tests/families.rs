@@ -223,3 +223,46 @@ fn kernels_without_concat_compute_the_same() {
         );
     }
 }
+
+/// A residual branch whose product lands between the matmul cliff (32752)
+/// and fp16's largest value (65504): pre-scaled by ½ inside the product
+/// and by 2 after, it is finite and right on a chip with the cliff; the
+/// same program without the pre-scale turns it into inf there.
+#[test]
+fn residual_products_past_the_matmul_cliff_are_prescaled() {
+    use anetrain::kernels::check::pack_all;
+    use anetrain::kernels::{build, Port, Tensors};
+    use anetrain::model::Projection;
+    let cfg = ModelConfig::preset("tiny").unwrap();
+    let s = Shape::new(&cfg, 64);
+    let (q, d) = (s.q_dim(), s.dim);
+    let mut t = Tensors::new();
+    t.insert(Port::Attn, vec![100.0; q * s.seq]);
+    // Row 0 of Wo [D, Q] sums 128 × 100 × 4 = 51200 into o[0].
+    let mut wo = vec![0.001f32; d * q];
+    wo[..q].fill(4.0);
+    t.insert(Port::Weight(Projection::O), wo);
+    let run = |prescaled: bool| -> Vec<f32> {
+        let mut o = KernelOptions::hf(&cfg);
+        o.limits = Family::M4.limits();
+        if !prescaled {
+            o.limits.matmul_cliff = None;
+        }
+        assert_eq!(o.cliff_prescale().is_some(), prescaled);
+        let k = build(KernelKind::WoForward, &s, &o).unwrap();
+        let mut dev = SimDevice::for_family(Family::M4);
+        let p = ane::Device::compile(&mut dev, &k.text(), &k.blob_paths()).unwrap();
+        let (ni, no) = ane::Device::io_elems(&dev, &p);
+        let mut x = ane::Device::buffer(&mut dev, ni).unwrap();
+        let mut y = ane::Device::buffer(&mut dev, no).unwrap();
+        ane::Device::write(&mut dev, &mut x, 0, &pack_all(&k, &t)).unwrap();
+        ane::Device::eval(&mut dev, &p, &x, &mut y).unwrap();
+        let mut out = vec![0f32; no];
+        ane::Device::read(&dev, &y, 0, &mut out).unwrap();
+        k.layout.unpack(Port::O, &out).to_vec()
+    };
+    let with = run(true);
+    assert!((with[0] - 51200.0).abs() <= 64.0, "{}", with[0]);
+    let without = run(false);
+    assert!(without[0].is_infinite(), "{}", without[0]);
+}

@@ -63,16 +63,21 @@ impl Kernel for FfnForward {
         let hid = s.hidden;
         let g2 = g.reshape("gate_2d", &gate, &[1, 1, hid, s.seq])?;
         let gt = g.transpose("gate_t", &g2, &[0, 1, 3, 2])?;
+        // The down projection feeds the residual stream: pre-scaled past
+        // the matmul output cliff (KernelOptions::cliff_prescale).
+        let (gt, undo) = g.prescale("gate_scaled", &gt, o)?;
         let w2 = g.region(Port::Weight(Projection::Down))?;
         let w22 = g.reshape("w2_2d", &w2, &[1, 1, s.dim, hid])?;
         let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
         let fm = g.with_adapter(fm, &gt, Projection::Down, Product::ForwardRows, o)?;
         let ffn = g.rows_to_channels("ffn", &fm)?;
         let x2 = g.region(Port::X2)?;
-        let branch = if o.residual_scale == 1.0 {
+        // α and the pre-scale's inverse in one product.
+        let alpha = o.residual_scale * undo.unwrap_or(1.0);
+        let branch = if alpha == 1.0 {
             ffn
         } else {
-            let a = g.scalar("res_alpha", o.residual_scale)?;
+            let a = g.scalar("res_alpha", alpha)?;
             g.b.mul("ffn_scaled", &ffn, &a)?
         };
         let x_next = g.b.add("x_next", &x2, &branch)?;

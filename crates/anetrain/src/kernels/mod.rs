@@ -317,6 +317,18 @@ impl KernelOptions {
         self.limits.concat || self.seed_compat
     }
 
+    /// The power of two a residual branch's product input is scaled by
+    /// before the product and its output by the inverse after, on devices
+    /// whose matmul outputs turn to ±inf past 32752 (every measured chip:
+    /// ANEForge docs/numeric-cliffs.md, "Matmul output saturation": "Scale
+    /// activations or weights before the matmul and undo the scale
+    /// afterwards"). With ½ every output fp16 can hold (up to 65504) stays
+    /// under the cliff inside the product; scaling by a power of two is
+    /// exact for fp16 normal values. `None`: no cliff, or seed programs.
+    pub fn cliff_prescale(&self) -> Option<f64> {
+        (self.limits.matmul_cliff.is_some() && !self.seed_compat).then_some(0.5)
+    }
+
     /// The adapter (rank, scale) of projection `t`, if it has one.
     pub fn adapter(&self, t: Projection) -> Option<(usize, f64)> {
         let l = self.lora.as_ref()?;

@@ -226,6 +226,32 @@ impl<'a> Gen<'a> {
         self.b.add(&format!("{w}_plus_lora"), &y, &scaled)
     }
 
+    /// `x` times [`KernelOptions::cliff_prescale`] ahead of a product, and
+    /// the factor that undoes it (`None`: no pre-scale, `x` unchanged).
+    pub fn prescale(
+        &mut self,
+        out: &str,
+        x: &Value,
+        o: &KernelOptions,
+    ) -> Result<(Value, Option<f64>)> {
+        let Some(k) = o.cliff_prescale() else {
+            return Ok((x.clone(), None));
+        };
+        let c = self.scalar("prescale", k)?;
+        Ok((self.b.mul(out, x, &c)?, Some(1.0 / k)))
+    }
+
+    /// Undoes [`Gen::prescale`] on a product's output.
+    pub fn unscale(&mut self, out: &str, y: Value, undo: Option<f64>) -> Result<Value> {
+        match undo {
+            None => Ok(y),
+            Some(u) => {
+                let c = self.scalar("unscale", u)?;
+                self.b.mul(out, &y, &c)
+            }
+        }
+    }
+
     /// `[1, 1, S, N]` → channel-first `[1, N, 1, S]`.
     pub fn rows_to_channels(&mut self, out: &str, y: &Value) -> Result<Value> {
         let (s, n) = (y.dims()[2], y.dims()[3]);

@@ -30,8 +30,12 @@ impl Kernel for WoForward {
 
     fn mil(g: &mut Gen, _: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let at = g.act_rows(Port::Attn)?;
+        // o feeds the residual stream: its product is pre-scaled past the
+        // matmul output cliff (KernelOptions::cliff_prescale).
+        let (at, undo) = g.prescale("attn_scaled", &at, o)?;
         let y = g.project("o_mm", &at, Port::Weight(Projection::O))?;
         let y = g.with_adapter(y, &at, Projection::O, Product::Forward, o)?;
+        let y = g.unscale("o_unscaled", y, undo)?;
         Ok(vec![g.rows_to_channels("o", &y)?])
     }
 
