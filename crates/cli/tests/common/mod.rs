@@ -16,10 +16,10 @@ pub fn bin() -> Command {
     c
 }
 
-/// A configuration directory of this test process, empty unless a test
-/// writes into it.
+/// A configuration directory of this test process under the build's
+/// directory for test files, empty unless a test writes into it.
 pub fn config_dir() -> PathBuf {
-    std::env::temp_dir().join(format!("anetrain-test-config-{}", std::process::id()))
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("config-{}", std::process::id()))
 }
 
 /// A fresh temporary directory, removed when dropped.
