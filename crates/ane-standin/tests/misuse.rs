@@ -6,6 +6,9 @@ use std::ffi::CString;
 
 use ane_standin::*;
 
+/// The stand-in's state is the process's: one test at a time reads it.
+static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn violations() -> Vec<String> {
     let r: serde_json::Value = serde_json::from_str(&report()).unwrap();
     r["violations"]
@@ -82,6 +85,7 @@ fn class(name: &str) -> usize {
 
 #[test]
 fn misuses_are_recorded() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let s = surface(65536);
     assert_ne!(s, 0);
     assert_eq!(IOSurfaceGetAllocSize(s), 65536);
@@ -196,4 +200,72 @@ fn misuses_are_recorded() {
 
     let r: serde_json::Value = serde_json::from_str(&report()).unwrap();
     assert_eq!(r["locked_surfaces"], 0, "{r}");
+}
+
+/// A model's temporary directory left behind once the model is gone is a
+/// violation of the exit report (the references remove it on failure and
+/// on free: maderix/ANE training/ane_runtime.h, Orion core/ane_runtime.m).
+#[test]
+fn a_temporary_directory_outliving_its_model_is_reported() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = {
+        let pool = objc_autoreleasePoolPush();
+        let text = b"program(1.3)\n{\n}\n";
+        // SAFETY: the bytes outlive the call.
+        let mil = unsafe { CFDataCreate(0, text.as_ptr(), text.len() as isize) };
+        let weights = dict(&[]);
+        let send = |recv: usize, name: &str, a: usize| {
+            // SAFETY: selectors of one or no object argument.
+            unsafe { objc_msgSend(recv, sel(name), a, 0, 0, 0, 0, 0, 0) }
+        };
+        // SAFETY: modelWithMILText:weights:optionsPlist: takes three ids.
+        let desc = unsafe {
+            objc_msgSend(
+                class("_ANEInMemoryModelDescriptor"),
+                sel("modelWithMILText:weights:optionsPlist:"),
+                mil,
+                weights,
+                0,
+                0,
+                0,
+                0,
+                0,
+            )
+        };
+        assert_ne!(desc, 0);
+        let model = send(
+            class("_ANEInMemoryModel"),
+            "inMemoryModelWithDescriptor:",
+            desc,
+        );
+        let hex = send(model, "hexStringIdentifier", 0);
+        let mut buf = [0 as std::ffi::c_char; 128];
+        // SAFETY: 128 writable bytes.
+        assert_eq!(
+            unsafe { CFStringGetCString(hex, buf.as_mut_ptr(), 128, 0x0800_0100) },
+            1
+        );
+        // SAFETY: NUL-terminated by CFStringGetCString.
+        let hex = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        let dir = std::path::Path::new(&ane::temporary_directory()).join(hex);
+        std::fs::create_dir_all(dir.join("weights")).unwrap();
+        CFRelease(mil);
+        CFRelease(weights);
+        // The pool releases the descriptor and the model; the directory stays.
+        objc_autoreleasePoolPop(pool);
+        dir
+    };
+    assert!(
+        violations()
+            .iter()
+            .any(|v| v.contains("outlived its model") && v.contains(dir.to_str().unwrap())),
+        "{:?}",
+        violations()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!violations()
+        .iter()
+        .any(|v| v.contains(dir.to_str().unwrap())));
 }
