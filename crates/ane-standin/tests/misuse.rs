@@ -241,10 +241,8 @@ fn a_temporary_directory_outliving_its_model_is_reported() {
         let hex = send(model, "hexStringIdentifier", 0);
         let mut buf = [0 as std::ffi::c_char; 128];
         // SAFETY: 128 writable bytes.
-        assert_eq!(
-            unsafe { CFStringGetCString(hex, buf.as_mut_ptr(), 128, 0x0800_0100) },
-            1
-        );
+        let copied = unsafe { CFStringGetCString(hex, buf.as_mut_ptr(), 128, 0x0800_0100) };
+        assert_eq!(copied, 1);
         // SAFETY: NUL-terminated by CFStringGetCString.
         let hex = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
             .to_string_lossy()
