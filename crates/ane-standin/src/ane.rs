@@ -263,9 +263,9 @@ pub fn model_dir(m: &Model) -> PathBuf {
 
 /// `compileWithQoS:options:error:`. The compiler reads the program and
 /// its weights from the model's temporary directory, which the caller
-/// fills first (Orion core/ane_runtime.m:73 "ANE compiler reads from
-/// filesystem"; maderix/ANE training/ane_runtime.h:67-75 writes
-/// `model.mil` and `weights/…` there before compiling).
+/// fills first (Orion core/ane_runtime.m orion_compile_mil: "ANE compiler
+/// reads from filesystem"; maderix/ANE training/ane_runtime.h ane_compile
+/// writes `model.mil` and `weights/…` there before compiling).
 pub fn compile(t: &mut Table, model: Handle, compiles: &mut usize) -> Outcome {
     let (desc, dir, compiled) = match t.get(model) {
         Some(Obj::Model(m)) => (m.descriptor, model_dir(m), m.exe.is_some()),
@@ -286,8 +286,9 @@ pub fn compile(t: &mut Table, model: Handle, compiles: &mut usize) -> Outcome {
             format!("ANECCompile() FAILED: {compiles} programs already compiled in this process (the compiler fails after about {COMPILE_BUDGET}: Orion §5)"),
         );
     }
-    // The references always create weights/ (maderix ane_runtime.h:71,
-    // training_dynamic/io.h:107; Orion core/ane_runtime.m:77).
+    // maderix/ANE and Orion always create weights/ (maderix
+    // training/ane_runtime.h ane_compile, training_dynamic/io.h; Orion
+    // core/ane_runtime.m orion_compile_mil).
     if !dir.join("weights").is_dir() {
         t.violation(format!(
             "compileWithQoS: {}/weights does not exist; the references create it for every program",
@@ -377,8 +378,8 @@ pub fn unload(t: &mut Table, model: Handle) -> Outcome {
 }
 
 /// The surfaces of a request's input or output array, in index order;
-/// indices are NSNumbers 0..n (maderix ane_runtime.h:114 and :121,
-/// training_dynamic/io.h:129 `@[@0]`).
+/// indices are NSNumbers 0..n (maderix training/ane_runtime.h ane_compile,
+/// training_dynamic/io.h `@[@0]`).
 fn request_surfaces(
     t: &mut Table,
     arr: Handle,
@@ -435,7 +436,8 @@ pub fn evaluate(t: &mut Table, model: Handle, request: Handle) -> Outcome {
         ),
         _ => return fail(4, "evaluateWithQoS: the request is not an _ANERequest"),
     };
-    // procedureIndex @0 (maderix ane_runtime.h:125, Orion core/ane_runtime.m:166).
+    // procedureIndex @0 (maderix training/ane_runtime.h ane_compile, Orion
+    // core/ane_runtime.m orion_eval).
     if number(t, procedure) != Some(0) {
         t.violation("the request's procedureIndex is not @0".into());
     }

@@ -66,8 +66,8 @@ extern "C" {
 const SEL_BASE: Handle = 0x5e1_0000;
 const CLASS_BASE: Handle = 0xc1a_0000;
 
-/// The classes the framework registers (maderix ane_runtime.h:27-30,
-/// Orion core/ane_runtime.m:38-41).
+/// The classes the framework registers (maderix training/ane_runtime.h
+/// ane_init, Orion core/ane_runtime.m orion_ane_init).
 const CLASSES: [&str; 4] = [
     "_ANEInMemoryModelDescriptor",
     "_ANEInMemoryModel",
@@ -92,8 +92,9 @@ const METHODS: [(usize, &str, bool); 9] = [
     (3, "objectWithIOSurface:", true),
 ];
 
-/// QoS every reference passes (21, QOS_CLASS_DEFAULT... as
-/// `compileWithQoS:21`: maderix ane_runtime.h:78, Orion core/ane_runtime.m:100).
+/// The QoS maderix/ANE and Orion pass (21, QOS_CLASS_DEFAULT, as
+/// `compileWithQoS:21`: maderix training/ane_runtime.h ane_compile, Orion
+/// core/ane_runtime.m orion_compile_mil).
 const QOS: u32 = 21;
 
 /// The IOSurface property keys (`extern const CFStringRef`): each holds a
@@ -318,9 +319,9 @@ pub unsafe extern "C" fn objc_msgSend(
             t.autoreleased(Obj::Model(Box::new(m)))
         }
         (Some(2), "requestWithInputs:inputIndices:outputs:outputIndices:weightsBuffer:perfStats:procedureIndex:") => {
-            // weightsBuffer and perfStats are nil in every reference
-            // (maderix ane_runtime.h:125, training_dynamic/io.h:129, Orion
-            // core/ane_runtime.m:166).
+            // weightsBuffer and perfStats are nil in maderix/ANE and Orion
+            // (maderix training/ane_runtime.h ane_compile,
+            // training_dynamic/io.h, Orion core/ane_runtime.m orion_eval).
             if e != 0 || f != 0 {
                 t.violation("requestWithInputs: weightsBuffer/perfStats are not nil".into());
             }
@@ -409,8 +410,9 @@ unsafe fn model_message(
     unsafe { outcome(s, err as *mut Handle, result) }
 }
 
-/// QoS 21 and an empty options dictionary (`@{}`), as every reference
-/// passes (maderix ane_runtime.h:78,84,146; Orion core/ane_runtime.m:100,109,176).
+/// QoS 21 and an empty options dictionary (`@{}`), as maderix/ANE and
+/// Orion pass them (maderix training/ane_runtime.h ane_compile and ane_eval;
+/// Orion core/ane_runtime.m orion_compile_mil and orion_eval).
 fn check_qos_options(t: &mut Table, sel: &str, qos: u32, options: Handle) {
     if qos != QOS {
         t.violation(format!("-{sel} with QoS {qos}, not {QOS}"));
@@ -645,7 +647,7 @@ const LOCK_READ_ONLY: u32 = 1;
 
 /// A flat byte surface. The references create every ANE surface with
 /// width = bytesPerRow = allocSize = bytes, height 1, one byte per element,
-/// pixel format 0 (maderix training/ane_runtime.h:34-42 and
+/// pixel format 0 (maderix training/ane_runtime.h ane_create_surface and
 /// training_dynamic/io.h:6-11, Orion core/iosurface_tensor.m:18-25); other
 /// properties are a violation.
 #[no_mangle]

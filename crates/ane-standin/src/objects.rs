@@ -258,7 +258,7 @@ impl Table {
             }
             Obj::Model(m) if m.loaded => self.violation(format!(
                 "_ANEInMemoryModel {h:#x} freed while loaded (the references call \
-                 unloadWithQoS:error: first: maderix/ANE training/ane_runtime.h:157)"
+                 unloadWithQoS:error: first: maderix/ANE training/ane_runtime.h, ane_free)"
             )),
             _ => {}
         }

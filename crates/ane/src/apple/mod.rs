@@ -587,7 +587,7 @@ impl Device for AneDevice {
                         .map_err(|e| DeviceError(format!("cannot write '{}': {e}", p.display())))
                 };
                 // `weights/` exists even for a program without weights, as
-                // the references create it (maderix/ANE training/ane_runtime.h:71).
+                // the references create it (maderix/ANE training/ane_runtime.h, ane_compile).
                 let weights_dir = dir.join("weights");
                 std::fs::create_dir_all(&weights_dir).map_err(|e| {
                     DeviceError(format!("cannot create '{}': {e}", weights_dir.display()))
