@@ -42,10 +42,22 @@ impl Tokenizer {
             None => serde_json::Map::new(),
         };
         let chat = ChatTemplate::find(dir, &config)?;
+        let special = chat::special_tokens(&config);
+        // A generation that cannot stop is a silent failure: the end token
+        // must be one the tokenizer has.
+        if let Some(eos) = special.get("eos_token").and_then(|v| v.as_str()) {
+            if inner.token_to_id(eos).is_none() {
+                bail!(
+                    "'{}': eos_token '{eos}' is not in the vocabulary of '{}'",
+                    config_path.display(),
+                    path.display()
+                );
+            }
+        }
         Ok(Tokenizer {
             inner,
             path: path.to_path_buf(),
-            special: chat::special_tokens(&config),
+            special,
             config_text,
             chat,
         })

@@ -742,6 +742,8 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             // when it has one).
             t.save_to_dir(&out, model.cfg.max_position_embeddings)?;
         }
+        // And the base's generation config: where its generation ends.
+        crate::generate::copy_generation_config(Path::new(&s.model), &out)?;
         (model, opt, state, corpus)
     };
 

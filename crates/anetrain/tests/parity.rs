@@ -173,6 +173,7 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         };
         let want: Vec<u32> = want.iter().map(|&t| t as u32).collect();
         let greedy = Sampling {
+            top_k: 0,
             temperature: 0.0,
             top_p: 1.0,
         };

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use anetrain::backend::{self, Backend};
 use anetrain::data::{self, TokenDtype};
 use anetrain::engine::{self, Engine};
-use anetrain::generate::{generate, generate_with_engine, GenerateOptions, Sampling};
+use anetrain::generate::{
+    generate, generate_with_engine, GenerateOptions, GenerationConfig, Sampling,
+};
 use anetrain::lora::Lora;
 use anetrain::model::Model;
 use anetrain::records;
@@ -39,6 +41,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     if tok.is_file() {
         Tokenizer::load(&tok)?.save_to_dir(out, merged.cfg.max_position_embeddings)?;
     }
+    anetrain::generate::copy_generation_config(model, out)?;
     eprintln!(
         "merged '{}' into '{}' -> {}",
         adapter.display(),
@@ -248,32 +251,37 @@ pub struct GenerateArgs {
     pub model: PathBuf,
     pub prompt: String,
     pub max_tokens: usize,
-    pub temperature: f64,
-    pub top_p: f64,
+    /// `None`: the model's generation_config.json, else the defaults.
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
     pub seed: u64,
     pub tokenizer: Option<PathBuf>,
     /// Render the prompt as one user message with the chat template.
     pub chat: bool,
 }
 
-/// Tokens that end generation when the tokenizer knows them: its
-/// `eos_token` (a chat template's end of turn, such as `<|im_end|>`) and
-/// the usual end-of-text tokens.
-fn stop_tokens(tok: &Tokenizer) -> Vec<u32> {
+/// Tokens that end generation: the model's `generation_config.json`
+/// `eos_token_id` (one or several, as transformers stops on any), the
+/// tokenizer's `eos_token` (a chat template's end of turn, such as
+/// `<|im_end|>`) and the usual end-of-text tokens it knows.
+fn stop_tokens(tok: &Tokenizer, gen: Option<&GenerationConfig>) -> Vec<u32> {
     let mut stops: Vec<u32> = tok.end_tokens().into_iter().map(|t| t.1).collect();
     stops.extend(tok.eos().map(|e| e.1));
+    stops.extend(gen.iter().flat_map(|g| g.eos_token_ids.iter().copied()));
     stops.sort_unstable();
     stops.dedup();
     stops
 }
 
 pub fn run_generate(a: GenerateArgs) -> Result<()> {
-    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+    if a.temperature.is_some_and(|t| !(t >= 0.0 && t.is_finite())) {
         bail!("--temperature must be a finite number >= 0");
     }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+    if a.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
         bail!("--top-p must be in (0, 1]");
     }
+    let gen = GenerationConfig::load(Path::new(&a.model))?;
     let ane_device = match a.backend {
         Backend::Ane => Some(backend::open_ane()?),
         _ => None,
@@ -309,11 +317,26 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     }
     let mut ids: Vec<u32> = Vec::new();
     let mut printed = 0usize;
-    let sampling = Sampling {
-        temperature: a.temperature,
-        top_p: a.top_p,
-    };
-    let stops = stop_tokens(&tok);
+    let sampling = GenerationConfig::sampling(
+        gen.as_ref(),
+        a.temperature,
+        a.top_p,
+        a.top_k,
+        Sampling {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 0,
+        },
+    );
+    if !(sampling.temperature >= 0.0 && sampling.top_p > 0.0 && sampling.top_p <= 1.0) {
+        bail!(
+            "{}: temperature {} / top_p {} are not usable; give --temperature and --top-p",
+            Path::new(&a.model).join("generation_config.json").display(),
+            sampling.temperature,
+            sampling.top_p
+        );
+    }
+    let stops = stop_tokens(&tok, gen.as_ref());
     let emit = |t: u32| -> Result<()> {
         ids.push(t);
         let text = tok.decode(&ids)?;

@@ -117,12 +117,18 @@ enum Command {
         /// Maximum number of new tokens.
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
-        /// Sampling temperature; 0 is greedy.
-        #[arg(long, default_value_t = 0.8)]
-        temperature: f64,
-        /// Nucleus sampling mass (1 disables).
-        #[arg(long, default_value_t = 0.95)]
-        top_p: f64,
+        /// Sampling temperature; 0 is greedy [default: the model's
+        /// generation_config.json, else 0.8].
+        #[arg(long)]
+        temperature: Option<f64>,
+        /// Nucleus sampling mass, 1 disables [default: the model's
+        /// generation_config.json, else 0.95].
+        #[arg(long)]
+        top_p: Option<f64>,
+        /// Draw only from the K likeliest tokens, 0 disables [default: the
+        /// model's generation_config.json, else 0].
+        #[arg(long, value_name = "K")]
+        top_k: Option<usize>,
         /// Random seed for sampling.
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -613,6 +619,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             max_tokens,
             temperature,
             top_p,
+            top_k,
             seed,
             tokenizer,
             adapter,
@@ -626,6 +633,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             max_tokens,
             temperature,
             top_p,
+            top_k,
             seed,
             tokenizer,
             chat,

@@ -1,0 +1,163 @@
+//! Where generation ends and how it samples, as transformers decides it:
+//! the model's `generation_config.json` (`eos_token_id` as one id or a
+//! list, `do_sample`, `temperature`, `top_p`, `top_k`), overridden by the
+//! flags; an `eos_token` the vocabulary lacks is refused in one line.
+
+mod common;
+
+use common::{bin, fails, run, tmp};
+
+fn generate(model: &std::path::Path, extra: &[&str]) -> String {
+    let o = bin()
+        .args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once",
+            "--max-tokens",
+            "12",
+            "--model",
+        ])
+        .arg(model)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+#[test]
+fn generation_config_ends_generation_and_sets_the_sampling_defaults() {
+    let d = tmp();
+    let model = d.path().join("model");
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &model,
+    );
+    let greedy = generate(&model, &["--temperature", "0"]);
+    assert!(greedy.trim_end().len() > "Once".len(), "{greedy:?}");
+    let sampled = generate(&model, &["--seed", "3"]);
+
+    // do_sample: false makes the default greedy, whatever its temperature.
+    let config = model.join("generation_config.json");
+    std::fs::write(&config, r#"{"do_sample": false, "temperature": 0.9}"#).unwrap();
+    assert_eq!(generate(&model, &["--seed", "3"]), greedy);
+    // A flag still wins.
+    assert_eq!(
+        generate(&model, &["--seed", "3", "--temperature", "0.8"]),
+        sampled
+    );
+
+    // Every id an end token (a list, as Qwen3's config has two): nothing
+    // follows the prompt.
+    let all: Vec<String> = (0..4096).map(|i| i.to_string()).collect();
+    std::fs::write(
+        &config,
+        format!(r#"{{"eos_token_id": [{}]}}"#, all.join(",")),
+    )
+    .unwrap();
+    assert_eq!(generate(&model, &["--temperature", "0"]).trim_end(), "Once");
+    // One id: the first greedy token's id ends it as well.
+    let first = {
+        let tok = anetrain::tokenizer::Tokenizer::load(&model.join("tokenizer.json")).unwrap();
+        let full = tok.encode(greedy.trim_end()).unwrap();
+        let prompt = tok.encode("Once").unwrap();
+        full[prompt.len()]
+    };
+    std::fs::write(&config, format!(r#"{{"eos_token_id": {first}}}"#)).unwrap();
+    assert_eq!(generate(&model, &["--temperature", "0"]).trim_end(), "Once");
+
+    // A run trained from this model carries its generation config.
+    let tuned = d.path().join("tuned");
+    run(
+        &[
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &tuned,
+    );
+    assert_eq!(
+        std::fs::read_to_string(tuned.join("generation_config.json")).unwrap(),
+        std::fs::read_to_string(&config).unwrap()
+    );
+
+    // A config that does not parse is named.
+    std::fs::write(&config, "{").unwrap();
+    fails(
+        &[
+            "generate",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once",
+            "--model",
+            model.to_str().unwrap(),
+        ],
+        &["generation_config.json", "not a generation config"],
+    );
+}
+
+#[test]
+fn an_eos_token_outside_the_vocabulary_is_refused() {
+    let d = tmp();
+    let model = d.path().join("model");
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &model,
+    );
+    let path = model.join("tokenizer_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    cfg["eos_token"] = "<|no-such-token|>".into();
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    fails(
+        &[
+            "generate",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once",
+            "--model",
+            model.to_str().unwrap(),
+        ],
+        &[
+            "tokenizer_config.json",
+            "<|no-such-token|>",
+            "not in the vocabulary",
+        ],
+    );
+}
