@@ -124,7 +124,18 @@ impl Progress {
             }
             Event::Finished { steps, out } => {
                 self.close_bar();
-                eprintln!("done: {steps} steps, model in {}", out.display());
+                let adapter = std::fs::read_to_string(out.join("adapter_config.json"))
+                    .ok()
+                    .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+                match adapter {
+                    Some(a) => eprintln!(
+                        "done: {steps} steps, LoRA adapter in {} (use it: anetrain generate --model {} --adapter {})",
+                        out.display(),
+                        a["base_model_name_or_path"].as_str().unwrap_or("BASE"),
+                        out.display()
+                    ),
+                    None => eprintln!("done: {steps} steps, model in {}", out.display()),
+                }
             }
         }
     }

@@ -161,3 +161,83 @@ fn an_eos_token_outside_the_vocabulary_is_refused() {
         ],
     );
 }
+
+/// A LoRA run directory is an adapter, not a model: the run's last line
+/// and `generate --model RUN` both say so and show the command to use.
+#[test]
+fn a_lora_run_is_named_an_adapter_with_the_command_to_use_it() {
+    let d = tmp();
+    let base = d.path().join("base");
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &base,
+    );
+    let adapter = d.path().join("adapter");
+    let o = run(
+        &[
+            "train",
+            "--model",
+            base.to_str().unwrap(),
+            "--lora-rank",
+            "4",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &adapter,
+    );
+    let e = String::from_utf8_lossy(&o.stderr);
+    let done = e.lines().last().unwrap();
+    assert!(
+        done.contains("LoRA adapter in")
+            && done.contains(&format!("--adapter {}", adapter.display())),
+        "{e}"
+    );
+    fails(
+        &[
+            "generate",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once",
+            "--model",
+            adapter.to_str().unwrap(),
+        ],
+        &["is a LoRA adapter, not a model", "--adapter"],
+    );
+    // The command it shows works.
+    let o = bin()
+        .args([
+            "generate",
+            "--backend",
+            "cpu",
+            "--prompt",
+            "Once",
+            "--max-tokens",
+            "4",
+            "--model",
+        ])
+        .arg(&base)
+        .arg("--adapter")
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
