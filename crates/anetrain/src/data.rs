@@ -180,12 +180,10 @@ pub fn open_tokens(
     tokenizer: Option<&Tokenizer>,
     vocab: usize,
 ) -> Result<Tokens> {
-    let is_text = path
-        .extension()
-        .is_some_and(|e| e == "txt" || e == "text" || e == "md");
-    if is_text {
+    if is_text(path) {
         return Ok(Tokens::Owned(load_tokens(path, dtype, tokenizer, vocab)?));
     }
+    refuse_json(path)?;
     let t = map_token_file(path, dtype)?;
     if let Some(i) = (0..t.len()).find(|&i| t.get(i) as usize >= vocab) {
         bail!(
@@ -195,6 +193,27 @@ pub fn open_tokens(
         );
     }
     Ok(t)
+}
+
+/// A `.json` file (or one that starts like JSON) given where token ids are
+/// read: records go in JSONL, one per line, and are read from `.jsonl`
+/// files or a directory of them.
+fn refuse_json(path: &Path) -> Result<()> {
+    let json_name = path.extension().is_some_and(|e| e == "json");
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
+        .unwrap_or(0);
+    let first = head[..n].iter().find(|b| !b.is_ascii_whitespace());
+    let looks_json = matches!(first, Some(b'[' | b'{'))
+        && std::str::from_utf8(&head[..n]).is_ok_and(|s| s.contains('"') || s.trim() == "[]");
+    if json_name || looks_json {
+        bail!(
+            "'{}' is JSON, not token ids: --data takes JSONL records (one JSON object per line, in a .jsonl file or a directory of train.jsonl/valid.jsonl), text (.txt/.md), or a raw token file",
+            path.display()
+        );
+    }
+    Ok(())
 }
 
 /// Whether `path` is read as text (tokenized) rather than as token ids.
@@ -222,6 +241,7 @@ pub fn load_tokens(
             .with_context(|| format!("cannot read '{}' as UTF-8 text", path.display()))?;
         tok.encode(&text)?
     } else {
+        refuse_json(path)?;
         read_token_file(path, dtype)?
     };
     check_ids(&ids, vocab, &format!("'{}'", path.display()))?;

@@ -142,8 +142,13 @@ pub fn read_file(
     mask_prompt: bool,
 ) -> Result<RecordFile> {
     use rayon::prelude::*;
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read '{}' as UTF-8 text", path.display()))?;
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        // Name the line, as every other problem of a record is named.
+        let at = e.utf8_error().valid_up_to();
+        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+        anyhow::anyhow!("'{}' line {line}: not UTF-8 text", path.display())
+    })?;
     let shown = path.display().to_string();
     let mut parsed: Vec<(usize, Map<String, Value>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {

@@ -161,7 +161,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             (rows, two_d)
         }
         (None, Some(d)) => {
-            let tok = if d.extension().is_some_and(|e| e == "txt") {
+            let tok = if data::is_text(d) {
                 Some(Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?)
             } else {
                 None

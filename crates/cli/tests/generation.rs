@@ -241,3 +241,82 @@ fn a_lora_run_is_named_an_adapter_with_the_command_to_use_it() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// Data a new user gives: a JSON array where JSONL is meant is named JSON
+/// (not read as token ids); a JSONL line of invalid UTF-8 is named by its
+/// line; a Markdown file is text for `eval` as it is for `train`.
+#[test]
+fn json_arrays_bad_utf8_and_markdown_data_get_clear_answers() {
+    let d = tmp();
+    let model = d.path().join("model");
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &model,
+    );
+    let m = model.to_str().unwrap();
+    let json = d.path().join("data.json");
+    std::fs::write(&json, r#"[{"text": "Once upon a time"}]"#).unwrap();
+    let j = json.to_str().unwrap();
+    fails(
+        &["eval", "--model", m, "--data", j],
+        &["data.json", "is JSON", "JSONL"],
+    );
+    let out = d.path().join("run");
+    fails(
+        &[
+            "train",
+            "--model",
+            m,
+            "--data",
+            j,
+            "--steps",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &["data.json", "is JSON", "JSONL"],
+    );
+    assert!(!out.exists());
+
+    let jsonl = d.path().join("bad.jsonl");
+    let mut bytes = b"{\"text\": \"fine\"}\n{\"text\": \"".to_vec();
+    bytes.extend([0xff, 0xfe]);
+    bytes.extend(b"\"}\n");
+    std::fs::write(&jsonl, bytes).unwrap();
+    fails(
+        &["eval", "--model", m, "--data", jsonl.to_str().unwrap()],
+        &["bad.jsonl", "line 2", "not UTF-8"],
+    );
+
+    let md = d.path().join("notes.md");
+    std::fs::write(&md, "Once upon a time there was a dog. ".repeat(40)).unwrap();
+    let o = bin()
+        .args([
+            "eval",
+            "--backend",
+            "cpu",
+            "--model",
+            m,
+            "--seq",
+            "32",
+            "--data",
+        ])
+        .arg(&md)
+        .arg("--tokenizer")
+        .arg(model.join("tokenizer.json"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
