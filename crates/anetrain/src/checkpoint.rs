@@ -162,10 +162,16 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
                 &dir.join(&state.model_file),
                 "adapter_model.safetensors",
             )?;
-            let base = state.settings["model"].as_str().unwrap_or_default();
+            // A base directory is recorded by its absolute path, so the
+            // adapter finds it from any working directory.
+            let given = state.settings["model"].as_str().unwrap_or_default();
+            let base = match std::path::Path::new(given).canonicalize() {
+                Ok(p) if p.is_dir() => p.display().to_string(),
+                _ => given.to_string(),
+            };
             write_atomic(
                 &out.join("adapter_config.json"),
-                serde_json::to_string_pretty(&lora.peft_config(base))?.as_bytes(),
+                serde_json::to_string_pretty(&lora.peft_config(&base))?.as_bytes(),
             )?;
         }
         None => {

@@ -363,7 +363,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         }
         Err(e) => (
             "ane-sim",
-            format!("the simulator stands in as the device ({e})"),
+            format!("the simulator stands in as the device: {e}"),
             None,
         ),
     };

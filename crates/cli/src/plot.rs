@@ -171,6 +171,15 @@ fn log_ticks(lo: f64, hi: f64) -> Vec<f64> {
 /// Reads `metrics.jsonl` and writes the chart to `out`.
 pub fn plot(run: &Path, out: &Path) -> Result<()> {
     let path = run.join("metrics.jsonl");
+    if !run.is_dir() {
+        anyhow::bail!("'{}' is not a run directory", run.display());
+    }
+    if !path.is_file() {
+        anyhow::bail!(
+            "'{}' has no metrics.jsonl: plot a directory `anetrain train` wrote",
+            run.display()
+        );
+    }
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read '{}'", path.display()))?;
     let (mut train, mut val, mut lr) = (vec![], vec![], vec![]);

@@ -320,3 +320,65 @@ fn json_arrays_bad_utf8_and_markdown_data_get_clear_answers() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
+
+/// An adapter trained from a base given by a relative path records the
+/// base's absolute path (usable from any working directory); `plot` on a
+/// directory without metrics says what it needs in one line.
+#[test]
+fn adapters_name_their_base_absolutely_and_plot_names_a_missing_run() {
+    let d = tmp();
+    let base = d.path().join("base");
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        &base,
+    );
+    let adapter = d.path().join("adapter");
+    let o = bin()
+        .current_dir(d.path())
+        .args([
+            "train",
+            "--model",
+            "base",
+            "--lora-rank",
+            "4",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+            "--out",
+        ])
+        .arg(&adapter)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let recorded = std::path::PathBuf::from(cfg["base_model_name_or_path"].as_str().unwrap());
+    assert!(recorded.is_absolute(), "{recorded:?}");
+    assert_eq!(recorded, base.canonicalize().unwrap());
+
+    let empty = d.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    fails(
+        &["plot", empty.to_str().unwrap()],
+        &["has no metrics.jsonl"],
+    );
+}

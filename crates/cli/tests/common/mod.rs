@@ -6,8 +6,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// The `anetrain` binary under test, reading (and `doctor` writing) its
-/// device profile in a directory of the build, never the user's
-/// configuration directory, and playing no chip family unless a test says.
+/// device profile in a fresh directory of the build's for every command,
+/// never the user's configuration directory (a test that wants one run to
+/// read another's profile sets `ANETRAIN_CONFIG_DIR` itself), and playing
+/// no chip family unless a test says.
 pub fn bin() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_anetrain"));
     c.env("ANETRAIN_CONFIG_DIR", config_dir())
@@ -16,10 +18,12 @@ pub fn bin() -> Command {
     c
 }
 
-/// A configuration directory of this test process under the build's
-/// directory for test files, empty unless a test writes into it.
+/// A configuration directory no other command uses, under the build's
+/// directory for test files.
 pub fn config_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("config-{}", std::process::id()))
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("config-{}-{n}", std::process::id()))
 }
 
 /// A fresh temporary directory, removed when dropped.
