@@ -84,6 +84,20 @@ pub struct TrainSettings {
     pub loss_scale: Option<f64>,
 }
 
+/// A run stopped because the user asked (a signal), its last completed
+/// step saved: not a failure, so the command line reports it as a plain
+/// line and exits with 130, as a shell does for an interrupted command.
+#[derive(Debug)]
+pub struct Interrupted(pub String);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
 /// Everything `anetrain train` was asked to do.
 #[derive(Clone, Debug)]
 pub struct TrainRequest {
@@ -888,12 +902,13 @@ impl Run<'_> {
                 metrics.sync()?;
                 state.rng = rng.state();
                 checkpoint::save(out, model, opt, state.clone())?;
-                bail!(
+                return Err(Interrupted(format!(
                     "interrupted during step {}; step {} is saved in '{}' — continue with the same flags plus --resume",
                     state.step + 1,
                     state.step,
                     out.display()
-                );
+                ))
+                .into());
             };
             if st.finite {
                 consecutive_skips = 0;
@@ -945,11 +960,12 @@ impl Run<'_> {
                 checkpoint::save(out, model, opt, state.clone())?;
             }
             if stop && state.step < r.steps {
-                bail!(
+                return Err(Interrupted(format!(
                     "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
                     state.step,
                     out.display()
-                );
+                ))
+                .into());
             }
         }
         (self.report)(&Event::Finished {

@@ -741,6 +741,11 @@ fn main() -> ExitCode {
         .build_global();
     match std::panic::catch_unwind(|| rayon::scope(|_| dispatch(cli))) {
         Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) if e.downcast_ref::<anetrain::train::Interrupted>().is_some() => {
+            // Stopped as asked, the last step saved: a plain line, not an error.
+            eprintln!("{e}");
+            ExitCode::from(130)
+        }
         Ok(Err(e)) => {
             let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
             eprintln!("error: {}", chain.join(": "));
