@@ -185,8 +185,21 @@ impl ModelConfig {
         if p.is_file() {
             return ModelConfig::from_file(p);
         }
+        let near = PRESETS
+            .iter()
+            .map(|p| (strsim::levenshtein(&spec.to_lowercase(), p), *p))
+            .filter(|(d, _)| *d <= 2)
+            .min();
+        let hint = match near {
+            // `Qwen3-0.6B` for `qwen3-0.6b`: the name of a pretrained model.
+            Some((0, p)) => format!(
+                "; the preset '{p}' is that shape randomly initialised — for a pretrained model give its directory (`huggingface-cli download ORG/NAME --local-dir DIR`, or `anetrain convert` for a llama2.c checkpoint)"
+            ),
+            Some((_, p)) => format!("; did you mean '{p}'?"),
+            None => String::new(),
+        };
         bail!(
-            "'{spec}' is neither a preset ({}) nor a model directory",
+            "'{spec}' is neither a preset ({}) nor a model directory{hint}",
             PRESETS.join(", ")
         )
     }

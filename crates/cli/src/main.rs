@@ -473,7 +473,17 @@ fn one_line(rendered: &str) -> String {
         .take_while(|l| !l.trim().is_empty())
         .map(str::trim)
         .collect();
-    format!("{} (see --help)", first.join(" "))
+    // clap's suggestion ("tip: a similar argument exists: '--steps'").
+    let tips: Vec<&str> = rendered
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("tip:"))
+        .collect();
+    let tips = match tips.is_empty() {
+        true => String::new(),
+        false => format!("; {}", tips.join("; ")),
+    };
+    format!("{}{tips} (see --help)", first.join(" "))
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<()> {

@@ -382,3 +382,25 @@ fn adapters_name_their_base_absolutely_and_plot_names_a_missing_run() {
         &["has no metrics.jsonl"],
     );
 }
+
+/// Near misses get a suggestion: a misspelt flag (clap's tip, kept in the
+/// one-line error), a misspelt preset, and a pretrained model's name that
+/// matches a random preset's but for case.
+#[test]
+fn near_misses_get_suggestions() {
+    fails(
+        &["train", "--step", "3"],
+        &["'--step'", "tip: a similar argument exists: '--steps'"],
+    );
+    fails(
+        &["train", "--model", "qwen3-06b"],
+        &["did you mean 'qwen3-0.6b'?"],
+    );
+    fails(
+        &["train", "--model", "Qwen3-0.6B"],
+        &[
+            "randomly initialised",
+            "pretrained model give its directory",
+        ],
+    );
+}
