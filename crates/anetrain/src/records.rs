@@ -173,6 +173,14 @@ pub fn read_file(
             describe_keys(first)
         )
     })?;
+    if format != Format::Completion && *keys != Keys::default() {
+        // The keys name a prompt/completion record's fields; given for
+        // chat or text records they would be ignored without a word.
+        bail!(
+            "'{shown}' holds {} records; --prompt-key/--completion-key apply to prompt/completion records only",
+            if format == Format::Chat { "chat (\"messages\")" } else { "text" }
+        );
+    }
     if format == Format::Chat && tok.chat.is_none() {
         bail!(
             "'{shown}' holds chat records, but the tokenizer '{}' has no chat template (no chat_template.jinja, no chat_template in tokenizer_config.json); use a model whose tokenizer has one, or write the records as {{\"text\": ...}} or {{\"{}\": ..., \"{}\": ...}}",

@@ -404,3 +404,28 @@ fn near_misses_get_suggestions() {
         ],
     );
 }
+
+/// `--prompt-key` names a prompt/completion field: given with chat
+/// records it is refused in one line instead of being ignored.
+#[test]
+fn record_keys_on_chat_records_are_refused() {
+    let model = common::fixture("../chat/model");
+    let data = common::fixture("../chat/data/chat");
+    fails(
+        &[
+            "eval",
+            "--backend",
+            "cpu",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--prompt-key",
+            "question",
+        ],
+        &[
+            "chat",
+            "--prompt-key/--completion-key apply to prompt/completion records only",
+        ],
+    );
+}
