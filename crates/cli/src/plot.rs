@@ -90,7 +90,24 @@ fn glyph(c: char) -> [u8; 5] {
         ')' => [4, 2, 2, 2, 4],
         ',' => [0, 0, 0, 2, 4],
         'c' => [7, 4, 4, 4, 7],
-        'g' => [7, 5, 7, 1, 7],
+        // not 9's shape: "log" must not read "lo9"
+        'g' => [7, 4, 5, 5, 7],
+        'b' => [4, 4, 7, 5, 7],
+        'd' => [1, 1, 7, 5, 7],
+        'f' => [3, 4, 6, 4, 4],
+        'h' => [4, 4, 7, 5, 5],
+        'j' => [1, 1, 1, 5, 7],
+        'k' => [5, 5, 6, 5, 5],
+        'm' => [5, 7, 7, 5, 5],
+        'q' => [7, 5, 5, 7, 1],
+        'u' => [5, 5, 5, 5, 7],
+        'w' => [5, 5, 7, 7, 5],
+        'x' => [5, 5, 2, 5, 5],
+        'y' => [5, 5, 7, 2, 2],
+        'z' => [7, 1, 2, 4, 7],
+        '_' => [0, 0, 0, 0, 7],
+        ':' => [0, 2, 0, 2, 0],
+        '=' => [0, 7, 0, 7, 0],
         'a' => [2, 5, 7, 5, 5],
         'e' => [7, 4, 6, 4, 7],
         'i' => [7, 2, 2, 2, 7],
@@ -302,6 +319,18 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     c.text(LEFT + 250, 12, "val loss", ORANGE, 3);
     c.text(LEFT + 380, 12, "lr", GREEN, 3);
     c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
+    // The run it shows, as a title (the end of a long name is kept).
+    let name = run
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| run.display().to_string());
+    let room = (W - RIGHT - (LEFT + 470)) / 8 - 5;
+    let shown: String = match name.chars().count() > room {
+        true => name.chars().skip(name.chars().count() - room).collect(),
+        false => name,
+    };
+    c.text(LEFT + 470, 14, &format!("run: {shown}"), BLACK, 2);
     anetrain::fsutil::write_atomic(out, &encode_png(&c.px)?)
 }
 
