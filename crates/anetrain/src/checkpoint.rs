@@ -94,7 +94,7 @@ fn legacy_hash(bytes: &[u8]) -> String {
     format!("{:016x}", h ^ (h >> 33))
 }
 
-fn trainer_dir(out: &Path) -> PathBuf {
+pub(crate) fn trainer_dir(out: &Path) -> PathBuf {
     out.join("trainer")
 }
 

@@ -509,6 +509,10 @@ struct NewRunDir {
     created: Option<PathBuf>,
 }
 
+/// The directory a fresh run created and the outermost one it made, while
+/// that run lives: what [`abandon_fresh_run`] removes.
+static FRESH_RUN: std::sync::Mutex<Option<(PathBuf, PathBuf)>> = std::sync::Mutex::new(None);
+
 impl NewRunDir {
     fn create(dir: &Path) -> Result<NewRunDir> {
         let created = dir
@@ -518,6 +522,10 @@ impl NewRunDir {
             .map(Path::to_path_buf);
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
+        if let Some(top) = &created {
+            *FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((dir.to_path_buf(), top.clone()));
+        }
         Ok(NewRunDir {
             dir: dir.to_path_buf(),
             created,
@@ -527,11 +535,26 @@ impl NewRunDir {
 
 impl Drop for NewRunDir {
     fn drop(&mut self) {
+        *FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Some(top) = &self.created {
             if !checkpoint::state_path(&self.dir).exists() {
                 let _ = std::fs::remove_dir_all(top);
             }
         }
+    }
+}
+
+/// For a process about to exit at once (a second signal): removes the
+/// directory a fresh run in this process created, if it holds no
+/// checkpoint yet, and says whether it did.
+pub fn abandon_fresh_run() -> bool {
+    let fresh = FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    match fresh {
+        Some((dir, top)) if !checkpoint::state_path(&dir).exists() => {
+            let _ = std::fs::remove_dir_all(top);
+            true
+        }
+        _ => false,
     }
 }
 
@@ -1090,5 +1113,33 @@ impl Run<'_> {
             step: state.step + 1,
             reason,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a second signal's immediate exit does to a fresh run: removes
+    /// the directories the run created while no checkpoint exists, keeps
+    /// them once one does, and touches nothing when no run is fresh.
+    #[test]
+    fn abandoning_a_fresh_run_removes_only_what_holds_no_checkpoint() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("runs/a");
+        let run = NewRunDir::create(&dir).unwrap();
+        std::fs::write(dir.join("metrics.jsonl"), "").unwrap();
+        assert!(abandon_fresh_run());
+        assert!(!root.path().join("runs").exists());
+        drop(run);
+
+        let run = NewRunDir::create(&dir).unwrap();
+        std::fs::create_dir_all(checkpoint::trainer_dir(&dir)).unwrap();
+        std::fs::write(checkpoint::state_path(&dir), "{}").unwrap();
+        assert!(!abandon_fresh_run());
+        assert!(checkpoint::state_path(&dir).is_file());
+        drop(run);
+        assert!(!abandon_fresh_run());
+        assert!(dir.exists());
     }
 }

@@ -22,7 +22,14 @@ pub fn stop_flag() -> &'static AtomicBool {
         // committed by one rename).
         let _ = ctrlc::set_handler(|| {
             if STOP.swap(true, Ordering::SeqCst) {
-                eprintln!("\nstopped at once; the last saved checkpoint is intact");
+                // A fresh run without a checkpoint leaves no directory.
+                if anetrain::train::abandon_fresh_run() {
+                    eprintln!(
+                        "\nstopped at once; nothing was saved (the new run directory is removed)"
+                    );
+                } else {
+                    eprintln!("\nstopped at once; the last saved checkpoint is intact");
+                }
                 std::process::exit(130);
             }
         });

@@ -429,3 +429,57 @@ fn record_keys_on_chat_records_are_refused() {
         ],
     );
 }
+
+/// Two signals in quick succession before a run's first checkpoint: the
+/// process exits at once with 130, and what it says matches what it
+/// leaves — no directory ("nothing was saved"), or, where the first
+/// signal's save of step 0 won the race, a checkpoint that `--resume`
+/// takes ("intact").
+#[test]
+fn a_second_signal_before_the_first_checkpoint_leaves_nothing_behind() {
+    let d = tmp();
+    let out = d.path().join("run");
+    let mut child = bin()
+        .args([
+            "train",
+            "--backend",
+            "cpu",
+            "--steps",
+            "1",
+            "--seq",
+            "128",
+            "--batch",
+            "800",
+            "--out",
+        ])
+        .arg(&out)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while !out.join("metrics.jsonl").exists() {
+        assert!(t0.elapsed().as_secs() < 120, "the run never started");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the step ended too soon to test"
+    );
+    for _ in 0..2 {
+        let kill = std::process::Command::new("kill")
+            .args(["-INT", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(kill.success());
+    }
+    let o = child.wait_with_output().unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{e}");
+    if out.exists() {
+        assert!(out.join("trainer/state.json").is_file(), "{e}");
+        assert!(e.contains("intact") || e.contains("is saved"), "{e}");
+    } else {
+        assert!(e.contains("nothing was saved"), "{e}");
+    }
+}
