@@ -546,8 +546,16 @@ impl Drop for NewRunDir {
 
 /// For a process about to exit at once (a second signal): removes the
 /// directory a fresh run in this process created, if it holds no
-/// checkpoint yet, and says whether it did.
+/// checkpoint yet, and says whether it did. It waits for a checkpoint
+/// being written and keeps any later one from starting (the lock is never
+/// released): call it only right before exiting.
 pub fn abandon_fresh_run() -> bool {
+    std::mem::forget(checkpoint::SAVING.lock().unwrap_or_else(|e| e.into_inner()));
+    remove_fresh_run()
+}
+
+/// Removes the fresh run's directories if they hold no checkpoint.
+fn remove_fresh_run() -> bool {
     let fresh = FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()).clone();
     match fresh {
         Some((dir, top)) if !checkpoint::state_path(&dir).exists() => {
@@ -1129,17 +1137,17 @@ mod tests {
         let dir = root.path().join("runs/a");
         let run = NewRunDir::create(&dir).unwrap();
         std::fs::write(dir.join("metrics.jsonl"), "").unwrap();
-        assert!(abandon_fresh_run());
+        assert!(remove_fresh_run());
         assert!(!root.path().join("runs").exists());
         drop(run);
 
         let run = NewRunDir::create(&dir).unwrap();
         std::fs::create_dir_all(checkpoint::trainer_dir(&dir)).unwrap();
         std::fs::write(checkpoint::state_path(&dir), "{}").unwrap();
-        assert!(!abandon_fresh_run());
+        assert!(!remove_fresh_run());
         assert!(checkpoint::state_path(&dir).is_file());
         drop(run);
-        assert!(!abandon_fresh_run());
+        assert!(!remove_fresh_run());
         assert!(dir.exists());
     }
 }

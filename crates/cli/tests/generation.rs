@@ -7,6 +7,26 @@ mod common;
 
 use common::{bin, fails, run, tmp};
 
+/// A `tiny` model directory (one CPU step of training, with its tokenizer).
+fn tiny_model(dir: &std::path::Path) {
+    run(
+        &[
+            "train",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ],
+        dir,
+    );
+}
+
 fn generate(model: &std::path::Path, extra: &[&str]) -> String {
     let o = bin()
         .args([
@@ -31,22 +51,7 @@ fn generate(model: &std::path::Path, extra: &[&str]) -> String {
 fn generation_config_ends_generation_and_sets_the_sampling_defaults() {
     let d = tmp();
     let model = d.path().join("model");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &model,
-    );
+    tiny_model(&model);
     let greedy = generate(&model, &["--temperature", "0"]);
     assert!(greedy.trim_end().len() > "Once".len(), "{greedy:?}");
     let sampled = generate(&model, &["--seed", "3"]);
@@ -123,22 +128,7 @@ fn generation_config_ends_generation_and_sets_the_sampling_defaults() {
 fn an_eos_token_outside_the_vocabulary_is_refused() {
     let d = tmp();
     let model = d.path().join("model");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &model,
-    );
+    tiny_model(&model);
     let path = model.join("tokenizer_config.json");
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
@@ -168,22 +158,7 @@ fn an_eos_token_outside_the_vocabulary_is_refused() {
 fn a_lora_run_is_named_an_adapter_with_the_command_to_use_it() {
     let d = tmp();
     let base = d.path().join("base");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &base,
-    );
+    tiny_model(&base);
     let adapter = d.path().join("adapter");
     let o = run(
         &[
@@ -249,22 +224,7 @@ fn a_lora_run_is_named_an_adapter_with_the_command_to_use_it() {
 fn json_arrays_bad_utf8_and_markdown_data_get_clear_answers() {
     let d = tmp();
     let model = d.path().join("model");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &model,
-    );
+    tiny_model(&model);
     let m = model.to_str().unwrap();
     let json = d.path().join("data.json");
     std::fs::write(&json, r#"[{"text": "Once upon a time"}]"#).unwrap();
@@ -328,22 +288,7 @@ fn json_arrays_bad_utf8_and_markdown_data_get_clear_answers() {
 fn adapters_name_their_base_absolutely_and_plot_names_a_missing_run() {
     let d = tmp();
     let base = d.path().join("base");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &base,
-    );
+    tiny_model(&base);
     let adapter = d.path().join("adapter");
     let o = bin()
         .current_dir(d.path())
