@@ -183,8 +183,15 @@ pub fn run(a: TrainArgs) -> Result<()> {
         targets: a.lora_targets.clone(),
         rslora: false,
     });
+    // The run is named after the model as given; a Hub id is read from its
+    // snapshot in the Hugging Face cache (downloaded first if need be).
+    let out = a
+        .out
+        .clone()
+        .unwrap_or_else(|| train::default_out(&a.model));
+    let model = crate::hub::resolve(&a.model, crate::hub::Need::Model)?;
     let settings = TrainSettings {
-        model: a.model.clone(),
+        model,
         backend: a.backend.unwrap_or_else(Backend::platform_default),
         data: a.data.clone(),
         token_dtype: a.token_dtype,
@@ -215,9 +222,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
             weight_decay: a.wd,
         },
         steps: a.steps,
-        out: a.out.unwrap_or_else(|| train::default_out(&a.model)),
+        out,
         resume: a.resume,
-        tokenizer: a.tokenizer,
+        tokenizer: a
+            .tokenizer
+            .map(|t| crate::hub::resolve_tokenizer(&t))
+            .transpose()?,
         save_every: a.save_every,
     };
     let stop = crate::progress::stop_flag();

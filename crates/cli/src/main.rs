@@ -11,6 +11,7 @@ mod cmd_kernels;
 mod cmd_mil;
 mod cmd_model;
 mod cmd_train;
+mod hub;
 mod plot;
 mod progress;
 
@@ -517,7 +518,13 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             evals,
             report,
             ..
-        } => cmd_doctor::run(&model, seq, steps, evals as usize, report.as_deref())?,
+        } => cmd_doctor::run(
+            &hub::resolve(&model, hub::Need::Config)?,
+            seq,
+            steps,
+            evals as usize,
+            report.as_deref(),
+        )?,
         Command::Convert {
             input,
             out,
@@ -526,7 +533,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             let model = anetrain::convert::load_llama2c(&input)?;
             model.save(&out)?;
             if let Some(t) = tokenizer {
-                anetrain::tokenizer::Tokenizer::load(&t)?
+                anetrain::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&t)?)?
                     .save_to_dir(&out, model.cfg.max_position_embeddings)?;
             }
             println!(
@@ -559,7 +566,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             output,
             token_dtype,
         } => {
-            let tok = anetrain::tokenizer::Tokenizer::load(&tokenizer)?;
+            let tok = anetrain::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&tokenizer)?)?;
             let n = anetrain::data::tokenize_file(&tok, &input, &output, token_dtype)?;
             println!("wrote {n} tokens to {}", output.display());
         }
@@ -574,7 +581,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         } => {
             let args = anetrain::bench::BenchArgs {
                 lora_rank,
-                model,
+                model: hub::resolve(&model, hub::Need::Model)?,
                 seq,
                 batch,
                 steps,
@@ -588,7 +595,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             model,
             adapter,
             out,
-        } => cmd_model::merge(&model, &adapter, &out)?,
+        } => cmd_model::merge(
+            &hub::resolve_path(&model, hub::Need::Model)?,
+            &adapter,
+            &out,
+        )?,
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
             plot::plot(&run, &out)?;
@@ -611,13 +622,13 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         } => cmd_model::eval(cmd_model::EvalArgs {
             adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
-            model,
+            model: hub::resolve_path(&model, hub::Need::Model)?,
             data,
             tokens,
             seq,
             logits_out,
             token_dtype,
-            tokenizer,
+            tokenizer: tokenizer.map(|t| hub::resolve_tokenizer(&t)).transpose()?,
             max_windows,
             split,
             mask_prompt: records.mask_prompt,
@@ -638,14 +649,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
             adapter,
             backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
-            model,
+            model: hub::resolve_path(&model, hub::Need::Model)?,
             prompt,
             max_tokens,
             temperature,
             top_p,
             top_k,
             seed,
-            tokenizer,
+            tokenizer: tokenizer.map(|t| hub::resolve_tokenizer(&t)).transpose()?,
             chat,
         })?,
         Command::Kernels { command } => match command {
@@ -655,19 +666,31 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 seq,
                 seed_compat,
                 kernels,
-            } => cmd_kernels::dump(&model, &out, seq, seed_compat, &kernels)?,
+            } => cmd_kernels::dump(
+                &hub::resolve(&model, hub::Need::Config)?,
+                &out,
+                seq,
+                seed_compat,
+                &kernels,
+            )?,
             KernelsCommand::Check {
                 model,
                 seq,
                 seed_compat,
                 kernels,
                 seed,
-            } => cmd_kernels::run_check(&model, seq, seed_compat, &kernels, seed)?,
+            } => cmd_kernels::run_check(
+                &hub::resolve(&model, hub::Need::Config)?,
+                seq,
+                seed_compat,
+                &kernels,
+                seed,
+            )?,
             KernelsCommand::Plan {
                 model,
                 seq,
                 lora_rank,
-            } => cmd_kernels::show_plan(&model, seq, lora_rank)?,
+            } => cmd_kernels::show_plan(&hub::resolve(&model, hub::Need::Config)?, seq, lora_rank)?,
         },
         Command::Mil { command } => match command {
             MilCommand::Run {

@@ -45,11 +45,17 @@ pub fn fixture(path: &str) -> PathBuf {
 /// one clean `error:` line on stderr mentioning every `needle`.
 pub fn fails(args: &[&str], needles: &[&str]) {
     let o = bin().args(args).output().unwrap();
+    one_line_error(&o, &format!("{args:?}"), needles);
+}
+
+/// Asserts `o` is a failure with exit status 1 and one clean `error:` line
+/// on stderr mentioning every `needle`; `what` names the command.
+pub fn one_line_error(o: &Output, what: &str, needles: &[&str]) {
     let e = String::from_utf8_lossy(&o.stderr);
     assert_eq!(
         o.status.code(),
         Some(1),
-        "{args:?}: status {:?}, stderr {e}",
+        "{what}: status {:?}, stderr {e}",
         o.status
     );
     assert!(

@@ -1,0 +1,431 @@
+//! Hugging Face Hub model ids (`ORG/NAME[@REVISION]`) wherever a model
+//! directory is accepted: resolved to a snapshot directory of the Hub cache,
+//! laid out exactly as Python's `huggingface_hub` lays it out
+//! (`models--ORG--NAME/{blobs,refs,snapshots}`, files in a snapshot are
+//! relative symlinks to content-named blobs), so both find each other's
+//! downloads. Missing files are downloaded with the `hf-hub` crate
+//! (resumable `.part` files, a progress bar on a terminal).
+//!
+//! The environment is read as `huggingface_hub` reads it: `HF_HUB_CACHE`,
+//! else `HF_HOME/hub`, else `~/.cache/huggingface/hub`; `HF_ENDPOINT`;
+//! `HF_TOKEN`, else the token file `huggingface-cli login` writes;
+//! `HF_HUB_OFFLINE=1` for the cache alone.
+//!
+//! A cached snapshot that holds what the command needs is used without
+//! contacting the Hub (a run never changes model under the user's feet;
+//! `@REVISION` or removing the cache entry picks up a newer one). A local
+//! path, or a preset name, always wins over a Hub id.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+
+/// What a command reads from a model: its `config.json` alone (`kernels`,
+/// `doctor`), its tokenizer (`convert --tokenizer`), or the whole model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Need {
+    Config,
+    Tokenizer,
+    Model,
+}
+
+/// `ORG/NAME` with an optional `@REVISION` (a branch, tag or commit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HubId {
+    pub repo: String,
+    pub revision: String,
+}
+
+impl HubId {
+    /// Whether `spec` has the shape of a Hub model id: two names of
+    /// letters, digits, `-`, `_` and `.` joined by one `/` (not `./x`).
+    pub fn parse(spec: &str) -> Option<HubId> {
+        let (repo, revision) = match spec.split_once('@') {
+            Some((r, rev)) if !rev.is_empty() => (r, rev),
+            Some(_) => return None,
+            None => (spec, "main"),
+        };
+        let (org, name) = repo.split_once('/')?;
+        let part_ok = |p: &str| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+        };
+        (part_ok(org) && part_ok(name)).then(|| HubId {
+            repo: repo.to_string(),
+            revision: revision.to_string(),
+        })
+    }
+
+    /// `models--ORG--NAME`, the repository's directory in the cache.
+    fn folder(&self) -> String {
+        format!("models--{}", self.repo.replace('/', "--"))
+    }
+}
+
+impl std::fmt::Display for HubId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.revision.as_str() {
+            "main" => write!(f, "{}", self.repo),
+            rev => write!(f, "{}@{rev}", self.repo),
+        }
+    }
+}
+
+/// The cache directory, as `huggingface_hub` chooses it.
+pub fn cache_dir() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p));
+    }
+    if let Some(p) = std::env::var_os("HF_HOME").filter(|p| !p.is_empty()) {
+        return Ok(PathBuf::from(p).join("hub"));
+    }
+    match std::env::var_os("HOME").filter(|p| !p.is_empty()) {
+        Some(home) => Ok(PathBuf::from(home).join(".cache/huggingface/hub")),
+        None => bail!(
+            "cannot place the Hugging Face cache: neither HF_HUB_CACHE, HF_HOME nor HOME is set"
+        ),
+    }
+}
+
+/// `HF_HUB_OFFLINE` as `huggingface_hub` reads a boolean variable.
+fn offline() -> bool {
+    std::env::var("HF_HUB_OFFLINE")
+        .map(|v| ["1", "ON", "YES", "TRUE"].contains(&v.trim().to_uppercase().as_str()))
+        .unwrap_or(false)
+}
+
+/// `spec` unchanged when it is a preset or an existing path (or not shaped
+/// like a Hub id: the command's own error then names it); otherwise the
+/// snapshot directory of the Hub model it names, downloaded if needed.
+pub fn resolve(spec: &str, need: Need) -> Result<String> {
+    if anetrain::config::ModelConfig::preset(spec).is_some() || Path::new(spec).exists() {
+        return Ok(spec.to_string());
+    }
+    let Some(id) = HubId::parse(spec) else {
+        return Ok(spec.to_string());
+    };
+    let dir = snapshot(&id, need)?;
+    Ok(dir.to_string_lossy().into_owned())
+}
+
+/// [`resolve`] for arguments that are paths.
+pub fn resolve_path(spec: &Path, need: Need) -> Result<PathBuf> {
+    match spec.to_str() {
+        Some(s) => resolve(s, need).map(PathBuf::from),
+        None => Ok(spec.to_path_buf()),
+    }
+}
+
+/// `--tokenizer ORG/NAME`: the `tokenizer.json` of that Hub model.
+pub fn resolve_tokenizer(spec: &Path) -> Result<PathBuf> {
+    let resolved = resolve_path(spec, Need::Tokenizer)?;
+    Ok(match resolved == spec {
+        true => resolved,
+        false => resolved.join("tokenizer.json"),
+    })
+}
+
+/// The cached snapshot of `id` holding what `need` asks for, downloading
+/// what is missing unless offline.
+fn snapshot(id: &HubId, need: Need) -> Result<PathBuf> {
+    let cache = cache_dir()?;
+    let cached = cached_snapshot(&cache, id);
+    if let Some(dir) = &cached {
+        if missing(dir, need).is_empty() {
+            return Ok(dir.clone());
+        }
+    }
+    if offline() {
+        let what = match &cached {
+            Some(dir) => format!(
+                "its cached snapshot lacks {}",
+                missing(dir, need).join(", ")
+            ),
+            None => "it is not in the Hugging Face cache".into(),
+        };
+        bail!(
+            "'{id}': {what} ({}) and HF_HUB_OFFLINE is set; run once with network access, or unset HF_HUB_OFFLINE",
+            cache.join(id.folder()).display()
+        );
+    }
+    download::snapshot(&cache, id, need)
+}
+
+/// The snapshot directory `id`'s revision points to in the cache, if any:
+/// `refs/REVISION` holds a commit, or the revision is itself a commit.
+fn cached_snapshot(cache: &Path, id: &HubId) -> Option<PathBuf> {
+    let repo = cache.join(id.folder());
+    let commit = std::fs::read_to_string(repo.join("refs").join(&id.revision))
+        .map(|c| c.trim().to_string())
+        .unwrap_or_else(|_| id.revision.clone());
+    let dir = repo.join("snapshots").join(commit);
+    dir.is_dir().then_some(dir)
+}
+
+/// What `need` requires that `dir` lacks: `config.json`, `tokenizer.json`,
+/// the safetensors weights (one file, or every shard an index names).
+fn missing(dir: &Path, need: Need) -> Vec<String> {
+    let mut files = vec![];
+    match need {
+        Need::Config => files.push("config.json".to_string()),
+        Need::Tokenizer => files.push("tokenizer.json".to_string()),
+        Need::Model => {
+            files.push("config.json".to_string());
+            let index = dir.join("model.safetensors.index.json");
+            match shards(&index) {
+                Some(names) => files.extend(names),
+                None => files.push("model.safetensors".to_string()),
+            }
+        }
+    }
+    files.retain(|f| !dir.join(f).is_file());
+    files
+}
+
+/// The shard files a `model.safetensors.index.json` names, if it reads.
+fn shards(index: &Path) -> Option<Vec<String>> {
+    let text = std::fs::read_to_string(index).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let mut names: Vec<String> = v["weight_map"]
+        .as_object()?
+        .values()
+        .filter_map(|f| f.as_str().map(String::from))
+        .collect();
+    names.sort();
+    names.dedup();
+    Some(names)
+}
+
+/// The files of a repository listing a command needs: `config.json`, the
+/// tokenizer and generation files that exist, and for a whole model the
+/// safetensors weights (the index first: it names the shards).
+fn wanted(listing: &[String], need: Need) -> Vec<String> {
+    const TOKENIZER: [&str; 5] = [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+        "chat_template.json",
+    ];
+    let has = |f: &str| listing.iter().any(|l| l == f);
+    let mut files = vec!["config.json".to_string()];
+    if need != Need::Config {
+        files.extend(TOKENIZER.iter().filter(|f| has(f)).map(|f| f.to_string()));
+    }
+    if need == Need::Model {
+        if has("generation_config.json") {
+            files.push("generation_config.json".into());
+        }
+        if has("model.safetensors.index.json") {
+            files.push("model.safetensors.index.json".into());
+        } else {
+            files.push("model.safetensors".into());
+        }
+    }
+    files
+}
+
+#[cfg(feature = "hub-download")]
+mod download {
+    use super::*;
+    use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
+    use hf_hub::{Cache, Repo, RepoType};
+    use std::io::IsTerminal;
+
+    const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+
+    /// Downloads what `need` asks for of `id` into the cache and returns
+    /// the snapshot directory.
+    pub fn snapshot(cache: &Path, id: &HubId, need: Need) -> Result<PathBuf> {
+        let endpoint = std::env::var("HF_ENDPOINT")
+            .ok()
+            .filter(|e| !e.is_empty())
+            .map(|e| e.trim_end_matches('/').to_string())
+            .unwrap_or_else(|| DEFAULT_ENDPOINT.into());
+        let hf_cache = Cache::new(cache.to_path_buf());
+        let token = std::env::var("HF_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or_else(|| hf_cache.token());
+        let api = ApiBuilder::from_cache(hf_cache)
+            .with_endpoint(endpoint.clone())
+            .with_token(token)
+            .with_progress(std::io::stderr().is_terminal())
+            // A dropped connection resumes from the bytes already written.
+            .with_retries(3)
+            .build()
+            .map_err(|e| anyhow::anyhow!("'{id}': cannot set up downloads: {e}"))?;
+        let repo = api.repo(Repo::with_revision(
+            id.repo.clone(),
+            RepoType::Model,
+            id.revision.clone(),
+        ));
+        let info = repo
+            .info()
+            .map_err(|e| explain(e, id, &endpoint, cache, None))?;
+        let listing: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
+        let mut files = wanted(&listing, need);
+        if need == Need::Model
+            && !files
+                .iter()
+                .any(|f| listing.contains(f) && f.contains("safetensors"))
+        {
+            bail!(
+                "'{id}' has no safetensors weights (model.safetensors or model.safetensors.index.json) on {endpoint}; anetrain reads safetensors only"
+            );
+        }
+        if need == Need::Tokenizer && !listing.iter().any(|f| f == "tokenizer.json") {
+            bail!("'{id}' has no tokenizer.json on {endpoint}");
+        }
+        let mut dir = None;
+        let mut i = 0;
+        while i < files.len() {
+            let f = files[i].clone();
+            let path = fetch(&repo, &f, id, &endpoint, cache)?;
+            if f == "model.safetensors.index.json" {
+                let names = shards(&path).ok_or_else(|| {
+                    anyhow::anyhow!("'{id}': model.safetensors.index.json has no weight_map")
+                })?;
+                files.extend(names);
+            }
+            dir.get_or_insert_with(|| path.parent().map(Path::to_path_buf));
+            i += 1;
+        }
+        let dir = dir
+            .flatten()
+            .ok_or_else(|| anyhow::anyhow!("'{id}': the download left no snapshot directory"))?;
+        let left = missing(&dir, need);
+        if !left.is_empty() {
+            bail!(
+                "'{id}': the snapshot '{}' still lacks {}",
+                dir.display(),
+                left.join(", ")
+            );
+        }
+        Ok(dir)
+    }
+
+    /// One file, from the cache when there, else downloaded (a line on
+    /// stderr for each; a progress bar on a terminal).
+    fn fetch(repo: &ApiRepo, f: &str, id: &HubId, endpoint: &str, cache: &Path) -> Result<PathBuf> {
+        // `get` looks in the cache first, so only missing files travel.
+        let cached = hf_hub::Cache::new(cache.to_path_buf())
+            .repo(Repo::with_revision(
+                id.repo.clone(),
+                RepoType::Model,
+                id.revision.clone(),
+            ))
+            .get(f);
+        if let Some(p) = cached {
+            return Ok(p);
+        }
+        eprintln!("downloading {id}: {f}");
+        repo.get(f)
+            .map_err(|e| explain(e, id, endpoint, cache, Some(f)))
+    }
+
+    /// One line for a failed Hub request: what failed and what to do.
+    fn explain(
+        e: ApiError,
+        id: &HubId,
+        endpoint: &str,
+        cache: &Path,
+        file: Option<&str>,
+    ) -> anyhow::Error {
+        let cached = cache.join(id.folder());
+        let e = match e {
+            ApiError::TooManyRetries(inner) => *inner,
+            e => e,
+        };
+        let msg = match (&e, file) {
+            (ApiError::RequestError(r), _) => match r.as_ref() {
+                ureq::Error::Status(404, _) if file.is_none() => format!(
+                    "'{id}' is not a model repository on {endpoint} (404): check the name and the revision '{}'",
+                    id.revision
+                ),
+                ureq::Error::Status(401 | 403, _) => format!(
+                    "'{id}' refused access on {endpoint}: a gated or private model needs a token with access (set HF_TOKEN, or run `huggingface-cli login`)"
+                ),
+                ureq::Error::Status(404, _) => format!(
+                    "'{id}' has no {} at revision '{}' on {endpoint}",
+                    file.unwrap_or_default(),
+                    id.revision
+                ),
+                ureq::Error::Status(code, _) => {
+                    format!("'{id}': {endpoint} answered {code}; try again later")
+                }
+                ureq::Error::Transport(t) => format!(
+                    "'{id}' is not in the Hugging Face cache ({}) and {endpoint} cannot be reached: {t}",
+                    cached.display()
+                ),
+            },
+            (e, Some(f)) => format!(
+                "'{id}': downloading {f} into '{}' failed: {e}",
+                cached.display()
+            ),
+            (e, None) => format!("'{id}': {e}"),
+        };
+        anyhow::anyhow!(msg)
+    }
+}
+
+#[cfg(not(feature = "hub-download"))]
+mod download {
+    use super::*;
+
+    pub fn snapshot(cache: &Path, id: &HubId, _need: Need) -> Result<PathBuf> {
+        bail!(
+            "'{id}' is not in the Hugging Face cache ({}) and this build cannot download (built without the `hub-download` feature); download it with `huggingface-cli download {}`",
+            cache.join(id.folder()).display(),
+            id.repo
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_ids_and_what_is_not_one() {
+        let id = HubId::parse("Qwen/Qwen3-0.6B").unwrap();
+        assert_eq!(
+            (id.repo.as_str(), id.revision.as_str()),
+            ("Qwen/Qwen3-0.6B", "main")
+        );
+        assert_eq!(id.folder(), "models--Qwen--Qwen3-0.6B");
+        let id = HubId::parse("meta-llama/Llama-3.2-1B@v1.0").unwrap();
+        assert_eq!(id.revision, "v1.0");
+        assert_eq!(id.to_string(), "meta-llama/Llama-3.2-1B@v1.0");
+        for not in [
+            "tiny",
+            "./x/y",
+            "../a/b",
+            "a/b/c",
+            "/abs/path",
+            "a/",
+            "a/b@",
+            "a b/c",
+        ] {
+            assert_eq!(HubId::parse(not), None, "{not}");
+        }
+    }
+
+    #[test]
+    fn a_sharded_model_needs_every_shard_its_index_names() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("config.json"), "{}").unwrap();
+        assert_eq!(missing(d.path(), Need::Config), Vec::<String>::new());
+        assert_eq!(missing(d.path(), Need::Model), vec!["model.safetensors"]);
+        std::fs::write(
+            d.path().join("model.safetensors.index.json"),
+            r#"{"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors", "c": "m-1.safetensors"}}"#,
+        )
+        .unwrap();
+        std::fs::write(d.path().join("m-1.safetensors"), "").unwrap();
+        assert_eq!(missing(d.path(), Need::Model), vec!["m-2.safetensors"]);
+        assert_eq!(missing(d.path(), Need::Tokenizer), vec!["tokenizer.json"]);
+    }
+}
