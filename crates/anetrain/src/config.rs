@@ -192,9 +192,15 @@ impl ModelConfig {
             .min();
         let hint = match near {
             // `Qwen3-0.6B` for `qwen3-0.6b`: the name of a pretrained model.
-            Some((0, p)) => format!(
-                "; the preset '{p}' is that shape randomly initialised — for a pretrained model give its directory (`huggingface-cli download ORG/NAME --local-dir DIR`, or `anetrain convert` for a llama2.c checkpoint)"
-            ),
+            Some((0, p)) => {
+                let id = match p.starts_with("qwen3") {
+                    true => format!("Qwen/{spec}"),
+                    false => "ORG/NAME".into(),
+                };
+                format!(
+                    "; the preset '{p}' is that shape randomly initialised — for the pretrained model give its Hub id ({id}), a model directory, or `anetrain convert` a llama2.c checkpoint"
+                )
+            }
             Some((_, p)) => format!("; did you mean '{p}'?"),
             None => String::new(),
         };

@@ -103,16 +103,45 @@ impl Tokenizer {
             .to_vec())
     }
 
+    /// `tokenizer_config.json`'s `eos_token`, when it names one in the
+    /// vocabulary.
+    pub fn declared_eos(&self) -> Option<(String, u32)> {
+        let t = self.special.get("eos_token").and_then(|v| v.as_str())?;
+        Some((t.to_owned(), self.token_id(t)?))
+    }
+
     /// The end-of-sequence token: `tokenizer_config.json`'s `eos_token`
     /// when it names one in the vocabulary, else the first of
     /// [`Tokenizer::end_tokens`].
     pub fn eos(&self) -> Option<(String, u32)> {
-        if let Some(t) = self.special.get("eos_token").and_then(|v| v.as_str()) {
-            if let Some(id) = self.token_id(t) {
-                return Some((t.to_owned(), id));
-            }
+        if let Some(e) = self.declared_eos() {
+            return Some(e);
         }
         self.end_tokens().first().map(|&(t, id)| (t.to_owned(), id))
+    }
+
+    /// The token the chat template closes an assistant turn with
+    /// (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3): the first token
+    /// after a reply in a rendered conversation. `None` without a template
+    /// or when nothing follows the reply.
+    pub fn end_of_turn(&self) -> Result<Option<(String, u32)>> {
+        const REPLY: &str = "Reply-0d6c1e.";
+        let Some(chat) = &self.chat else {
+            return Ok(None);
+        };
+        let messages = serde_json::json!([
+            {"role": "user", "content": "Hello."},
+            {"role": "assistant", "content": REPLY},
+        ]);
+        let text = chat.render(&messages, None, false, &serde_json::Map::new())?;
+        let Some(at) = text.rfind(REPLY) else {
+            return Ok(None);
+        };
+        let rest = text[at + REPLY.len()..].trim_start_matches([' ', '\t']);
+        let Some(&id) = self.encode(rest)?.first() else {
+            return Ok(None);
+        };
+        Ok(self.inner.id_to_token(id).map(|t| (t, id)))
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

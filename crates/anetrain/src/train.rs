@@ -128,6 +128,8 @@ pub enum Event {
     },
     /// Something the user should know, in one line.
     Note(String),
+    /// Something that is probably a mistake, in one line; the run goes on.
+    Warning(String),
     /// Step `step` (1-based) was skipped: its loss or gradients were not
     /// finite.
     Skipped { step: u64, reason: String },
@@ -191,17 +193,19 @@ fn load_records(
     path: &Path,
     tok: &Tokenizer,
     vocab: usize,
-    note: &mut dyn FnMut(String),
+    note: &mut dyn FnMut(Event),
 ) -> Result<Source> {
     let splits = records::splits(path)?;
+    let mut templated = false;
     let mut read = |file: &Path| -> Result<Vec<Example>> {
         let f = records::read_file(file, tok, &s.keys, s.mask_prompt)?;
+        templated |= f.format != records::Format::Text && tok.chat.is_some();
         for e in &f.examples {
             data::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
         }
         let fitted = records::fit(f.examples, s.seq);
         if let Some(w) = fitted.warning(file, s.seq) {
-            note(w);
+            note(Event::Note(w));
         }
         Ok(fitted.examples)
     };
@@ -214,6 +218,11 @@ fn load_records(
         }
         None => vec![],
     };
+    if templated {
+        if let Some(w) = end_of_turn_warning(tok, Path::new(&s.model))? {
+            note(Event::Warning(w));
+        }
+    }
     if train.is_empty() {
         bail!(
             "'{}' leaves no training record with a target token within --seq {}",
@@ -224,12 +233,47 @@ fn load_records(
     Ok(Source::Records { train, val })
 }
 
+/// A warning when the chat template ends a turn with a token that is not
+/// one of the model's declared end tokens (`generation_config.json`'s and
+/// `config.json`'s `eos_token_id`, the tokenizer's `eos_token`): the model
+/// learns to close its replies with it, but transformers, llama.cpp and
+/// Ollama, which stop on the declared ones only, would run past it.
+fn end_of_turn_warning(tok: &Tokenizer, model_dir: &Path) -> Result<Option<String>> {
+    let Some((token, id)) = tok.end_of_turn()? else {
+        return Ok(None);
+    };
+    let mut ends: Vec<u32> = vec![];
+    let gen = match model_dir.is_dir() {
+        true => crate::generate::GenerationConfig::load(model_dir)?,
+        false => None,
+    };
+    ends.extend(gen.iter().flat_map(|g| g.eos_token_ids.iter().copied()));
+    if let Ok(cfg) = ModelConfig::from_file(&model_dir.join("config.json")) {
+        let ids = match cfg.eos_token_id {
+            Some(serde_json::Value::Array(a)) => a,
+            Some(v) => vec![v],
+            None => vec![],
+        };
+        ends.extend(ids.iter().filter_map(|v| v.as_u64()).map(|v| v as u32));
+    }
+    ends.extend(tok.declared_eos().map(|e| e.1));
+    if ends.contains(&id) {
+        return Ok(None);
+    }
+    ends.sort_unstable();
+    ends.dedup();
+    Ok(Some(format!(
+        "the chat template ends each turn with '{token}' (id {id}), which is not one of the model's end tokens ({ends:?}): `anetrain generate` stops on it, but transformers, llama.cpp and Ollama would not; add {id} to eos_token_id in {}",
+        model_dir.join("generation_config.json").display()
+    )))
+}
+
 fn load_corpus(
     s: &TrainSettings,
     cfg: &mut ModelConfig,
     fresh: bool,
     tokenizer: Option<Tokenizer>,
-    note: &mut dyn FnMut(String),
+    note: &mut dyn FnMut(Event),
 ) -> Result<Corpus> {
     let (tokens, tokenizer) = match &s.data {
         None => {
@@ -264,11 +308,11 @@ fn load_corpus(
                 // Text for a preset trained from scratch, and no tokenizer:
                 // train one on the text (saved in the run directory).
                 let tok = corpus::train_tokenizer_on_files(&[path.as_path()], cfg.vocab_size)?;
-                note(format!(
+                note(Event::Note(format!(
                     "trained a byte-level BPE tokenizer of {} tokens on '{}' (saved as tokenizer.json in the run)",
                     tok.vocab_size(),
                     path.display()
-                ));
+                )));
                 tokenizer = Some(tok);
             }
             if fresh && preset {
@@ -432,13 +476,19 @@ fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
                 "--lora-dropout is only supported with --backend cpu (the Neural Engine kernels have no dropout); use --lora-dropout 0"
             );
         }
+        if ModelConfig::preset(&s.model).is_some() {
+            bail!(
+                "LoRA adapts a pretrained model, and '{}' is a preset (random weights, never saved); give --model a Hub id (e.g. Qwen/Qwen3-0.6B), a model directory (`anetrain convert` makes one from a llama2.c checkpoint) or a run directory of a full training",
+                s.model
+            );
+        }
     }
     Ok(())
 }
 
 /// The model a run starts from: a model directory, or a preset initialised
-/// from the seed. With LoRA it is the frozen base, re-created the same way
-/// on resume.
+/// from the seed. With LoRA it is the frozen base (always a directory),
+/// loaded again on resume.
 fn starting_model(s: &TrainSettings, cfg: &ModelConfig) -> Result<Model> {
     if ModelConfig::preset(&s.model).is_none() {
         Model::load(Path::new(&s.model))
@@ -727,7 +777,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             None
         };
         let mut cfg = model.cfg.clone();
-        let corpus = load_corpus(&s, &mut cfg, false, tok, &mut |n| report(&Event::Note(n)))?;
+        let corpus = load_corpus(&s, &mut cfg, false, tok, &mut |e| report(&e))?;
         (model, opt, state, corpus)
     } else {
         let dir = Path::new(&s.model);
@@ -740,19 +790,13 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             _ => None,
         };
         let mut cfg = ModelConfig::resolve(&s.model)?;
-        let corpus = load_corpus(&s, &mut cfg, true, tok, &mut |n| report(&Event::Note(n)))?;
+        let corpus = load_corpus(&s, &mut cfg, true, tok, &mut |e| report(&e))?;
         if let (false, Some(t)) = (from_dir, &corpus.tokenizer) {
             // A preset from scratch: its special tokens are the tokenizer's.
             cfg.bos_token_id = t.begin_token().map(|b| b.1.into());
             cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
         }
         let model = with_adapters(starting_model(&s, &cfg)?, &s)?;
-        if s.lora.is_some() && !from_dir {
-            report(&Event::Note(format!(
-                "LoRA on the randomly initialised preset '{}': the base is re-created from --seed {}, and is not saved",
-                s.model, s.seed
-            )));
-        }
         if s.seq > model.cfg.max_position_embeddings {
             bail!(
                 "--seq {} exceeds the model's max_position_embeddings ({})",

@@ -263,15 +263,16 @@ pub struct GenerateArgs {
 
 /// Tokens that end generation: the model's `generation_config.json`
 /// `eos_token_id` (one or several, as transformers stops on any), the
-/// tokenizer's `eos_token` (a chat template's end of turn, such as
-/// `<|im_end|>`) and the usual end-of-text tokens it knows.
-fn stop_tokens(tok: &Tokenizer, gen: Option<&GenerationConfig>) -> Vec<u32> {
+/// tokenizer's `eos_token`, the token its chat template ends a turn with
+/// (such as `<|im_end|>`) and the usual end-of-text tokens it knows.
+fn stop_tokens(tok: &Tokenizer, gen: Option<&GenerationConfig>) -> Result<Vec<u32>> {
     let mut stops: Vec<u32> = tok.end_tokens().into_iter().map(|t| t.1).collect();
     stops.extend(tok.eos().map(|e| e.1));
+    stops.extend(tok.end_of_turn()?.map(|e| e.1));
     stops.extend(gen.iter().flat_map(|g| g.eos_token_ids.iter().copied()));
     stops.sort_unstable();
     stops.dedup();
-    stops
+    Ok(stops)
 }
 
 pub fn run_generate(a: GenerateArgs) -> Result<()> {
@@ -336,7 +337,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
             sampling.top_p
         );
     }
-    let stops = stop_tokens(&tok, gen.as_ref());
+    let stops = stop_tokens(&tok, gen.as_ref())?;
     let emit = |t: u32| -> Result<()> {
         ids.push(t);
         let text = tok.decode(&ids)?;

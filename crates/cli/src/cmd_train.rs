@@ -39,7 +39,9 @@ impl RecordArgs {
 #[command(allow_negative_numbers = true)]
 pub struct TrainArgs {
     /// A preset (tiny, stories15m, stories42m, stories110m, qwen3-0.6b) to
-    /// train from scratch, or a Hugging Face model directory to fine-tune.
+    /// train from scratch, or a model to fine-tune: a Hub id
+    /// ORG/NAME[@REVISION] (e.g. Qwen/Qwen3-0.6B, downloaded into the
+    /// Hugging Face cache), a model directory, or a run directory.
     #[arg(long, default_value = "tiny")]
     model: String,
     /// Training data [default: the built-in story corpus]: a raw token file
@@ -53,7 +55,8 @@ pub struct TrainArgs {
     data: Option<PathBuf>,
     #[command(flatten)]
     records: RecordArgs,
-    /// tokenizer.json for text data [default: the model directory's; for a
+    /// tokenizer.json (or a Hub id: its tokenizer) for text data
+    /// [default: the model's; for a
     /// preset, one trained on the --data text (or on the built-in corpus),
     /// saved in the run; `anetrain tokenizer train` makes one ahead].
     #[arg(long)]

@@ -60,7 +60,8 @@ enum Command {
     /// t[1..n]. Prints one JSON line {"loss", "tokens", "ppl"}.
     #[command(allow_negative_numbers = true)]
     Eval {
-        /// Hugging Face model directory (config.json + safetensors).
+        /// A model directory (config.json + safetensors) or a Hub id
+        /// ORG/NAME[@REVISION], downloaded into the Hugging Face cache.
         #[arg(long)]
         model: PathBuf,
         /// Integer .npy of token ids, [n+1] or [batch, n+1].
@@ -88,7 +89,8 @@ enum Command {
         /// Entry width of raw token files.
         #[arg(long, value_parser = crate::choice::<anetrain::data::TokenDtype>(), default_value = "u16")]
         token_dtype: anetrain::data::TokenDtype,
-        /// tokenizer.json for text data [default: the model directory's].
+        /// tokenizer.json for text data (or a Hub id: its tokenizer)
+        /// [default: the model's].
         #[arg(long)]
         tokenizer: Option<PathBuf>,
         /// Evaluate at most this many windows of --data.
@@ -104,7 +106,7 @@ enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     #[command(allow_negative_numbers = true)]
     Generate {
-        /// Hugging Face model directory.
+        /// A model directory or a Hub id ORG/NAME[@REVISION].
         #[arg(long)]
         model: PathBuf,
         /// The prompt text.
@@ -133,7 +135,7 @@ enum Command {
         /// Random seed for sampling.
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        /// tokenizer.json [default: the model directory's].
+        /// tokenizer.json (or a Hub id: its tokenizer) [default: the model's].
         #[arg(long)]
         tokenizer: Option<PathBuf>,
         /// A LoRA adapter directory (PEFT format) to apply to --model.
@@ -150,7 +152,8 @@ enum Command {
     /// peak RSS, per-phase medians).
     #[command(allow_negative_numbers = true)]
     Bench {
-        /// A preset (random initialisation) or a model directory.
+        /// A preset (random initialisation), a model directory or a Hub id
+        /// ORG/NAME[@REVISION].
         #[arg(long, default_value = "tiny")]
         model: String,
         /// Tokens per sequence.
@@ -176,7 +179,7 @@ enum Command {
     /// Fold a LoRA adapter into its base model (W + α/r·B·A) and write a
     /// plain Hugging Face model directory.
     Merge {
-        /// The base Hugging Face model directory.
+        /// The base: a model directory or a Hub id ORG/NAME[@REVISION].
         #[arg(long)]
         model: PathBuf,
         /// The adapter directory (adapter_config.json + adapter_model.safetensors).
@@ -194,7 +197,7 @@ enum Command {
         /// Output model directory.
         #[arg(long)]
         out: PathBuf,
-        /// tokenizer.json to copy beside the model.
+        /// tokenizer.json to copy beside the model (or a Hub id: its tokenizer).
         #[arg(long)]
         tokenizer: Option<PathBuf>,
     },
@@ -240,7 +243,7 @@ enum Command {
     /// runtime library), so the report says nothing about hardware then.
     #[command(allow_negative_numbers = true)]
     Doctor {
-        /// A preset or a model directory with config.json.
+        /// A preset, a model directory with config.json, or a Hub id.
         #[arg(long, default_value = "tiny")]
         model: String,
         /// Sequence length the kernels are built and trained at.
@@ -284,8 +287,8 @@ enum TokenizerCommand {
 enum KernelsCommand {
     /// Write every kernel's .mil, its blobs under weights/, and layout.json.
     Dump {
-        /// A preset (qwen3-0.6b, stories15m, stories42m, stories110m, tiny)
-        /// or a model directory with config.json.
+        /// A preset (qwen3-0.6b, stories15m, stories42m, stories110m, tiny),
+        /// a model directory with config.json, or a Hub id ORG/NAME.
         #[arg(long, default_value = "tiny")]
         model: String,
         /// Output directory.
@@ -308,7 +311,7 @@ enum KernelsCommand {
     /// of one smaller shape, split along the intermediate size or groups of
     /// KV heads, their results concatenated or summed.
     Plan {
-        /// A preset or a model directory with config.json.
+        /// A preset, a model directory with config.json, or a Hub id.
         #[arg(long, default_value = "tiny")]
         model: String,
         /// Sequence length.
@@ -321,7 +324,7 @@ enum KernelsCommand {
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
     Check {
-        /// A preset or a model directory.
+        /// A preset, a model directory, or a Hub id ORG/NAME[@REVISION].
         #[arg(long, default_value = "tiny")]
         model: String,
         /// Sequence length.

@@ -95,6 +95,10 @@ impl Progress {
                 self.close_bar();
                 eprintln!("note: {text}");
             }
+            Event::Warning(text) => {
+                self.close_bar();
+                eprintln!("warning: {text}");
+            }
             Event::Skipped { step, reason } => {
                 self.close_bar();
                 eprintln!("step {step}: {reason}");

@@ -355,3 +355,72 @@ fn generate_chat_prints_only_the_reply() {
         assert!(!gen(true).contains("What is 2 plus 2?"));
     }
 }
+
+/// Chat records on a model whose declared end tokens leave out the
+/// template's end of turn (`<|im_end|>`, id 2; here eos is
+/// `<|endoftext|>`, id 0): `train` warns in one line naming the token and
+/// the file to fix; with id 2 declared (the fixture as written) it does not.
+#[test]
+fn train_warns_when_the_end_of_turn_is_not_an_end_token() {
+    let t = tmp();
+    let model = t.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for e in std::fs::read_dir(chat("model")).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, model.join(p.file_name().unwrap())).unwrap();
+    }
+    let train = |model: &Path, out: &str| {
+        let o = bin()
+            .args([
+                "train",
+                "--model",
+                s(model),
+                "--data",
+                s(&chat("data/chat")),
+            ])
+            .args([
+                "--lora-rank",
+                "4",
+                "--steps",
+                "1",
+                "--seq",
+                "64",
+                "--eval-every",
+                "0",
+            ])
+            .args(["--backend", "cpu", "--out", s(&t.path().join(out))])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stderr).unwrap()
+    };
+    let quiet = train(&model, "declared");
+    assert!(!quiet.contains("warning"), "{quiet}");
+
+    let edit = |file: &str, from: &str, to: &str| {
+        let p = model.join(file);
+        let text = std::fs::read_to_string(&p).unwrap();
+        assert!(text.contains(from), "{file}: {text}");
+        std::fs::write(&p, text.replace(from, to)).unwrap();
+    };
+    edit(
+        "generation_config.json",
+        "\"eos_token_id\": 2",
+        "\"eos_token_id\": 0",
+    );
+    edit("config.json", "\"eos_token_id\": 2", "\"eos_token_id\": 0");
+    edit(
+        "tokenizer_config.json",
+        "\"eos_token\": \"<|im_end|>\"",
+        "\"eos_token\": \"<|endoftext|>\"",
+    );
+    let warned = train(&model, "undeclared");
+    let lines: Vec<&str> = warned
+        .lines()
+        .filter(|l| l.starts_with("warning:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{warned}");
+    for needle in ["'<|im_end|>' (id 2)", "[0]", "generation_config.json"] {
+        assert!(lines[0].contains(needle), "{needle}: {}", lines[0]);
+    }
+}

@@ -343,10 +343,7 @@ fn near_misses_get_suggestions() {
     );
     fails(
         &["train", "--model", "Qwen3-0.6B"],
-        &[
-            "randomly initialised",
-            "pretrained model give its directory",
-        ],
+        &["randomly initialised", "give its Hub id (Qwen/Qwen3-0.6B)"],
     );
 }
 

@@ -9,18 +9,19 @@ use common::{bin, records, run};
 
 use std::path::Path;
 
-/// 50 LoRA steps (rank 8) of `tiny` from the same base, adapters and data:
+/// 50 LoRA steps (rank 8) on a saved `tiny` from the same adapters and data:
 /// the fp16 device path stays within 0.05 of the f32 CPU loss at every step.
 #[test]
 fn ane_sim_lora_training_tracks_the_cpu_run() {
     let mut losses = vec![];
+    let base = common::tiny_base();
     for backend in ["cpu", "ane-sim"] {
         let out_tmp = common::tmp();
         let out = out_tmp.path().join(backend);
         let args = [
             "train",
             "--model",
-            "tiny",
+            base.to_str().unwrap(),
             "--lora-rank",
             "8",
             "--lr",
@@ -61,10 +62,8 @@ fn ane_sim_lora_training_tracks_the_cpu_run() {
     }
 }
 
+/// A LoRA run's flags after `train --model BASE`.
 const FLAGS: &[&str] = &[
-    "train",
-    "--model",
-    "tiny",
     "--seq",
     "32",
     "--batch",
@@ -94,13 +93,18 @@ const FLAGS: &[&str] = &[
 
 #[test]
 fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
+    let base = common::tiny_base();
+    let train = ["train", "--model", base.to_str().unwrap()];
     let full_tmp = common::tmp();
     let full = full_tmp.path().join("full");
-    run(&[FLAGS, &["--steps", "8"]].concat(), &full);
+    run(&[&train, FLAGS, &["--steps", "8"]].concat(), &full);
     let part_tmp = common::tmp();
     let part = part_tmp.path().join("part");
-    run(&[FLAGS, &["--steps", "5"]].concat(), &part);
-    run(&[FLAGS, &["--steps", "8", "--resume"]].concat(), &part);
+    run(&[&train, FLAGS, &["--steps", "5"]].concat(), &part);
+    run(
+        &[&train, FLAGS, &["--steps", "8", "--resume"]].concat(),
+        &part,
+    );
     let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
     assert!(adapter(&full) == adapter(&part), "resumed adapters differ");
     let cfg: serde_json::Value =
@@ -114,35 +118,21 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
     );
     // A different flag on resume is refused.
     let o = bin()
-        .args([FLAGS, &["--steps", "9", "--resume", "--lora-rank", "8"]].concat())
+        .args(
+            [
+                &train,
+                FLAGS,
+                &["--steps", "9", "--resume", "--lora-rank", "8"],
+            ]
+            .concat(),
+        )
         .arg("--out")
         .arg(&part)
         .output()
         .unwrap();
     assert!(!o.status.success());
 
-    // The adapter on a real base: save the random `tiny` base as a model
-    // directory by full-training it for one step, then fine-tune.
-    let base_tmp = common::tmp();
-    let base = base_tmp.path().join("base");
-    run(
-        &[
-            "train",
-            "--model",
-            "tiny",
-            "--seq",
-            "32",
-            "--batch",
-            "2",
-            "--steps",
-            "1",
-            "--eval-every",
-            "0",
-            "--backend",
-            "cpu",
-        ],
-        &base,
-    );
+    // The adapter on its base, fine-tuned further.
     let tuned_tmp = common::tmp();
     let tuned = tuned_tmp.path().join("tuned");
     let base_s = base.to_str().unwrap();
@@ -229,7 +219,7 @@ fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
         gen(&["--model", base_s, "--adapter", tuned_s]),
         gen(&["--model", merged.to_str().unwrap()])
     );
-    for d in [full, part, base, tuned, merged] {
+    for d in [full, part, tuned, merged] {
         let _ = std::fs::remove_dir_all(d);
     }
 }
@@ -260,8 +250,9 @@ fn bad_lora_flags_fail_with_one_line() {
     ] {
         let out_tmp = common::tmp();
         let out = out_tmp.path().join("bad");
+        let base = common::tiny_base();
         let o = bin()
-            .args(["train", "--steps", "1"])
+            .args(["train", "--steps", "1", "--model", base.to_str().unwrap()])
             .args(&args)
             .arg("--out")
             .arg(&out)
@@ -273,6 +264,17 @@ fn bad_lora_flags_fail_with_one_line() {
         assert!(e.contains(needle), "{args:?}: {e}");
         let _ = std::fs::remove_dir_all(out);
     }
+    // LoRA on a preset: nothing to adapt, nothing created.
+    let d = common::tmp();
+    let out = d.path().join("run");
+    common::fails(
+        &["train", "--lora-rank", "4", "--out", out.to_str().unwrap()],
+        &[
+            "LoRA adapts a pretrained model, and 'tiny' is a preset",
+            "Qwen/Qwen3-0.6B",
+        ],
+    );
+    assert!(!out.exists());
     let o = bin()
         .args([
             "eval",

@@ -88,3 +88,20 @@ pub fn records(out: &Path) -> Vec<serde_json::Value> {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
 }
+
+/// A `tiny` model saved as a model directory (one full-training step from
+/// the preset's random weights), made once per test binary: the base of
+/// LoRA tests, since LoRA needs a saved base.
+pub fn tiny_base() -> PathBuf {
+    static BASE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BASE.get_or_init(|| {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("tiny-base-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let args = ["train", "--model", "tiny", "--seq", "32", "--batch", "2"];
+        let rest = ["--steps", "1", "--eval-every", "0", "--backend", "cpu"];
+        run(&[&args[..], &rest[..]].concat(), &dir);
+        dir
+    })
+    .clone()
+}
