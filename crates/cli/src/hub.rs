@@ -198,35 +198,6 @@ fn shards(index: &Path) -> Option<Vec<String>> {
     Some(names)
 }
 
-/// The files of a repository listing a command needs: `config.json`, the
-/// tokenizer and generation files that exist, and for a whole model the
-/// safetensors weights (the index first: it names the shards).
-fn wanted(listing: &[String], need: Need) -> Vec<String> {
-    const TOKENIZER: [&str; 5] = [
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-        "chat_template.json",
-    ];
-    let has = |f: &str| listing.iter().any(|l| l == f);
-    let mut files = vec!["config.json".to_string()];
-    if need != Need::Config {
-        files.extend(TOKENIZER.iter().filter(|f| has(f)).map(|f| f.to_string()));
-    }
-    if need == Need::Model {
-        if has("generation_config.json") {
-            files.push("generation_config.json".into());
-        }
-        if has("model.safetensors.index.json") {
-            files.push("model.safetensors.index.json".into());
-        } else {
-            files.push("model.safetensors".into());
-        }
-    }
-    files
-}
-
 #[cfg(feature = "hub-download")]
 mod download {
     use super::*;
@@ -235,6 +206,35 @@ mod download {
     use std::io::IsTerminal;
 
     const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+
+    /// The files of a repository listing a command needs: `config.json`, the
+    /// tokenizer and generation files that exist, and for a whole model the
+    /// safetensors weights (the index first: it names the shards).
+    fn wanted(listing: &[String], need: Need) -> Vec<String> {
+        const TOKENIZER: [&str; 5] = [
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+            "chat_template.json",
+        ];
+        let has = |f: &str| listing.iter().any(|l| l == f);
+        let mut files = vec!["config.json".to_string()];
+        if need != Need::Config {
+            files.extend(TOKENIZER.iter().filter(|f| has(f)).map(|f| f.to_string()));
+        }
+        if need == Need::Model {
+            if has("generation_config.json") {
+                files.push("generation_config.json".into());
+            }
+            if has("model.safetensors.index.json") {
+                files.push("model.safetensors.index.json".into());
+            } else {
+                files.push("model.safetensors".into());
+            }
+        }
+        files
+    }
 
     /// Downloads what `need` asks for of `id` into the cache and returns
     /// the snapshot directory.
