@@ -31,6 +31,8 @@ pub struct ChatTemplate {
     pub origin: String,
     /// The source, when it was read from a `chat_template.jinja`.
     jinja_file: Option<String>,
+    /// The template's Jinja source.
+    source: String,
 }
 
 /// The special-token names `transformers` passes to every template
@@ -49,14 +51,20 @@ impl ChatTemplate {
     /// Compiles `source`; a syntax error names `origin`.
     pub fn new(source: String, special: Map<String, Json>, origin: String) -> Result<ChatTemplate> {
         let mut env = environment();
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .map_err(|e| anyhow!("the chat template in '{origin}' does not parse: {e}"))?;
         Ok(ChatTemplate {
             env,
             special,
             origin,
             jinja_file: None,
+            source,
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The template's source if it came from a `chat_template.jinja` file

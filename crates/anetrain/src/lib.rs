@@ -20,6 +20,7 @@ pub mod doctor;
 pub mod engine;
 pub mod fsutil;
 pub mod generate;
+pub mod gguf;
 pub mod grads;
 pub mod kernels;
 pub mod lora;

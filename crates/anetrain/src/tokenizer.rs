@@ -103,6 +103,18 @@ impl Tokenizer {
             .to_vec())
     }
 
+    /// A special token of `tokenizer_config.json` by its name
+    /// (`bos_token`, `eos_token`, `pad_token`, ...), as a string.
+    pub fn special_token(&self, name: &str) -> Option<&str> {
+        self.special.get(name).and_then(|v| v.as_str())
+    }
+
+    /// A boolean of `tokenizer_config.json` (such as `add_bos_token`).
+    pub fn config_flag(&self, key: &str) -> Option<bool> {
+        let v: serde_json::Value = serde_json::from_str(self.config_text.as_deref()?).ok()?;
+        v.get(key)?.as_bool()
+    }
+
     /// `tokenizer_config.json`'s `eos_token`, when it names one in the
     /// vocabulary.
     pub fn declared_eos(&self) -> Option<(String, u32)> {

@@ -51,6 +51,64 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `anetrain export gguf`: the model, its adapter merged in, as one GGUF
+/// file with its tokenizer and chat template.
+pub fn export_gguf(
+    model: &Path,
+    adapter: Option<&Path>,
+    out: &Path,
+    ty: anetrain::gguf::ExportType,
+    force: bool,
+) -> Result<()> {
+    if out.is_dir() {
+        bail!(
+            "--out '{}' is a directory; name the .gguf file to write",
+            out.display()
+        );
+    }
+    if out.exists() && !force {
+        bail!(
+            "'{}' already exists; pass --force to overwrite it",
+            out.display()
+        );
+    }
+    let tok_path = model.join("tokenizer.json");
+    if !tok_path.is_file() {
+        bail!(
+            "'{}' has no tokenizer.json, and a GGUF file carries its tokenizer",
+            model.display()
+        );
+    }
+    let tok = Tokenizer::load(&tok_path)?;
+    let merged = load_model(model, adapter, true)?;
+    let gen = GenerationConfig::load(model)?;
+    let name = adapter
+        .unwrap_or(model)
+        .canonicalize()
+        .ok()
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| "model".into());
+    eprintln!(
+        "exporting {}{} as {:?} to {}",
+        model.display(),
+        adapter
+            .map(|a| format!(" + {}", a.display()))
+            .unwrap_or_default(),
+        ty,
+        out.display()
+    );
+    let w = anetrain::gguf::export(&merged, &tok, gen.as_ref(), ty, &name, out)?;
+    println!(
+        "wrote {} ({} tensors, {} metadata keys, {:.1} MB); run it with `llama-cli -m {} -cnv`",
+        out.display(),
+        w.tensors,
+        w.metadata,
+        w.bytes as f64 / 1e6,
+        out.display()
+    );
+    Ok(())
+}
+
 pub struct EvalArgs {
     pub adapter: Option<PathBuf>,
     pub backend: Backend,

@@ -189,6 +189,11 @@ enum Command {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write a model for other runtimes (llama.cpp, Ollama, LM Studio).
+    Export {
+        #[command(subcommand)]
+        command: ExportCommand,
+    },
     /// Import a llama2.c checkpoint (stories15M/42M/110M .bin) as a Hugging
     /// Face model directory (q/k rows permuted from interleaved to half-split RoPE).
     Convert {
@@ -262,6 +267,33 @@ enum Command {
         /// (m1 … m5; as ANETRAIN_SIM_FAMILY).
         #[arg(long, value_name = "FAMILY")]
         sim_family: Option<String>,
+    },
+}
+
+#[derive(Subcommand)]
+enum ExportCommand {
+    /// One GGUF file (the adapter merged in, the tokenizer and chat
+    /// template embedded) that llama.cpp, Ollama and LM Studio load:
+    /// `llama-cli -m FILE.gguf -cnv`.
+    Gguf {
+        /// The model: a model directory, a run directory or a Hub id
+        /// ORG/NAME[@REVISION].
+        #[arg(long)]
+        model: PathBuf,
+        /// A LoRA adapter directory (a LoRA run) to merge in first.
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// The file to write.
+        #[arg(long, value_name = "FILE.gguf")]
+        out: PathBuf,
+        /// Tensor type of the matrices (norms stay f32): f16, bf16, or q8_0
+        /// (8-bit blocks of 32 with an fp16 scale, about half of f16's size).
+        #[arg(long = "type", value_name = "TYPE", default_value = "f16",
+              value_parser = ["f16", "bf16", "q8_0"])]
+        ty: String,
+        /// Overwrite --out if it exists.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -602,6 +634,22 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             &hub::resolve_path(&model, hub::Need::Model)?,
             &adapter,
             &out,
+        )?,
+        Command::Export {
+            command:
+                ExportCommand::Gguf {
+                    model,
+                    adapter,
+                    out,
+                    ty,
+                    force,
+                },
+        } => cmd_model::export_gguf(
+            &hub::resolve_path(&model, hub::Need::Model)?,
+            adapter.as_deref(),
+            &out,
+            anetrain::gguf::ExportType::parse(&ty)?,
+            force,
         )?,
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));

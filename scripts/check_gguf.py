@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Checks `anetrain export gguf` against llama.cpp itself.
+
+For a small Qwen3 model with a LoRA adapter (testdata/chat/model plus an
+adapter trained here) and for a llama2.c checkpoint converted by `anetrain
+convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
+tokenizer written here), in f16 and q8_0:
+
+* reads the file with the `gguf` package (tensor count, architecture,
+  tokenizer model);
+* loads it in llama.cpp (`llama-cpp-python`) and compares the logits of
+  every position of three token sequences with `anetrain eval
+  --logits-out`: max |difference| <= 1e-3 x the logit range for f16,
+  <= 3e-2 x the range for q8_0;
+* greedy-decodes 32 tokens in both (anetrain by repeated `eval`) and
+  requires them identical for f16;
+* renders the chat records of testdata/chat/renders.json that use the
+  Qwen3 template with llama-cpp-python's formatter from the template
+  embedded in the file, against the renders transformers produced (which
+  anetrain's own renderer reproduces byte for byte, tests/chat.rs).
+
+Needs Python with `gguf`, `llama-cpp-python` and `numpy` from PyPI, and a
+release build (cargo build --release). Run by hand:
+
+    python3 scripts/check_gguf.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BINARY = os.path.join(ROOT, "target", "release", "anetrain")
+CHAT_MODEL = os.path.join(ROOT, "testdata", "chat", "model")
+CHAT_DATA = os.path.join(ROOT, "testdata", "chat", "data", "chat")
+LLAMA2C = os.path.join(ROOT, "testdata", "fixtures", "llama", "llama2c.bin")
+
+
+def run(*args):
+    r = subprocess.run([BINARY, *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"anetrain {' '.join(args)} failed: {r.stderr}")
+    return r.stdout
+
+
+def byte_fallback_tokenizer(path):
+    """A SentencePiece-style BPE tokenizer.json of a few pieces."""
+    pieces = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "\u2581ab", "<0x0A>"]
+    special = lambda i, c: {"id": i, "content": c, "single_word": False, "lstrip": False,
+                            "rstrip": False, "normalized": False, "special": True}
+    tok = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "\u2581"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+        "pre_tokenizer": None, "post_processor": None,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>",
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {p: i for i, p in enumerate(pieces)},
+                  "merges": ["a b", "\u2581 ab"]},
+    }
+    with open(path, "w") as f:
+        json.dump(tok, f)
+
+
+def anetrain_logits(model, adapter, tokens, tmp):
+    t = os.path.join(tmp, "t.npy")
+    out = os.path.join(tmp, "l.npy")
+    np.save(t, np.array([tokens], dtype=np.int64))
+    args = ["eval", "--backend", "cpu", "--model", model, "--tokens", t, "--logits-out", out]
+    if adapter:
+        args += ["--adapter", adapter]
+    run(*args)
+    return np.load(out).reshape(len(tokens) - 1, -1)
+
+
+def check(label, model, adapter, gguf_path, ty, prompts, tmp):
+    import gguf
+    from llama_cpp import Llama
+
+    reader = gguf.GGUFReader(gguf_path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    tok_model = bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode()
+    print(f"{label} {ty}: gguf reads {len(reader.tensors)} tensors, {arch}, tokenizer {tok_model}")
+    llm = Llama(model_path=gguf_path, n_ctx=256, logits_all=True, verbose=False, n_threads=2)
+    worst = 0.0
+    for p in prompts:
+        ours = anetrain_logits(model, adapter, p + [p[0]], tmp)
+        llm.reset()
+        llm.eval(p)
+        theirs = np.array(llm.scores[: len(p)], dtype=np.float64)
+        rng = ours.max() - ours.min()
+        diff = np.abs(theirs - ours).max() / rng
+        worst = max(worst, diff)
+    bound = 1e-3 if ty == "f16" else 3e-2
+    print(f"  logits: max |llama.cpp - anetrain| / range = {worst:.2e} (bound {bound:.0e})")
+    assert worst <= bound, (label, ty, worst)
+    if ty == "f16":
+        seq = list(prompts[0])
+        for _ in range(32):
+            seq.append(int(anetrain_logits(model, adapter, seq + [seq[0]], tmp)[-1].argmax()))
+        llm.reset()
+        theirs = list(prompts[0])
+        llm.eval(theirs)
+        for _ in range(32):
+            nxt = int(np.argmax(llm.scores[len(theirs) - 1]))
+            theirs.append(nxt)
+            llm.eval([nxt])
+        same = seq == theirs
+        print(f"  greedy 32 tokens identical: {same}")
+        assert same, (seq, theirs)
+    return reader
+
+
+def main():
+    for mod in ("gguf", "llama_cpp"):
+        try:
+            __import__(mod)
+        except ImportError:
+            sys.exit(f"needs {mod}: pip install gguf llama-cpp-python numpy")
+    if not os.path.isfile(BINARY):
+        sys.exit(f"needs {BINARY}: cargo build --release")
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = os.path.join(tmp, "adapter")
+        run("train", "--model", CHAT_MODEL, "--data", CHAT_DATA, "--lora-rank", "8",
+            "--mask-prompt", "--steps", "40", "--batch", "8", "--seq", "128", "--lr", "1e-2",
+            "--eval-every", "0", "--backend", "cpu", "--out", adapter)
+        stories = os.path.join(tmp, "stories")
+        run("convert", LLAMA2C, "--out", stories)
+        byte_fallback_tokenizer(os.path.join(stories, "tokenizer.json"))
+        with open(os.path.join(stories, "tokenizer_config.json"), "w") as f:
+            json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}, f)
+        cases = [
+            ("qwen3 + LoRA", CHAT_MODEL, adapter, [[1, 20, 30, 40, 50], [5, 6, 7], [100, 3, 200, 17, 9, 2]]),
+            ("llama2.c stories", stories, None, [[1, 4, 5, 6], [1, 50, 60, 70, 80, 90], [2, 3]]),
+        ]
+        for label, model, adapter_dir, prompts in cases:
+            for ty in ("f16", "q8_0"):
+                out = os.path.join(tmp, f"{label.split()[0]}-{ty}.gguf")
+                args = ["export", "gguf", "--model", model, "--out", out, "--type", ty]
+                if adapter_dir:
+                    args += ["--adapter", adapter_dir]
+                run(*args)
+                check(label, model, adapter_dir, out, ty, prompts, tmp)
+
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+        reader = __import__("gguf").GGUFReader(os.path.join(tmp, "qwen3-f16.gguf"))
+        template = bytes(reader.fields["tokenizer.chat_template"].parts[-1]).decode()
+        renders = json.load(open(os.path.join(ROOT, "testdata", "chat", "renders.json")))
+        n = 0
+        for r in renders:
+            if r["template"] != "qwen3" or r["tools"] or r["extra"]:
+                continue
+            fmt = Jinja2ChatFormatter(template, eos_token=r["special"].get("eos_token", ""),
+                                      bos_token=r["special"].get("bos_token", ""),
+                                      add_generation_prompt=r["add_generation_prompt"])
+            got = fmt(messages=r["messages"]).prompt
+            assert got == r["expected"], (got, r["expected"])
+            n += 1
+        print(f"chat template from the file: {n} renders equal transformers' (and ours)")
+
+
+if __name__ == "__main__":
+    main()
