@@ -335,7 +335,7 @@ impl Lora {
             })?;
             if t.shape != p.shape {
                 bail!(
-                    "'{file}': adapter tensor '{}' has shape {:?}, the model and rank imply {:?}",
+                    "'{file}': adapter tensor '{}' has shape {:?}, the model and rank imply {:?}: an adapter of another base model (its adapter_config.json names the base it was trained on)",
                     p.name,
                     t.shape,
                     p.shape

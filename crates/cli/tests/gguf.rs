@@ -232,6 +232,38 @@ fn chat_model() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/chat/model")
 }
 
+/// A LoRA adapter of the chat model, trained for `steps` steps into
+/// `dir/adapter`.
+fn chat_adapter(dir: &Path, rank: &str, steps: &str) -> PathBuf {
+    let adapter = dir.join("adapter");
+    let (model, data) = (chat_model(), chat_model().join("../data/chat"));
+    let args = [
+        "train",
+        "--model",
+        model.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ];
+    let rest = [
+        "--lora-rank",
+        rank,
+        "--steps",
+        steps,
+        "--lr",
+        "1e-2",
+        "--seq",
+        "64",
+    ];
+    let run = [
+        &args[..],
+        &rest[..],
+        &["--eval-every", "0", "--backend", "cpu"],
+    ]
+    .concat();
+    common::run(&run, &adapter);
+    adapter
+}
+
 fn export(args: &[&str]) -> String {
     let o = bin().args(["export", "gguf"]).args(args).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -244,32 +276,7 @@ fn export(args: &[&str]) -> String {
 #[test]
 fn a_qwen3_model_with_an_adapter_round_trips() {
     let t = tmp();
-    let adapter = t.path().join("adapter");
-    let data = chat_model().join("../data/chat");
-    common::run(
-        &[
-            "train",
-            "--model",
-            chat_model().to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ]
-        .iter()
-        .chain(&[
-            "--lora-rank",
-            "8",
-            "--steps",
-            "3",
-            "--lr",
-            "1e-2",
-            "--seq",
-            "64",
-        ])
-        .chain(&["--eval-every", "0", "--backend", "cpu"])
-        .copied()
-        .collect::<Vec<_>>(),
-        &adapter,
-    );
+    let adapter = chat_adapter(t.path(), "8", "3");
     // The reference: the merged model as `merge` writes it.
     let merged = t.path().join("merged");
     let o = bin()
@@ -508,32 +515,7 @@ fn export_errors_are_one_line_and_leave_no_file() {
         &["no tokenizer.json"],
     );
     // An adapter trained on the chat model, applied to another base.
-    let adapter = t.path().join("adapter");
-    let data = chat_model().join("../data/chat");
-    common::run(
-        &[
-            "train",
-            "--model",
-            chat_model().to_str().unwrap(),
-            "--data",
-            data.to_str().unwrap(),
-        ]
-        .iter()
-        .chain(&[
-            "--lora-rank",
-            "4",
-            "--steps",
-            "1",
-            "--seq",
-            "32",
-            "--eval-every",
-            "0",
-        ])
-        .chain(&["--backend", "cpu"])
-        .copied()
-        .collect::<Vec<_>>(),
-        &adapter,
-    );
+    let adapter = chat_adapter(t.path(), "4", "1");
     let other = t.path().join("other");
     std::fs::create_dir(&other).unwrap();
     for f in ["config.json", "model.safetensors"] {
