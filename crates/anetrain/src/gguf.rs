@@ -240,15 +240,7 @@ pub fn export(
     if model.lora.is_some() {
         bail!("merge the adapter before exporting");
     }
-    for p in &model.params {
-        if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
-            bail!(
-                "refusing to export: tensor '{}' holds {} at index {i}",
-                p.name,
-                p.data[i]
-            );
-        }
-    }
+    model.check_finite("export")?;
     let mut meta = model_metadata(model, ty, name);
     meta.extend(tokenizer_metadata(tok, model, gen)?);
     let tensors = tensor_plan(model, ty)?;
@@ -259,11 +251,6 @@ pub fn export(
         offsets.push(at);
         at = (at + t.ty.bytes(t.values.len())).next_multiple_of(ALIGNMENT);
     }
-    let written = Written {
-        tensors: tensors.len(),
-        bytes: 0,
-        metadata: meta.len(),
-    };
     // The header (metadata and tensor descriptors: a few MB for a 150k
     // vocabulary) is assembled first; the tensors are then streamed.
     let mut head = vec![];
@@ -301,8 +288,11 @@ pub fn export(
         }
         Ok(())
     })?;
-    let bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
-    Ok(Written { bytes, ..written })
+    Ok(Written {
+        tensors: tensors.len(),
+        bytes: std::fs::metadata(out).map(|m| m.len()).unwrap_or(0),
+        metadata: meta.len(),
+    })
 }
 
 /// The architecture's name in GGUF.

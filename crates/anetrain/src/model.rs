@@ -224,18 +224,25 @@ impl Model {
         tensor_file::encode(&tensors, &[("format", "pt")])
     }
 
-    /// Saves as a Hugging Face model directory (f32 safetensors) that
-    /// `transformers` loads unchanged. Refuses to write non-finite weights.
-    pub fn save(&self, dir: &Path) -> Result<()> {
+    /// An error naming the first weight that is not finite: nothing that
+    /// writes a model (`action`: "save", "export") writes NaN or inf.
+    pub fn check_finite(&self, action: &str) -> Result<()> {
         for p in &self.params {
             if let Some(i) = p.data.iter().position(|v| !v.is_finite()) {
                 bail!(
-                    "refusing to save: tensor '{}' holds {} at index {i}",
+                    "refusing to {action}: tensor '{}' holds {} at index {i}",
                     p.name,
                     p.data[i]
                 );
             }
         }
+        Ok(())
+    }
+
+    /// Saves as a Hugging Face model directory (f32 safetensors) that
+    /// `transformers` loads unchanged. Refuses to write non-finite weights.
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        self.check_finite("save")?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
         write_atomic(&dir.join("model.safetensors"), &self.safetensors_bytes()?)?;
