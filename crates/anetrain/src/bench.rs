@@ -122,6 +122,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
     let (v, d) = (model.cfg.vocab_size, model.cfg.hidden_size);
     let mut logits = vec![0f32; v * tokens];
     let head_id = model.lm_head.unwrap_or(model.embed);
+    let head_values = model.lm_head();
     let mut flops = 0.0;
     let mut mm = |a: MatRef<'_>, b: MatRef<'_>, dst: &mut [f32], accumulate: bool| {
         flops += 2.0 * (a.rows * a.cols * b.cols) as f64;
@@ -139,7 +140,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
                 mm(w, MatRef::row_major(&x, 0, i, tokens), &mut out, false);
             }
         }
-        let head = MatRef::row_major(model.lm_head(), 0, v, d);
+        let head = MatRef::row_major(&head_values, 0, v, d);
         mm(
             head,
             MatRef::row_major(&x, 0, d, tokens),

@@ -291,6 +291,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         resume: false,
         tokenizer: None,
         save_every: 0,
+        memory: Default::default(),
     };
     let mut seen = vec![];
     let stop = AtomicBool::new(false);

@@ -116,7 +116,7 @@ impl<'a> Decoder<'a> {
         }
         let xf = head_rms_norm(&x, w(m.final_norm), d, 1, eps);
         self.pos += 1;
-        Ok(w_x(m.lm_head(), &xf, c.vocab_size, d, 1))
+        Ok(w_x(&m.lm_head(), &xf, c.vocab_size, d, 1))
     }
 }
 
@@ -373,7 +373,7 @@ pub fn generate_with_engine<R: crate::runner::KernelRunner>(
         let fwd = eng.forward(model, seq)?;
         let n = seq.len();
         let last: Vec<f32> = (0..d).map(|c| fwd.xf[c * n + n - 1]).collect();
-        Ok(w_x(model.lm_head(), &last, model.cfg.vocab_size, d, 1))
+        Ok(w_x(&model.lm_head(), &last, model.cfg.vocab_size, d, 1))
     };
     let mut seq = prompt.to_vec();
     let first = last_logits(&mut eng, &seq)?;

@@ -25,6 +25,7 @@ pub mod grads;
 pub mod kernels;
 pub mod lora;
 pub mod mem;
+pub mod memplan;
 pub mod model;
 pub mod optim;
 pub mod params;

@@ -157,6 +157,7 @@ impl Lora {
                         name: peft_key(i, t, ab),
                         shape,
                         data: vec![],
+                        stored: None,
                         decay: true,
                     });
                     params.len() - 1

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use crate::config::{Arch, ModelConfig};
 use crate::fsutil::write_atomic;
 use crate::lora::Lora;
-pub use crate::params::{LayerIds, Param, Projection};
+pub use crate::params::{LayerIds, Param, Projection, Stored, StoredDtype};
 use crate::rng::Rng;
 use crate::tensor_file;
 
@@ -40,6 +40,7 @@ fn layout(cfg: &ModelConfig) -> Model {
             name,
             shape,
             data: vec![],
+            stored: None,
             decay,
         });
         params.len() - 1
@@ -116,9 +117,15 @@ impl Model {
         Ok(m)
     }
 
-    /// The output projection (the embedding when tied).
-    pub fn lm_head(&self) -> &[f32] {
-        &self.params[self.lm_head.unwrap_or(self.embed)].data
+    /// The output projection's parameter (the embedding when tied).
+    pub fn lm_head_param(&self) -> &Param {
+        &self.params[self.lm_head.unwrap_or(self.embed)]
+    }
+
+    /// The output projection in f32 (converted whole when the model keeps
+    /// it in the file's dtype; the training loss reads it in chunks).
+    pub fn lm_head(&self) -> std::borrow::Cow<'_, [f32]> {
+        self.lm_head_param().values()
     }
 
     /// The parameters training updates: the adapters when LoRA is on,
@@ -145,12 +152,25 @@ impl Model {
     }
 
     pub fn num_params(&self) -> usize {
-        self.params.iter().map(|p| p.data.len()).sum()
+        self.params.iter().map(Param::numel).sum()
     }
 
     /// Loads a Hugging Face model directory (config.json plus
-    /// model.safetensors or sharded model-*.safetensors with an index).
+    /// model.safetensors or sharded model-*.safetensors with an index),
+    /// every tensor decoded to f32.
     pub fn load(dir: &Path) -> Result<Model> {
+        Model::load_with(dir, false)
+    }
+
+    /// Loads a model whose weights stay frozen (a LoRA base, evaluation):
+    /// its matrices stay in the file, memory-mapped in the file's dtype
+    /// ([`Param::stored`]), and only the norm weights are decoded. Every
+    /// value is still checked to be finite.
+    pub fn load_frozen(dir: &Path) -> Result<Model> {
+        Model::load_with(dir, true)
+    }
+
+    fn load_with(dir: &Path, frozen: bool) -> Result<Model> {
         if !dir.is_dir() {
             bail!("model directory '{}' does not exist", dir.display());
         }
@@ -170,10 +190,17 @@ impl Model {
         }
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let files = safetensor_files(dir)?;
-        let mut found: BTreeMap<String, (tensor_file::Tensor, String)> = BTreeMap::new();
+        let mut found: BTreeMap<String, (Source, String)> = BTreeMap::new();
         for f in &files {
-            for (name, t) in tensor_file::read(f)? {
-                found.insert(name, (t, f.display().to_string()));
+            let file = f.display().to_string();
+            if frozen {
+                for (name, (shape, s)) in tensor_file::map(f)? {
+                    found.insert(name, (Source::Mapped(shape, s), file.clone()));
+                }
+            } else {
+                for (name, t) in tensor_file::read(f)? {
+                    found.insert(name, (Source::Decoded(t), file.clone()));
+                }
             }
         }
         let mut m = layout(&cfg);
@@ -194,24 +221,56 @@ impl Model {
             let (t, file) = found
                 .remove(&p.name)
                 .with_context(|| format!("'{}': tensor '{}' is missing", dir.display(), p.name))?;
-            if t.shape != p.shape {
+            if t.shape() != p.shape {
                 bail!(
                     "'{file}': tensor '{}' has shape {:?}, the config implies {:?}",
                     p.name,
-                    t.shape,
+                    t.shape(),
                     p.shape
                 );
             }
-            if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
-                bail!(
-                    "'{file}': tensor '{}' holds a non-finite value ({}) at index {i}",
-                    p.name,
-                    t.data[i]
-                );
+            let bad = |i: usize, v: f32| {
+                anyhow::anyhow!(
+                    "'{file}': tensor '{}' holds a non-finite value ({v}) at index {i}",
+                    p.name
+                )
+            };
+            match t {
+                Source::Decoded(t) => {
+                    if let Some(i) = t.data.iter().position(|v| !v.is_finite()) {
+                        return Err(bad(i, t.data[i]));
+                    }
+                    p.data = t.data;
+                }
+                Source::Mapped(_, s) => {
+                    if let Some(i) = s.first_non_finite() {
+                        let mut v = [0f32];
+                        s.convert(i..i + 1, &mut v);
+                        return Err(bad(i, v[0]));
+                    }
+                    if p.shape.len() == 1 {
+                        p.data = vec![0f32; s.len];
+                        s.convert(0..s.len, &mut p.data);
+                    } else {
+                        p.stored = Some(s);
+                    }
+                }
             }
-            p.data = t.data;
         }
         Ok(m)
+    }
+
+    /// Bytes of the weights kept in the file's dtype, and that dtype (the
+    /// first matrix's), when the model was loaded with
+    /// [`Model::load_frozen`].
+    pub fn stored_bytes(&self) -> Option<(usize, StoredDtype)> {
+        let stored: Vec<&Stored> = self
+            .params
+            .iter()
+            .filter_map(|p| p.stored.as_ref())
+            .collect();
+        let dtype = stored.first()?.dtype;
+        Some((stored.iter().map(|s| s.file_bytes()).sum(), dtype))
     }
 
     /// The weights as a Hugging Face `model.safetensors` (f32, HF names).
@@ -254,8 +313,23 @@ impl Model {
     }
 }
 
+/// A tensor as read from a file: decoded to f32, or mapped in place.
+enum Source {
+    Decoded(tensor_file::Tensor),
+    Mapped(Vec<usize>, Stored),
+}
+
+impl Source {
+    fn shape(&self) -> &[usize] {
+        match self {
+            Source::Decoded(t) => &t.shape,
+            Source::Mapped(shape, _) => shape,
+        }
+    }
+}
+
 /// The safetensors files of a model directory.
-fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+pub fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.is_file() {
         return Ok(vec![single]);

@@ -2,6 +2,12 @@
 //! decoder layer's tensor indices, and the seven weight projections (what
 //! kernels multiply by and LoRA adapters attach to).
 
+use std::borrow::Cow;
+use std::ops::Range;
+use std::sync::Arc;
+
+use half::{bf16, f16};
+
 use crate::config::ModelConfig;
 
 /// One parameter tensor.
@@ -10,9 +16,188 @@ pub struct Param {
     /// Hugging Face tensor name, e.g. `model.layers.3.self_attn.q_proj.weight`.
     pub name: String,
     pub shape: Vec<usize>,
+    /// The values in f32; empty when the tensor is [`Param::stored`].
     pub data: Vec<f32>,
+    /// A frozen tensor kept as the file stores it (memory-mapped, in its
+    /// own dtype) instead of in `data`: read through [`Param::values`] and
+    /// [`Param::rows_into`], converted block by block as products need it.
+    pub stored: Option<Stored>,
     /// Weight decay applies (matrices and embeddings, never norm weights).
     pub decay: bool,
+}
+
+/// The element types a frozen tensor can stay in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredDtype {
+    F32,
+    F16,
+    BF16,
+}
+
+impl StoredDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            StoredDtype::F32 => 4,
+            StoredDtype::F16 | StoredDtype::BF16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredDtype::F32 => "f32",
+            StoredDtype::F16 => "f16",
+            StoredDtype::BF16 => "bf16",
+        }
+    }
+}
+
+/// A tensor's bytes inside a memory-mapped safetensors file. The mapping is
+/// shared by every tensor of the file and lives as long as any of them;
+/// pages are read from the file as they are touched and, being clean, the
+/// kernel can drop them under memory pressure instead of swapping.
+#[derive(Clone)]
+pub struct Stored {
+    pub map: Arc<memmap2::Mmap>,
+    /// Byte offset of the first element in the mapping.
+    pub start: usize,
+    /// Number of elements.
+    pub len: usize,
+    pub dtype: StoredDtype,
+}
+
+impl std::fmt::Debug for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Stored({} × {} at {})",
+            self.len,
+            self.dtype.name(),
+            self.start
+        )
+    }
+}
+
+impl PartialEq for Stored {
+    fn eq(&self, o: &Stored) -> bool {
+        Arc::ptr_eq(&self.map, &o.map) && self.start == o.start && self.len == o.len
+    }
+}
+
+impl Stored {
+    /// The raw bytes of elements `range`.
+    fn bytes(&self, range: Range<usize>) -> &[u8] {
+        let b = self.dtype.bytes();
+        &self.map[self.start + range.start * b..self.start + range.end * b]
+    }
+
+    /// Elements `range` converted to f32 into `out` (same length).
+    pub fn convert(&self, range: Range<usize>, out: &mut [f32]) {
+        use rayon::prelude::*;
+        assert_eq!(
+            out.len(),
+            range.len(),
+            "conversion target of the wrong length"
+        );
+        // Blocks of 64 Ki elements in parallel: a 4B model's largest
+        // projection (25 M values) converts at memory speed.
+        const BLOCK: usize = 1 << 16;
+        let raw = self.bytes(range);
+        let b = self.dtype.bytes();
+        out.par_chunks_mut(BLOCK)
+            .zip(raw.par_chunks(BLOCK * b))
+            .for_each(|(o, r)| match self.dtype {
+                StoredDtype::F32 => o
+                    .iter_mut()
+                    .zip(r.chunks_exact(4))
+                    .for_each(|(o, c)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                StoredDtype::F16 => o
+                    .iter_mut()
+                    .zip(r.chunks_exact(2))
+                    .for_each(|(o, c)| *o = f16::from_le_bytes([c[0], c[1]]).to_f32()),
+                StoredDtype::BF16 => o
+                    .iter_mut()
+                    .zip(r.chunks_exact(2))
+                    .for_each(|(o, c)| *o = bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+            });
+    }
+
+    /// The index of the first value that is not finite, if any (checked
+    /// on the bits: an all-ones exponent).
+    pub fn first_non_finite(&self) -> Option<usize> {
+        use rayon::prelude::*;
+        let raw = self.bytes(0..self.len);
+        let b = self.dtype.bytes();
+        let bad = |c: &[u8]| match self.dtype {
+            StoredDtype::F32 => !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite(),
+            StoredDtype::F16 => u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00,
+            StoredDtype::BF16 => u16::from_le_bytes([c[0], c[1]]) & 0x7f80 == 0x7f80,
+        };
+        raw.par_chunks(b).position_first(bad)
+    }
+
+    /// Bytes of the tensor in the file.
+    pub fn file_bytes(&self) -> usize {
+        self.len * self.dtype.bytes()
+    }
+}
+
+impl Param {
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The values in f32: borrowed, or converted from the file's dtype.
+    pub fn values(&self) -> Cow<'_, [f32]> {
+        match &self.stored {
+            None => Cow::Borrowed(&self.data),
+            Some(s) => {
+                let mut v = vec![0f32; s.len];
+                s.convert(0..s.len, &mut v);
+                Cow::Owned(v)
+            }
+        }
+    }
+
+    /// Rows `rows` of a matrix (`[rows.len(), shape[1]]`) in f32 into `out`
+    /// (resized): a copy of `data`, or converted from the file's dtype.
+    pub fn rows_into(&self, rows: Range<usize>, out: &mut Vec<f32>) {
+        let cols = self.shape[1..].iter().product::<usize>();
+        let range = rows.start * cols..rows.end * cols;
+        out.resize(range.len(), 0.0);
+        match &self.stored {
+            None => out.copy_from_slice(&self.data[range]),
+            Some(s) => s.convert(range, out),
+        }
+    }
+
+    /// The block `rows × cols` of a matrix, row-major, in f32 into `out`
+    /// (resized), converting only those values.
+    pub fn block_into(&self, rows: Range<usize>, cols: Range<usize>, out: &mut Vec<f32>) {
+        let width = self.shape[1..].iter().product::<usize>();
+        if cols == (0..width) {
+            return self.rows_into(rows, out);
+        }
+        out.resize(rows.len() * cols.len(), 0.0);
+        for (r, dst) in rows.zip(out.chunks_mut(cols.len().max(1))) {
+            let range = r * width + cols.start..r * width + cols.end;
+            match &self.stored {
+                None => dst.copy_from_slice(&self.data[range]),
+                Some(s) => s.convert(range, dst),
+            }
+        }
+    }
+
+    /// Rows `rows` borrowed when the tensor is in f32, else converted into
+    /// `scratch`.
+    pub fn rows<'a>(&'a self, rows: Range<usize>, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        if self.stored.is_none() {
+            let cols = self.shape[1..].iter().product::<usize>();
+            return &self.data[rows.start * cols..rows.end * cols];
+        }
+        self.rows_into(rows, scratch);
+        scratch
+    }
 }
 
 /// Indices into [`Model::params`](crate::model::Model::params) of one layer's tensors.

@@ -48,14 +48,73 @@ pub trait KernelRunner {
     fn overlaps_host(&self) -> bool {
         false
     }
+
+    /// The engine is (`true`) or is no longer recomputing a layer's forward
+    /// inside the backward (activation checkpointing): forward kernels now
+    /// walk the layers downwards.
+    fn recomputing(&mut self, _on: bool) {}
 }
 
-/// Layer `layer`'s weights (and adapters) as the kernels read them.
-pub fn layer_weights<'a>(model: &'a Model, layer: usize) -> LayerWeights<'a> {
+/// f32 copies of the projections a kernel multiplies by, for a model whose
+/// frozen matrices stay in the file's dtype ([`crate::model::Param::stored`]).
+/// [`WeightScratch::prepare`] converts what the next kernel needs and drops
+/// the rest, so the scratch never holds more than the largest kernel's
+/// projections (the FFN's three) and each projection is converted once per
+/// visit of its layer (every kernel of a layer uses different ones).
+#[derive(Default)]
+pub struct WeightScratch {
+    /// `(layer, W)` by [`Projection::index`].
+    held: [Option<(usize, Vec<f32>)>; 7],
+}
+
+impl WeightScratch {
+    /// Holds layer `layer`'s `needed` projections in f32 (those the model
+    /// keeps in f32 are read in place).
+    pub fn prepare(&mut self, model: &Model, layer: usize, needed: &[Projection]) {
+        for t in Projection::ALL {
+            let p = &model.params[t.base(&model.layers[layer])];
+            let slot = &mut self.held[t.index()];
+            if !needed.contains(&t) || p.stored.is_none() {
+                *slot = None;
+            } else if !matches!(slot, Some((l, _)) if *l == layer) {
+                let mut v = slot.take().map(|(_, v)| v).unwrap_or_default();
+                p.rows_into(0..p.shape[0], &mut v);
+                *slot = Some((layer, v));
+            }
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.held.iter().flatten().map(|(_, v)| v.len() * 4).sum()
+    }
+}
+
+/// The projections kernel `K` multiplies by.
+fn projections_of<K: Kernel>() -> Vec<Projection> {
+    K::PROJECTIONS.iter().map(|(p, _)| *p).collect()
+}
+
+/// Layer `layer`'s weights (and adapters) as the kernels read them; the
+/// frozen matrices a model keeps in the file's dtype come from `scratch`
+/// (empty unless [`WeightScratch::prepare`] converted them).
+pub fn layer_weights<'a>(
+    model: &'a Model,
+    layer: usize,
+    scratch: &'a WeightScratch,
+) -> LayerWeights<'a> {
     let l = &model.layers[layer];
     let p = |i: usize| model.params[i].data.as_slice();
+    let projection = |t: Projection| {
+        let param = &model.params[t.base(l)];
+        match (&param.stored, &scratch.held[t.index()]) {
+            (None, _) => param.data.as_slice(),
+            (Some(_), Some((held, v))) if *held == layer => v.as_slice(),
+            (Some(_), _) => &[],
+        }
+    };
     let mut w = LayerWeights {
-        projections: Projection::ALL.map(|t| p(t.base(l))),
+        projections: Projection::ALL.map(projection),
         q_norm: l.q_norm.map(p),
         k_norm: l.k_norm.map(p),
         ..LayerWeights::default()
@@ -71,6 +130,17 @@ pub fn layer_weights<'a>(model: &'a Model, layer: usize) -> LayerWeights<'a> {
 /// The CPU engine's kernels: the native twins.
 pub struct CpuKernels {
     pub opts: KernelOptions,
+    /// Frozen projections converted from the file's dtype.
+    pub scratch: WeightScratch,
+}
+
+impl CpuKernels {
+    pub fn new(opts: KernelOptions) -> CpuKernels {
+        CpuKernels {
+            opts,
+            scratch: WeightScratch::default(),
+        }
+    }
 }
 
 impl KernelRunner for CpuKernels {
@@ -82,7 +152,8 @@ impl KernelRunner for CpuKernels {
         dropout: &Dropout,
         acts: &K::Acts<'_>,
     ) -> Result<K::Out> {
-        let mut w = layer_weights(model, layer);
+        self.scratch.prepare(model, layer, &projections_of::<K>());
+        let mut w = layer_weights(model, layer, &self.scratch);
         for (m, d) in w.dropout.iter_mut().zip(dropout) {
             *m = d.as_deref();
         }
@@ -140,18 +211,116 @@ fn crop(port: Port, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
     out
 }
 
-/// The compiled kernels and per-layer buffers for one padded length.
+/// How a kernel set keeps its input buffers (weights and activations of
+/// one kernel call) on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceBuffers {
+    /// One buffer per layer, kernel and tile: weights staged once per
+    /// optimizer step (adapters only, when only they changed).
+    Persistent,
+    /// One buffer per kernel, refilled for every (layer, tile) it runs;
+    /// while the device evaluates one, a host thread prepares the next
+    /// one's weights (double buffering: the second buffer is host memory,
+    /// fp16). Kernels are tiled until a tile's input is at most
+    /// [`STREAMED_TILE_BYTES`].
+    Streamed,
+}
+
+/// The largest tile input streamed buffers hold (where an axis allows
+/// cutting further): bounds the device buffers, the host's staging copy
+/// and the simulator's working set to a few tens of megabytes per kernel
+/// whatever the model's size. Tiles share a program, so this adds device
+/// evaluations, not compiles.
+pub const STREAMED_TILE_BYTES: usize = 64 << 20;
+
+impl crate::choice::Choice for DeviceBuffers {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            DeviceBuffers::Persistent,
+            "persistent",
+            "One device buffer per layer, kernel and tile, staged once per step",
+        ),
+        (
+            DeviceBuffers::Streamed,
+            "streamed",
+            "One device buffer per kernel, refilled tile by tile, layer by layer",
+        ),
+    ];
+}
+
+impl DeviceBuffers {
+    /// Kernel options for this mode: streamed buffers cap a tile's input.
+    pub fn options(self, mut opts: KernelOptions) -> KernelOptions {
+        if self == DeviceBuffers::Streamed {
+            opts.max_tile_bytes = Some(STREAMED_TILE_BYTES);
+        }
+        opts
+    }
+
+    /// Device input buffers of kernel tiles `k` in a model of `layers`
+    /// layers, and (streamed) the host's staging copies beside them.
+    pub fn buffers_of(self, k: &tiling::KernelTiles, layers: usize) -> (usize, usize) {
+        match self {
+            DeviceBuffers::Persistent => (layers * k.tiles, 0),
+            DeviceBuffers::Streamed => (1, 1),
+        }
+    }
+}
+
+/// One run of a kernel's program: a tile of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Unit {
+    layer: usize,
+    tile: usize,
+}
+
+/// What an input buffer holds: a unit's weights at `(Model::version,
+/// adapter version)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    unit: Unit,
+    base: u64,
+    adapters: u64,
+}
+
+impl Held {
+    fn of(model: &Model, unit: Unit) -> Held {
+        Held {
+            unit,
+            base: model.version,
+            adapters: model.lora.as_ref().map_or(0, |l| l.version),
+        }
+    }
+
+    /// Whether a buffer holding `self` needs only `want`'s adapters.
+    fn adapters_behind(self, want: Held) -> bool {
+        self.unit == want.unit && self.base == want.base
+    }
+}
+
+/// A unit's weight regions prepared on the host (fp16, as the device will
+/// hold them) for the buffer that held `over` when they were prepared.
+struct Prepared {
+    held: Held,
+    over: Option<Held>,
+    regions: Vec<(Port, Vec<half::f16>)>,
+}
+
+/// The compiled kernels and input buffers for one padded length.
 struct KernelSet<D: Device> {
     /// How each kernel is tiled (see [`tiling`]).
     plan: Plan,
     /// One program per kernel, at its tile shape.
     kernels: Vec<(KernelProgram, D::Program)>,
-    /// `[layer][kernel][tile]` input buffers.
-    inputs: Vec<Vec<Vec<D::Buffer>>>,
+    /// Input buffers by kernel (see [`NeuralKernels::buffer_index`]).
+    inputs: Vec<Vec<D::Buffer>>,
+    /// What each input buffer holds.
+    held: Vec<Vec<Option<Held>>>,
+    /// The next unit's weights, prepared while the device ran, by kernel.
+    prepared: Vec<Option<Prepared>>,
     /// One output buffer per kernel.
     outputs: Vec<D::Buffer>,
-    /// `(Model::version, adapter version)` last staged.
-    staged: Option<(u64, u64)>,
 }
 
 /// The kernel contract on a Neural Engine device.
@@ -161,14 +330,65 @@ pub struct NeuralKernels<D: Device> {
     sets: BTreeMap<usize, KernelSet<D>>,
     /// Always compile for this length (e.g. generation), if set.
     fixed_seq: Option<usize>,
+    buffers: DeviceBuffers,
+    /// Forward kernels are recomputing a layer inside the backward.
+    recomputing: bool,
 }
 
 fn kind_index(kind: KernelKind) -> usize {
     KernelKind::ALL.iter().position(|k| *k == kind).unwrap_or(0)
 }
 
+/// Kernel `k`'s weight regions for one unit (or only its adapter regions),
+/// handed to `sink(port, values)` one region at a time in the region's
+/// `[channels, width]` rows. A projection is read block by block from the
+/// model (`Param::block_into`): a base kept in the file's dtype is
+/// converted a tile's block at a time.
+fn weight_regions(
+    k: &KernelProgram,
+    tiles: &tiling::KernelTiles,
+    full: &Shape,
+    model: &Model,
+    unit: Unit,
+    adapters_only: bool,
+    sink: &mut dyn FnMut(Port, Vec<f32>) -> Result<()>,
+) -> Result<()> {
+    let l = &k.layout;
+    let (layer, t) = (unit.layer, unit.tile);
+    let has = |port: Port| l.inputs.iter().any(|r| r.port == port);
+    for &(p, _) in k.kind.projections() {
+        if !adapters_only && has(Port::Weight(p)) {
+            let param = &model.params[p.base(&model.layers[layer])];
+            let block = tiling::projection_block(tiles, full, t, p, param);
+            sink(Port::Weight(p), l.region_values(Port::Weight(p), &block))?;
+        }
+        if !has(Port::LoraA(p)) {
+            continue;
+        }
+        let adapter = model.lora.as_ref().and_then(|lora| lora.adapter(layer, p));
+        let ab = adapter
+            .ok_or_else(|| anyhow!("{}: the layer has no adapter on '{}'", l.kernel, p.module()))?;
+        {
+            let (a, b) = tiling::adapter_blocks(tiles, full, t, p, ab);
+            sink(Port::LoraA(p), l.region_values(Port::LoraA(p), &a))?;
+            sink(Port::LoraB(p), l.region_values(Port::LoraB(p), &b))?;
+        }
+    }
+    let ids = &model.layers[layer];
+    for (port, id) in [(Port::QNorm, ids.q_norm), (Port::KNorm, ids.k_norm)] {
+        if has(port) && !adapters_only {
+            let id = id.ok_or_else(|| {
+                anyhow!("{}: the layer has no weight '{}'", l.kernel, port.name())
+            })?;
+            sink(port, l.region_values(port, &model.params[id].data))?;
+        }
+    }
+    Ok(())
+}
+
 impl<D: Device> NeuralKernels<D> {
-    /// Kernels for `device`, built to its limits (its chip family's).
+    /// Kernels for `device`, built to its limits (its chip family's), with
+    /// persistent buffers (see [`NeuralKernels::with_buffers`]).
     pub fn new(device: D, mut opts: KernelOptions) -> NeuralKernels<D> {
         opts.limits = device.limits();
         NeuralKernels {
@@ -176,7 +396,21 @@ impl<D: Device> NeuralKernels<D> {
             opts,
             sets: BTreeMap::new(),
             fixed_seq: None,
+            buffers: DeviceBuffers::Persistent,
+            recomputing: false,
         }
+    }
+
+    /// Keeps input buffers as `mode` says (from the next compiled set on).
+    pub fn with_buffers(mut self, mode: DeviceBuffers) -> NeuralKernels<D> {
+        self.buffers = mode;
+        self.opts = mode.options(self.opts);
+        self
+    }
+
+    /// How input buffers are kept.
+    pub fn buffers(&self) -> DeviceBuffers {
+        self.buffers
     }
 
     /// Compile every kernel for `seq` (padded) regardless of call lengths.
@@ -223,10 +457,13 @@ impl<D: Device> NeuralKernels<D> {
         if self.sets.contains_key(&sp) {
             return Ok(());
         }
+        // The smaller sets are no longer used (see `padded`): unload them
+        // before the new one's buffers exist.
+        self.sets.retain(|&len, _| len > sp);
         let shape = Shape::new(&model.cfg, sp);
         let plan = tiling::plan(&shape, &self.opts).map_err(|e| anyhow!(e))?;
-        let mut kernels = Vec::new();
-        let mut outputs = Vec::new();
+        let layers = model.cfg.num_hidden_layers;
+        let (mut kernels, mut outputs, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
         for kind in KernelKind::ALL {
             let k = build(kind, &plan.of(kind).shape, &self.opts)
                 .map_err(|e| anyhow!("generating {}: {e}", kind.name()))?;
@@ -234,98 +471,62 @@ impl<D: Device> NeuralKernels<D> {
                 .device
                 .compile(&k.text(), &k.blob_paths())
                 .map_err(|e| anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name()))?;
-            outputs.push(
-                self.device
-                    .buffer(k.layout.output_elems())
-                    .map_err(|e| anyhow!("{e}"))?,
+            let new = |device: &mut D, elems| device.buffer(elems).map_err(|e| anyhow!("{e}"));
+            outputs.push(new(&mut self.device, k.layout.output_elems())?);
+            let (n, _) = self.buffers.buffers_of(plan.of(kind), layers);
+            inputs.push(
+                (0..n)
+                    .map(|_| new(&mut self.device, k.layout.input_elems()))
+                    .collect::<Result<Vec<_>>>()?,
             );
             kernels.push((k, p));
         }
-        let mut inputs = Vec::new();
-        for _ in 0..model.cfg.num_hidden_layers {
-            let mut per = Vec::new();
-            for (k, _) in &kernels {
-                let mut tiles = Vec::new();
-                for _ in 0..plan.of(k.kind).tiles {
-                    tiles.push(
-                        self.device
-                            .buffer(k.layout.input_elems())
-                            .map_err(|e| anyhow!("{e}"))?,
-                    );
-                }
-                per.push(tiles);
-            }
-            inputs.push(per);
-        }
-        // The smaller sets are no longer used (see `padded`): unload them.
-        self.sets.retain(|&len, _| len > sp);
+        let held = inputs.iter().map(|b| vec![None; b.len()]).collect();
+        let prepared = kernels.iter().map(|_| None).collect();
         self.sets.insert(
             sp,
             KernelSet {
                 plan,
                 kernels,
                 inputs,
+                held,
+                prepared,
                 outputs,
-                staged: None,
             },
         );
         Ok(())
     }
 
-    /// Packs every layer's weights into its kernel input buffers: all of
-    /// them when the base weights changed, only the LoRA adapter regions
-    /// when only the adapters did.
-    fn stage(&mut self, model: &Model, sp: usize) -> Result<()> {
-        let set = self
-            .sets
-            .get_mut(&sp)
-            .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        let adapters = model.lora.as_ref().map_or(0, |l| l.version);
-        let now = (model.version, adapters);
-        let adapters_only = matches!(set.staged, Some((base, _)) if base == model.version);
-        if set.staged == Some(now) {
-            return Ok(());
+    /// The input buffer (of its kernel's) a unit runs in.
+    fn buffer_index(&self, unit: Unit, tiles: usize) -> usize {
+        match self.buffers {
+            DeviceBuffers::Persistent => unit.layer * tiles + unit.tile,
+            DeviceBuffers::Streamed => 0,
         }
-        let full = set.plan.shape;
-        for layer in 0..model.cfg.num_hidden_layers {
-            let whole = layer_weights(model, layer);
-            for (ki, (k, _)) in set.kernels.iter().enumerate() {
-                let l = &k.layout;
-                if !l.inputs.iter().any(|r| r.port.is_weight()) {
-                    continue;
-                }
-                let tiles = set.plan.of(k.kind);
-                for t in 0..tiles.tiles {
-                    // A tile's weights are blocks of the layer's (copied).
-                    let owned =
-                        (tiles.tiles > 1).then(|| tiling::tile_weights(tiles, &full, &whole, t));
-                    let w = owned.as_ref().map_or(whole, LayerWeights::from_tensors);
-                    let buf = &mut set.inputs[layer][ki][t];
-                    if adapters_only {
-                        for r in l.inputs.iter().filter(|r| r.port.is_adapter()) {
-                            let data = w.get(r.port).ok_or_else(|| {
-                                anyhow!(
-                                    "{}: the layer has no adapter '{}'",
-                                    l.kernel,
-                                    r.port.name()
-                                )
-                            })?;
-                            let values = l.region_values(r.port, data);
-                            write_region(&mut self.device, buf, l, r.port, &values)?;
-                        }
-                        continue;
-                    }
-                    let mut host = vec![0f32; l.input_elems()];
-                    l.pack_weights(&w, &mut host).map_err(|e| anyhow!(e))?;
-                    self.device
-                        .write(buf, 0, &host)
-                        .map_err(|e| anyhow!("staging {}: {e}", k.kind.name()))?;
-                }
-            }
-        }
-        set.staged = Some(now);
-        Ok(())
     }
+}
+
+/// The unit kernel `kind` will run after `u` in a step: the next tile, else
+/// the first tile of the next layer — up the layers in the forward, down in
+/// the backward (and in a forward recomputed inside it).
+fn next_unit(
+    kind: KernelKind,
+    u: Unit,
+    tiles: usize,
+    layers: usize,
+    recomputing: bool,
+) -> Option<Unit> {
+    if u.tile + 1 < tiles {
+        return Some(Unit {
+            layer: u.layer,
+            tile: u.tile + 1,
+        });
+    }
+    let layer = match kind.is_forward() && !recomputing {
+        true => (u.layer + 1 < layers).then_some(u.layer + 1),
+        false => u.layer.checked_sub(1),
+    }?;
+    Some(Unit { layer, tile: 0 })
 }
 
 /// Writes a region's rows (`[channels, width]`) into a device input buffer.
@@ -367,6 +568,10 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         true
     }
 
+    fn recomputing(&mut self, on: bool) {
+        self.recomputing = on;
+    }
+
     fn run<K: Kernel>(
         &mut self,
         model: &Model,
@@ -381,19 +586,67 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let kind = K::KIND;
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
-        self.stage(model, sp)?;
-        let seq = shape.seq;
+        let (seq, layers, recomputing) = (shape.seq, model.cfg.num_hidden_layers, self.recomputing);
+        let ki = kind_index(kind);
+        let ntiles = self
+            .sets
+            .get(&sp)
+            .map(|s| s.plan.of(kind).tiles)
+            .unwrap_or(1);
+        let index = |u: Unit| self.buffer_index(u, ntiles);
+        let indices: Vec<usize> = (0..layers * ntiles)
+            .map(|i| {
+                index(Unit {
+                    layer: i / ntiles,
+                    tile: i % ntiles,
+                })
+            })
+            .collect();
+        let at = |u: Unit| indices[u.layer * ntiles + u.tile];
         let set = self
             .sets
             .get_mut(&sp)
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        let ki = kind_index(kind);
+        let full = set.plan.shape;
         let (k, prog) = &set.kernels[ki];
         let l = &k.layout;
         let tiles = set.plan.of(kind);
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
         for t in 0..tiles.tiles {
-            let buf = &mut set.inputs[layer][ki][t];
+            let unit = Unit { layer, tile: t };
+            let (b, want) = (at(unit), Held::of(model, unit));
+            let held = set.held[ki][b];
+            if held != Some(want) {
+                let buf = &mut set.inputs[ki][b];
+                match set.prepared[ki].take() {
+                    // Prepared while the device ran the previous unit.
+                    Some(p) if p.held == want && p.over == held => {
+                        for (port, values) in p.regions {
+                            let mut v = vec![0f32; values.len()];
+                            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                                &values[..],
+                                &mut v,
+                            );
+                            write_region(&mut self.device, buf, l, port, &v)?;
+                        }
+                    }
+                    _ => {
+                        let adapters_only = held.is_some_and(|h| h.adapters_behind(want));
+                        let device = &mut self.device;
+                        weight_regions(
+                            k,
+                            tiles,
+                            &full,
+                            model,
+                            unit,
+                            adapters_only,
+                            &mut |port, v| write_region(device, buf, l, port, &v),
+                        )?;
+                    }
+                }
+                set.held[ki][b] = Some(want);
+            }
+            let buf = &mut set.inputs[ki][b];
             for (port, data) in acts.ports() {
                 let padded = match tiles.tiles {
                     1 => pad(port, data, seq, sp),
@@ -406,18 +659,58 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 };
                 write_region(&mut self.device, buf, l, port, &padded)?;
             }
+            // The next unit's weights, if its buffer will not hold them,
+            // are prepared on a host thread while the device runs this one.
+            let next = next_unit(kind, unit, tiles.tiles, layers, recomputing).and_then(|n| {
+                let nb = at(n);
+                // What its buffer will hold when they are written.
+                let over = if nb == b {
+                    Some(want)
+                } else {
+                    set.held[ki][nb]
+                };
+                let nwant = Held::of(model, n);
+                (over != Some(nwant)).then_some((n, nwant, over))
+            });
             let out = &mut set.outputs[ki];
-            self.device
-                .eval(prog, buf, out)
-                .map_err(|e| anyhow!("{}: {e}", kind.name()))?;
-            for b in &l.outputs {
-                let mut v = vec![0f32; b.channels.len() * l.out_spatial];
+            let device = &mut self.device;
+            let prepared = std::thread::scope(|s| {
+                let worker = next.map(|(n, nwant, over)| {
+                    s.spawn(move || {
+                        let adapters_only = over.is_some_and(|h| h.adapters_behind(nwant));
+                        let mut regions = Vec::new();
+                        weight_regions(k, tiles, &full, model, n, adapters_only, &mut |port, v| {
+                            let mut h = vec![half::f16::ZERO; v.len()];
+                            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &v);
+                            regions.push((port, h));
+                            Ok(())
+                        })
+                        .map(|()| Prepared {
+                            held: nwant,
+                            over,
+                            regions,
+                        })
+                    })
+                });
+                let ran = device
+                    .eval(prog, buf, out)
+                    .map_err(|e| anyhow!("{}: {e}", kind.name()));
+                let prepared = worker
+                    .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .transpose();
+                ran.and(prepared)
+            })?;
+            if prepared.is_some() {
+                set.prepared[ki] = prepared;
+            }
+            for blk in &l.outputs {
+                let mut v = vec![0f32; blk.channels.len() * l.out_spatial];
                 self.device
-                    .read(out, b.channels.start * l.out_spatial, &mut v)
+                    .read(out, blk.channels.start * l.out_spatial, &mut v)
                     .map_err(|e| anyhow!("{e}"))?;
-                let part = crop(b.port, &v, seq, sp);
-                let acc = results.entry(b.port).or_default();
-                tiling::combine(tiles, b.port, acc, part, t);
+                let part = crop(blk.port, &v, seq, sp);
+                let acc = results.entry(blk.port).or_default();
+                tiling::combine(tiles, blk.port, acc, part, t);
             }
         }
         K::Out::from_lookup(&mut |port| results.remove(&port)).ok_or_else(|| {

@@ -11,6 +11,8 @@ use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
 
+use crate::params::{Stored, StoredDtype};
+
 /// One tensor decoded to f32.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Tensor {
@@ -73,6 +75,44 @@ pub fn parse(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>> {
 pub fn read(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
     parse(&bytes).with_context(|| format!("'{}'", path.display()))
+}
+
+/// Maps a safetensors file and returns its tensors as [`Stored`] views of
+/// the mapping, in the file's dtype (nothing is decoded or copied; the
+/// header is validated as [`parse`] does). Errors name the file.
+pub fn map(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Stored)>> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read '{}'", path.display()))?;
+    // Safety: the file is opened read-only; a model file changed by another
+    // process during a run is outside what any reader can guard against
+    // (transformers and candle map weights the same way).
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("cannot map '{}'", path.display()))?;
+    let map = std::sync::Arc::new(map);
+    let st = SafeTensors::deserialize(&map)
+        .map_err(|e| anyhow::anyhow!(describe(e, map.len())))
+        .with_context(|| format!("'{}'", path.display()))?;
+    let base = map.as_ptr() as usize;
+    let mut out = BTreeMap::new();
+    for (name, view) in st.tensors() {
+        let dtype = match view.dtype() {
+            Dtype::F32 => StoredDtype::F32,
+            Dtype::F16 => StoredDtype::F16,
+            Dtype::BF16 => StoredDtype::BF16,
+            d => bail!(
+                "'{}': tensor '{name}' has dtype {d}; only F32, F16 and BF16 are supported",
+                path.display()
+            ),
+        };
+        let stored = Stored {
+            map: map.clone(),
+            start: view.data().as_ptr() as usize - base,
+            len: view.data().len() / dtype.bytes(),
+            dtype,
+        };
+        out.insert(name, (view.shape().to_vec(), stored));
+    }
+    Ok(out)
 }
 
 /// Encodes f32 tensors with optional metadata.

@@ -106,11 +106,10 @@ fn overlapped_weight_gradients_are_bit_identical() {
         let rows = vec![row];
         let mut plain = Engine::cpu(&model);
         let opts = plain.opts.clone();
-        let mut off = Engine {
-            runner: OffHost(CpuKernels { opts: opts.clone() }, Default::default()),
+        let mut off = Engine::with_runner(
+            OffHost(CpuKernels::new(opts.clone()), Default::default()),
             opts,
-            dropout_key: None,
-        };
+        );
         let mut ga = zero_grads(&model);
         let mut gb = zero_grads(&model);
         engine::loss_and_grads(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
@@ -176,11 +175,10 @@ fn many_lengths_stay_within_the_compile_budget() {
 fn tiled(model: &Model) -> Engine<anetrain::runner::NeuralKernels<ane::SimDevice>> {
     let mut opts = anetrain::kernels::KernelOptions::for_model(model);
     opts.min_tiles = 2;
-    Engine {
-        runner: anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+    Engine::with_runner(
+        anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
         opts,
-        dropout_key: None,
-    }
+    )
 }
 
 /// Tiled kernels hold the untiled tolerances: logits against the

@@ -8,7 +8,8 @@ use anetrain::data::TokenDtype;
 use anetrain::lora::LoraConfig;
 use anetrain::model::Projection;
 use anetrain::optim::AdamWConfig;
-use anetrain::train::{self, Sample, TrainRequest, TrainSettings};
+use anetrain::runner::DeviceBuffers;
+use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
 
 /// How JSONL records are read (`train` and `eval`).
@@ -170,6 +171,45 @@ pub struct TrainArgs {
         help_heading = "LoRA"
     )]
     lora_targets: Vec<Projection>,
+    #[command(flatten)]
+    memory: MemoryArgs,
+}
+
+/// How a run trades memory for time (`train`, `bench`); none of these
+/// changes a result.
+#[derive(clap::Args, Debug, Clone)]
+pub struct MemoryArgs {
+    /// Activation checkpointing: keep only each layer's input during the
+    /// forward and recompute the layer during the backward (about a third
+    /// more kernel work; the same losses and weights, bit for bit).
+    #[arg(long, help_heading = "Memory")]
+    pub grad_checkpoint: bool,
+    /// Device input buffers: one per layer and kernel, staged once per step
+    /// (persistent), or two per kernel refilled layer by layer while the
+    /// device runs (streamed) [default: persistent when the run's memory
+    /// plan with them fits in half of --max-memory, else streamed].
+    #[arg(long, value_parser = crate::choice::<DeviceBuffers>(), help_heading = "Memory")]
+    pub device_buffers: Option<DeviceBuffers>,
+    /// Refuse to start a run whose memory plan exceeds this (e.g. 14G,
+    /// 800M) and say what would fit [default on ane and ane-sim: physical
+    /// memory less 2 GB; on cpu: no limit]. `anetrain kernels plan` shows
+    /// the plan by part.
+    #[arg(long, value_name = "BYTES", value_parser = max_memory, help_heading = "Memory")]
+    pub max_memory: Option<u64>,
+}
+
+impl MemoryArgs {
+    pub fn options(&self) -> MemoryOptions {
+        MemoryOptions {
+            grad_checkpoint: self.grad_checkpoint,
+            device_buffers: self.device_buffers,
+            max_memory: self.max_memory,
+        }
+    }
+}
+
+fn max_memory(v: &str) -> Result<u64, String> {
+    anetrain::memplan::parse_bytes(v)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -232,6 +272,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             .map(|t| crate::hub::resolve_tokenizer(&t))
             .transpose()?,
         save_every: a.save_every,
+        memory: a.memory.options(),
     };
     let stop = crate::progress::stop_flag();
     train::train(request, &mut |e| progress.event(e), stop)?;

@@ -182,6 +182,11 @@ pub struct KernelOptions {
     /// (`ANETRAIN_ANE_MIN_TILES`; 1 unless set): exercises tiled execution
     /// on models too small to need it.
     pub min_tiles: usize,
+    /// Tile a kernel further, where an axis allows, until one tile's input
+    /// surface is at most this many bytes (`None`: only as far as the
+    /// device's limits need). Streamed device buffers hold one tile per
+    /// kernel, so this bounds them (see `runner::DeviceBuffers`).
+    pub max_tile_bytes: Option<usize>,
 }
 
 /// What the kernels need to know about LoRA adapters: every adapted
@@ -219,6 +224,15 @@ pub enum Product {
 }
 
 impl KernelKind {
+    /// Whether the kernel belongs to the forward pass (which walks the
+    /// layers upwards; the backward walks them down).
+    pub fn is_forward(self) -> bool {
+        matches!(
+            self,
+            KernelKind::SdpaForward | KernelKind::WoForward | KernelKind::FfnForward
+        )
+    }
+
     /// The weight projections this kernel applies, and how.
     pub fn projections(self) -> &'static [(Projection, Product)] {
         struct Projections;
@@ -298,6 +312,7 @@ impl KernelOptions {
                 .map(|p| p.limits)
                 .unwrap_or_default(),
             min_tiles: tiling::min_tiles_from_env(),
+            max_tile_bytes: None,
         }
     }
 
@@ -350,6 +365,7 @@ impl KernelOptions {
             min_surface_bytes: 0,
             limits: ane::rules::Limits::default().with_max_dim(ane::rules::MAX_DIM),
             min_tiles: 1,
+            max_tile_bytes: None,
         }
     }
 }

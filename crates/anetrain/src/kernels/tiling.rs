@@ -307,6 +307,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL {
         let mut fits_dim = None;
+        let mut passing = None;
         let mut chosen = None;
         let mut last_problem = String::new();
         for splits in candidates(kind, full, o) {
@@ -326,13 +327,22 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 input: [l.in_channels, l.in_spatial],
                 output: [l.out_channels, l.out_spatial],
             };
-            if findings.is_empty() {
+            let small_enough = o
+                .max_tile_bytes
+                .is_none_or(|cap| tiles.surface_bytes().0 <= cap);
+            if findings.is_empty() && small_enough {
                 chosen = Some(tiles);
                 break;
             }
+            if findings.is_empty() {
+                // Passes every rule but is larger than asked: the fallback
+                // when no finer tiling passes.
+                passing.get_or_insert(tiles);
+                continue;
+            }
             fits_dim.get_or_insert(tiles);
         }
-        match chosen.or(fits_dim) {
+        match chosen.or(passing).or(fits_dim) {
             Some(t) => kernels.push(t),
             None => {
                 let axes: Vec<String> = kind
@@ -414,6 +424,44 @@ pub fn tile_weights(k: &KernelTiles, full: &Shape, w: &super::LayerWeights, t: u
         out.insert(Port::KNorm, kn.to_vec());
     }
     out
+}
+
+/// Tile `t`'s block of projection `p`'s weight (`[out, in]` of the full
+/// shape `full`), read from `param` — f32, or kept in the file's dtype —
+/// converting only the block's rows and columns.
+pub fn projection_block(
+    k: &KernelTiles,
+    full: &Shape,
+    t: usize,
+    p: Projection,
+    param: &crate::params::Param,
+) -> Vec<f32> {
+    let (oe, ie) = projection_extents(p);
+    let (rows, cols) = full.projection(p);
+    let range = |extent: Extent, n: usize| match k.cut(extent, t) {
+        Some((sp, i)) => i * n / sp.blocks..(i + 1) * n / sp.blocks,
+        None => 0..n,
+    };
+    let mut out = Vec::new();
+    param.block_into(range(oe, rows), range(ie, cols), &mut out);
+    out
+}
+
+/// Tile `t`'s blocks of projection `p`'s LoRA `A [r, in]` and `B [out, r]`.
+pub fn adapter_blocks(
+    k: &KernelTiles,
+    full: &Shape,
+    t: usize,
+    p: Projection,
+    (a, b): (&[f32], &[f32]),
+) -> (Vec<f32>, Vec<f32>) {
+    let (oe, ie) = projection_extents(p);
+    let (rows, cols) = full.projection(p);
+    let r = a.len() / cols;
+    (
+        block(k, t, a, r, Extent::Whole, ie),
+        block(k, t, b, rows, oe, Extent::Whole),
+    )
 }
 
 /// Tile `t`'s part of activation `port` (`[C, seq]` row-major): its

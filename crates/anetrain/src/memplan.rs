@@ -1,0 +1,488 @@
+//! The memory plan of a training run: what a step holds at its peak, by
+//! part, computed from the model's configuration and the run's settings
+//! before anything is loaded, so a run that cannot fit is refused with a
+//! line saying what would, instead of being killed half-way (or swapping).
+//!
+//! The parts follow where the bytes are in the code:
+//! * base weights — f32 (full training keeps master weights), or for a
+//!   frozen base the file's matrices memory-mapped in their own dtype
+//!   (`Param::stored`; the page cache holds them and counts in RSS);
+//! * trainable state — what training updates, its gradients and AdamW's
+//!   two moments (f32 each);
+//! * device buffers — every kernel tile's fp16 input surface, once per
+//!   layer (persistent) or twice (streamed), plus one output per kernel;
+//! * activations — what the forward keeps for the backward (everything, or
+//!   with `--grad-checkpoint` each layer's input plus one recomputed layer);
+//! * transients — the largest of: a layer's backward temporaries and the
+//!   attention scores, the LM head's logits chunk, frozen weights converted
+//!   for a kernel (and the next layer's prepared while the device runs),
+//!   the simulator's f32 copy of an evaluation; and a checkpoint's encoding.
+
+use serde::Serialize;
+
+use crate::config::ModelConfig;
+use crate::engine::HEAD_CHUNK_ROWS;
+use crate::kernels::{tiling, KernelOptions, Shape};
+use crate::lora::LoraConfig;
+use crate::model::{Projection, StoredDtype};
+use crate::runner::DeviceBuffers;
+
+/// How the run holds the base weights.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum BaseWeights {
+    /// Decoded to f32 (full training, presets).
+    F32,
+    /// Memory-mapped in the file's dtype (a frozen LoRA base).
+    Mapped(#[serde(serialize_with = "dtype_name")] StoredDtype),
+}
+
+fn dtype_name<S: serde::Serializer>(d: &StoredDtype, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
+}
+
+/// What a plan is computed for.
+#[derive(Clone, Debug)]
+pub struct PlanRequest<'a> {
+    pub cfg: &'a ModelConfig,
+    pub seq: usize,
+    pub lora: Option<&'a LoraConfig>,
+    pub base: BaseWeights,
+    /// `None`: the CPU engine; else how the device keeps its buffers.
+    pub device: Option<DeviceBuffers>,
+    /// The device is the simulator (its evaluation copies an input to f32).
+    pub simulated: bool,
+    pub grad_checkpoint: bool,
+    /// Kernel options (limits, LoRA) the device kernels are built with.
+    pub opts: Option<&'a KernelOptions>,
+}
+
+/// One part of the plan.
+#[derive(Clone, Debug, Serialize)]
+pub struct Part {
+    pub name: &'static str,
+    pub bytes: u64,
+    pub detail: String,
+}
+
+/// A run's peak memory estimate by part.
+#[derive(Clone, Debug, Serialize)]
+pub struct MemoryPlan {
+    /// Held for the whole run.
+    pub resident: Vec<Part>,
+    /// Held during part of a step; the peak adds the largest.
+    pub transient: Vec<Part>,
+    pub device_buffers: Option<DeviceBuffers>,
+    pub total: u64,
+}
+
+/// The process before any model: code, the tokenizer, the corpus index,
+/// allocator slack; measured on `anetrain train --model tiny`: 45 MB, and
+/// with Qwen3's tokenizer loaded about 150 MB more.
+const PROCESS_BYTES: u64 = 200 << 20;
+
+fn gb(b: u64) -> String {
+    format!("{:.2} GB", b as f64 / 1e9)
+}
+
+/// Trainable LoRA parameters: `r·(in + out)` per adapted projection.
+pub fn lora_params(cfg: &ModelConfig, l: &LoraConfig) -> u64 {
+    let per_layer: usize = l
+        .targets
+        .iter()
+        .map(|t| {
+            let (out, inp) = t.shape(cfg);
+            l.rank * (inp + out)
+        })
+        .sum();
+    (per_layer * cfg.num_hidden_layers) as u64
+}
+
+/// Floats one layer's forward keeps for its backward, per position
+/// (`LayerActs` in the engine).
+fn layer_act_floats(cfg: &ModelConfig) -> u64 {
+    let (d, q, kv, h) = (
+        cfg.hidden_size,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate_size,
+    );
+    let qk = if cfg.qk_norm { 1 } else { 0 };
+    // x, xn, x2, x2n; attn, q_rope (+ q_raw); k_rope, v (+ k_raw); h1, h3, gate
+    (4 * d + (2 + qk) * q + (2 + qk) * kv + 3 * h) as u64
+}
+
+impl MemoryPlan {
+    pub fn new(r: &PlanRequest) -> Result<MemoryPlan, String> {
+        let cfg = r.cfg;
+        let (d, v, s, layers) = (
+            cfg.hidden_size as u64,
+            cfg.vocab_size as u64,
+            r.seq as u64,
+            cfg.num_hidden_layers as u64,
+        );
+        let params = cfg.num_params() as u64;
+        let norms = (layers
+            * (2 * d
+                + if cfg.qk_norm {
+                    2 * cfg.head_dim as u64
+                } else {
+                    0
+                })
+            + d)
+            * 4;
+        let mut resident = vec![Part {
+            name: "process",
+            bytes: PROCESS_BYTES,
+            detail: "code, tokenizer, data index".into(),
+        }];
+        resident.push(match r.base {
+            BaseWeights::F32 => Part {
+                name: "base weights",
+                bytes: params * 4,
+                detail: format!("{params} parameters in f32"),
+            },
+            BaseWeights::Mapped(dt) => Part {
+                name: "base weights",
+                bytes: (params * 4 - norms) / 4 * dt.bytes() as u64 + norms,
+                detail: format!(
+                    "{params} parameters, {} memory-mapped from the file",
+                    dt.name()
+                ),
+            },
+        });
+        let trainable = match r.lora {
+            Some(l) => lora_params(cfg, l),
+            None => params,
+        };
+        resident.push(match r.lora {
+            Some(l) => Part {
+                name: "trainable state",
+                bytes: trainable * 16,
+                detail: format!(
+                    "LoRA rank {} on {} projections: {trainable} parameters, gradients, AdamW moments",
+                    l.rank,
+                    l.targets.len()
+                ),
+            },
+            None => Part {
+                name: "trainable state",
+                bytes: trainable * 12,
+                detail: "gradients and AdamW moments of every parameter".into(),
+            },
+        });
+        let act = layer_act_floats(cfg) * s * 4;
+        resident.push(match r.grad_checkpoint {
+            true => Part {
+                name: "activations",
+                bytes: layers * d * s * 4 + act,
+                detail: format!(
+                    "each layer's input ({}), one layer recomputed ({})",
+                    gb(layers * d * s * 4),
+                    gb(act)
+                ),
+            },
+            false => Part {
+                name: "activations",
+                bytes: layers * act,
+                detail: format!("{layers} layers × {}", gb(act)),
+            },
+        });
+
+        let mut transient = Vec::new();
+        // A layer's backward: upstream gradients of every width, and the
+        // attention probabilities and their gradient [heads·S, S], which the
+        // CPU twin and the device path both hold in f32.
+        let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
+        let backward = scores + layer_act_floats(cfg) * s * 4;
+        // The head: a logits chunk, its head rows converted, dxf.
+        let chunk = (HEAD_CHUNK_ROWS as u64).min(v);
+        let head_rows = match r.base {
+            BaseWeights::Mapped(_) => chunk * d * 4,
+            BaseWeights::F32 => 0,
+        };
+        transient.push(Part {
+            name: "layer backward",
+            bytes: backward,
+            detail: format!("attention scores {} and upstream gradients", gb(scores)),
+        });
+        transient.push(Part {
+            name: "LM head",
+            bytes: chunk * s * 4 + head_rows + 2 * d * s * 4,
+            detail: format!("logits in chunks of {chunk} rows"),
+        });
+        // The CPU engine: frozen matrices converted for the kernel using
+        // them (the FFN's three at most).
+        let ffn = 3 * cfg.intermediate_size as u64 * d * 4;
+        let convert = match r.base {
+            BaseWeights::Mapped(_) => ffn,
+            BaseWeights::F32 => 0,
+        };
+        let mut device_part = None;
+        if let (Some(mode), Some(opts)) = (r.device, r.opts) {
+            let compiled = r.seq.div_ceil(32).next_power_of_two() * 32;
+            let shape = Shape::new(cfg, compiled);
+            let plan = tiling::plan(&shape, &mode.options(opts.clone()))?;
+            let layers = cfg.num_hidden_layers;
+            let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
+            for k in &plan.kernels {
+                let (n, host) = mode.buffers_of(k, layers);
+                device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
+                host_bytes += (host * k.surface_bytes().0) as u64;
+            }
+            let largest = plan
+                .kernels
+                .iter()
+                .map(|k| k.surface_bytes().0 as u64)
+                .max()
+                .unwrap_or(0);
+            resident.push(Part {
+                name: "device buffers",
+                bytes: device_bytes + host_bytes,
+                detail: match mode {
+                    DeviceBuffers::Persistent => format!(
+                        "persistent: every layer's kernel tiles, {}",
+                        gb(device_bytes)
+                    ),
+                    DeviceBuffers::Streamed => format!(
+                        "streamed: one tile per kernel {} and its next tile prepared on the host {}",
+                        gb(device_bytes),
+                        gb(host_bytes)
+                    ),
+                },
+            });
+            // Staging a tile: a projection's block and its region in f32
+            // (each at most the tile's input in f32); on the simulator an
+            // evaluation's f32 input and the slices its program takes.
+            let staging = 2 * largest;
+            let sim = if r.simulated { 4 * largest } else { 0 };
+            device_part = Some(Part {
+                name: "device staging",
+                bytes: staging + sim,
+                detail: format!(
+                    "a tile's weights in f32 {}{}",
+                    gb(staging),
+                    if r.simulated {
+                        format!(", simulated evaluation {}", gb(sim))
+                    } else {
+                        String::new()
+                    }
+                ),
+            });
+        } else if convert > 0 {
+            transient.push(Part {
+                name: "weight conversion",
+                bytes: convert,
+                detail: "one kernel's frozen projections in f32".into(),
+            });
+        }
+        if let Some(p) = device_part {
+            transient.push(p);
+        }
+        // Saving a checkpoint encodes the trainable weights and the optimizer
+        // moments (each copied once more while serialised).
+        transient.push(Part {
+            name: "checkpoint save",
+            bytes: 2 * trainable * 12,
+            detail: "trainable weights and AdamW moments encoded".into(),
+        });
+        let peak_transient = transient
+            .iter()
+            .filter(|p| p.name != "checkpoint save")
+            .map(|p| p.bytes)
+            .sum::<u64>()
+            .max(transient.iter().map(|p| p.bytes).max().unwrap_or(0));
+        let total = resident.iter().map(|p| p.bytes).sum::<u64>() + peak_transient;
+        Ok(MemoryPlan {
+            resident,
+            transient,
+            device_buffers: r.device,
+            total,
+        })
+    }
+
+    /// The plan in one line: the total and its largest parts.
+    pub fn line(&self) -> String {
+        let mut parts: Vec<&Part> = self.resident.iter().chain(&self.transient).collect();
+        parts.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        let top: Vec<String> = parts
+            .iter()
+            .take(3)
+            .map(|p| format!("{} {}", p.name, gb(p.bytes)))
+            .collect();
+        format!(
+            "memory plan: {} at peak ({})",
+            gb(self.total),
+            top.join(", ")
+        )
+    }
+
+    /// The plan as a table, one part per line.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        for (title, parts) in [
+            ("held for the run", &self.resident),
+            ("during a step", &self.transient),
+        ] {
+            out.push_str(&format!("{title}:\n"));
+            for p in parts {
+                out.push_str(&format!(
+                    "  {:<18} {:>10}  {}\n",
+                    p.name,
+                    gb(p.bytes),
+                    p.detail
+                ));
+            }
+        }
+        out.push_str(&format!(
+            "peak estimate: {} (held + the larger of a step's parts together and a checkpoint save)\n",
+            gb(self.total)
+        ));
+        out
+    }
+}
+
+/// Physical memory of this machine in bytes, if known.
+pub fn physical_memory() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+    #[cfg(target_os = "macos")]
+    {
+        let mut size: u64 = 0;
+        let mut len = std::mem::size_of::<u64>();
+        // SAFETY: hw.memsize is a u64; the buffer and its length match.
+        let rc = unsafe {
+            libc::sysctlbyname(
+                c"hw.memsize".as_ptr(),
+                (&mut size as *mut u64).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        (rc == 0).then_some(size)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        None
+    }
+}
+
+/// The default `--max-memory`: physical memory less 2 GB for the system
+/// and other programs.
+pub fn default_max_memory() -> Option<u64> {
+    physical_memory().map(|m| m.saturating_sub(2_000_000_000))
+}
+
+/// Parses a byte count: `16G`, `16GB`, `12.5G`, `800M`, `1024K` or plain
+/// bytes (decimal units, as the plan prints).
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let upper = t.to_ascii_uppercase();
+    let (num, unit) = match upper.trim_end_matches('B').char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c),
+        _ => (upper.trim_end_matches('B'), ' '),
+    };
+    let scale = match unit {
+        ' ' => 1.0,
+        'K' => 1e3,
+        'M' => 1e6,
+        'G' => 1e9,
+        'T' => 1e12,
+        _ => return Err(format!("'{text}': not a size (e.g. 16G, 800M)")),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{text}': not a size (e.g. 16G, 800M)"))?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(format!("'{text}': a size must be positive"));
+    }
+    Ok((v * scale) as u64)
+}
+
+/// Projections a LoRA configuration on all seven projections covers (for
+/// `kernels plan --lora-rank`).
+pub fn all_projections() -> Vec<Projection> {
+    Projection::ALL.to_vec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_decimal_units() {
+        assert_eq!(parse_bytes("16G"), Ok(16_000_000_000));
+        assert_eq!(parse_bytes("12.5GB"), Ok(12_500_000_000));
+        assert_eq!(parse_bytes("800m"), Ok(800_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1G").is_err());
+    }
+
+    /// Checkpointing keeps one layer's activations instead of all of them;
+    /// streamed buffers two sets instead of one per layer; a mapped bf16
+    /// base half the bytes of f32.
+    #[test]
+    fn the_plan_moves_with_the_settings() {
+        let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
+        let lora = LoraConfig {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.0,
+            targets: all_projections(),
+            rslora: false,
+        };
+        let opts = KernelOptions::hf(&cfg);
+        let req = PlanRequest {
+            cfg: &cfg,
+            seq: 256,
+            lora: Some(&lora),
+            base: BaseWeights::Mapped(StoredDtype::BF16),
+            device: None,
+            simulated: false,
+            grad_checkpoint: false,
+            opts: None,
+        };
+        let part = |p: &MemoryPlan, n: &str| {
+            p.resident
+                .iter()
+                .chain(&p.transient)
+                .find(|x| x.name == n)
+                .unwrap()
+                .bytes
+        };
+        let plain = MemoryPlan::new(&req).unwrap();
+        let ckpt = MemoryPlan::new(&PlanRequest {
+            grad_checkpoint: true,
+            ..req.clone()
+        })
+        .unwrap();
+        assert!(part(&ckpt, "activations") * 10 < part(&plain, "activations"));
+        let f32 = MemoryPlan::new(&PlanRequest {
+            base: BaseWeights::F32,
+            ..req.clone()
+        })
+        .unwrap();
+        let ratio = part(&f32, "base weights") as f64 / part(&plain, "base weights") as f64;
+        assert!((ratio - 2.0).abs() < 0.01, "{ratio}");
+        let dev = |m| {
+            let r = PlanRequest {
+                device: Some(m),
+                opts: Some(&opts),
+                ..req.clone()
+            };
+            part(&MemoryPlan::new(&r).unwrap(), "device buffers")
+        };
+        assert!(dev(DeviceBuffers::Streamed) * 10 < dev(DeviceBuffers::Persistent));
+        assert_eq!(
+            lora_params(&cfg, &lora),
+            28 * 16 * (3072 + 2048 + 2048 + 3072 + 3 * 4096)
+        );
+    }
+}
