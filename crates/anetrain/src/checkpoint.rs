@@ -15,13 +15,14 @@
 //! to the top level and deletes the previous step's files. A kill at any
 //! instant leaves `state.json` naming a complete pair whose checksums verify.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::config::ModelConfig;
-use crate::fsutil::write_atomic;
+use crate::fsutil::{write_atomic, write_atomic_with};
 use crate::model::Model;
 use crate::optim::{AdamW, AdamWConfig};
 use crate::tensor_file;
@@ -102,18 +103,41 @@ pub fn state_path(out: &Path) -> PathBuf {
     trainer_dir(out).join("state.json")
 }
 
-fn optim_bytes(model: &Model, opt: &AdamW) -> Result<Vec<u8>> {
-    let names: Vec<(String, String)> = model
-        .trainable()
-        .iter()
-        .map(|p| (format!("m.{}", p.name), format!("v.{}", p.name)))
-        .collect();
-    let mut tensors: Vec<(&str, &[usize], &[f32])> = Vec::new();
-    for (i, p) in model.trainable().iter().enumerate() {
-        tensors.push((names[i].0.as_str(), p.shape.as_slice(), opt.m[i].as_slice()));
-        tensors.push((names[i].1.as_str(), p.shape.as_slice(), opt.v[i].as_slice()));
+/// Writes `tensors` to `path` atomically (see [`write_atomic_with`]),
+/// returning the SHA-256 of the bytes written.
+fn write_tensors(
+    path: &Path,
+    tensors: &[(&str, &[usize], &[f32])],
+    metadata: &[(&str, &str)],
+) -> Result<String> {
+    use sha2::Digest;
+    struct Hashing<'a> {
+        inner: &'a mut dyn Write,
+        hash: sha2::Sha256,
     }
-    tensor_file::encode(&tensors, &[])
+    impl Write for Hashing<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = self.inner.write(buf)?;
+            self.hash.update(&buf[..n]);
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            self.inner.flush()
+        }
+    }
+    let mut digest = None;
+    write_atomic_with(path, |w| {
+        let mut h = Hashing {
+            inner: w,
+            hash: sha2::Sha256::new(),
+        };
+        tensor_file::write_to(&mut h, tensors, metadata)?;
+        digest = Some(h.hash.finalize());
+        Ok(())
+    })?;
+    Ok(digest
+        .map(|d| d.iter().map(|b| format!("{b:02x}")).collect())
+        .unwrap_or_default())
 }
 
 /// Saves a checkpoint of `model` and `opt` after `state.step` steps.
@@ -140,22 +164,27 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
     let dir = trainer_dir(out);
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create '{}'", dir.display()))?;
     let previous = read_state(out).ok();
-    let mb = {
-        let t: Vec<(&str, &[usize], &[f32])> = model
-            .trainable()
-            .iter()
-            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
-            .collect();
-        tensor_file::encode(&t, &[("format", "pt")])?
-    };
-    let ob = optim_bytes(model, opt)?;
     state.format = FORMAT;
     state.model_file = format!("model-{}.safetensors", state.step);
     state.optim_file = format!("optim-{}.safetensors", state.step);
-    state.model_hash = content_hash(&mb);
-    state.optim_hash = content_hash(&ob);
-    write_atomic(&dir.join(&state.model_file), &mb)?;
-    write_atomic(&dir.join(&state.optim_file), &ob)?;
+    // Each file is written as it is encoded, and hashed as it is written.
+    let weights: Vec<(&str, &[usize], &[f32])> = model
+        .trainable()
+        .iter()
+        .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+        .collect();
+    state.model_hash = write_tensors(&dir.join(&state.model_file), &weights, &[("format", "pt")])?;
+    let names: Vec<(String, String)> = model
+        .trainable()
+        .iter()
+        .map(|p| (format!("m.{}", p.name), format!("v.{}", p.name)))
+        .collect();
+    let mut moments: Vec<(&str, &[usize], &[f32])> = Vec::new();
+    for (i, (p, (m, v))) in model.trainable().iter().zip(&names).enumerate() {
+        moments.push((m, &p.shape, &opt.m[i]));
+        moments.push((v, &p.shape, &opt.v[i]));
+    }
+    state.optim_hash = write_tensors(&dir.join(&state.optim_file), &moments, &[])?;
     // Commit point.
     write_atomic(
         &state_path(out),

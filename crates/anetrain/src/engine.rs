@@ -40,21 +40,59 @@ fn overlapped<T>(
     })
 }
 
-/// What one layer's backward needs from its forward.
+/// A kernel output kept for the backward: in f16 when every value is an
+/// f16 already (what a device kernel returns, read from its fp16 output
+/// surface), which halves what the device path keeps and loses nothing;
+/// else as computed (the CPU engine's f32 outputs, or tile partials
+/// summed in f32).
+enum Kept {
+    F32(Vec<f32>),
+    F16(Vec<half::f16>),
+}
+
+impl Kept {
+    fn new(v: Vec<f32>) -> Kept {
+        use half::f16;
+        if v.iter()
+            .all(|&x| f16::from_f32(x).to_f32().to_bits() == x.to_bits())
+        {
+            let mut h = vec![f16::ZERO; v.len()];
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &v);
+            Kept::F16(h)
+        } else {
+            Kept::F32(v)
+        }
+    }
+
+    /// The values in f32, exactly as the kernel returned them.
+    fn get(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self {
+            Kept::F32(v) => v.into(),
+            Kept::F16(h) => {
+                let mut v = vec![0f32; h.len()];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&h[..], &mut v);
+                v.into()
+            }
+        }
+    }
+}
+
+/// What one layer's backward needs from its forward: the host's values in
+/// f32, the kernels' outputs [`Kept`].
 struct LayerActs {
     x: Vec<f32>,
     xn: Vec<f32>,
-    attn: Vec<f32>,
-    q_rope: Vec<f32>,
-    k_rope: Vec<f32>,
-    v: Vec<f32>,
-    q_raw: Vec<f32>,
-    k_raw: Vec<f32>,
+    attn: Kept,
+    q_rope: Kept,
+    k_rope: Kept,
+    v: Kept,
+    q_raw: Kept,
+    k_raw: Kept,
     x2: Vec<f32>,
     x2n: Vec<f32>,
-    h1: Vec<f32>,
-    h3: Vec<f32>,
-    gate: Vec<f32>,
+    h1: Kept,
+    h3: Kept,
+    gate: Kept,
     /// LoRA dropout masks per projection, when training with dropout.
     masks: Dropout,
 }
@@ -328,17 +366,17 @@ impl<R: KernelRunner> Engine<R> {
         let acts = LayerActs {
             x,
             xn,
-            attn: a.attn,
-            q_rope: a.q_rope,
-            k_rope: a.k_rope,
-            v: a.v,
-            q_raw: a.q_raw.unwrap_or_default(),
-            k_raw: a.k_raw.unwrap_or_default(),
+            attn: Kept::new(a.attn),
+            q_rope: Kept::new(a.q_rope),
+            k_rope: Kept::new(a.k_rope),
+            v: Kept::new(a.v),
+            q_raw: Kept::new(a.q_raw.unwrap_or_default()),
+            k_raw: Kept::new(a.k_raw.unwrap_or_default()),
             x2,
             x2n,
-            h1: f.h1,
-            h3: f.h3,
-            gate: f.gate,
+            h1: Kept::new(f.h1),
+            h3: Kept::new(f.h3),
+            gate: Kept::new(f.gate),
             masks,
         };
         Ok((acts, f.x_next))
@@ -424,13 +462,13 @@ impl<R: KernelRunner> Engine<R> {
         let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
         let dgate = overlapped(
             overlap,
-            || c.grad(grads, Projection::Down, &dffn, &a.gate),
+            || c.grad(grads, Projection::Down, &dffn, &a.gate.get()),
             || {
                 let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
                 Ok(self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate)
             },
         )?;
-        let (dh1, dh3) = maths::swiglu_backward(&a.h1, &a.h3, &dgate);
+        let (dh1, dh3) = maths::swiglu_backward(&a.h1.get(), &a.h3.get(), &dgate);
         let dx2n = overlapped(
             overlap,
             || {
@@ -469,18 +507,19 @@ impl<R: KernelRunner> Engine<R> {
         let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
         let da = overlapped(
             overlap,
-            || c.grad(grads, Projection::O, &dout, &a.attn),
+            || c.grad(grads, Projection::O, &dout, &a.attn.get()),
             || {
                 let acts = kernels::wo_backward::Acts { dy: &dout };
                 Ok(self.run::<kernels::WoBackward>(c, &acts)?.da)
             },
         )?;
+        let (q_rope, k_rope) = (a.q_rope.get(), a.k_rope.get());
         let b1 = self.run::<kernels::SdpaBackward1>(
             c,
             &kernels::sdpa_backward1::Acts {
-                q_rope: &a.q_rope,
-                k_rope: &a.k_rope,
-                v: &a.v,
+                q_rope: &q_rope,
+                k_rope: &k_rope,
+                v: &a.v.get(),
                 da: &da,
             },
         )?;
@@ -490,8 +529,8 @@ impl<R: KernelRunner> Engine<R> {
             &kernels::sdpa_backward2::Acts {
                 probs: &b1.probs,
                 dp: &b1.dp,
-                q_rope: &a.q_rope,
-                k_rope: &a.k_rope,
+                q_rope: &q_rope,
+                k_rope: &k_rope,
             },
         )?;
         // RoPE is a rotation: its backward is the inverse rotation.
@@ -500,9 +539,9 @@ impl<R: KernelRunner> Engine<R> {
         if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
             let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
             let gq = base_grad(c.model, grads, qn, scratch);
-            dq = maths::head_rms_norm_backward(&a.q_raw, w(qn), &dq, hd, seq, eps, gq);
+            dq = maths::head_rms_norm_backward(&a.q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
             let gk = base_grad(c.model, grads, kn, scratch);
-            dk = maths::head_rms_norm_backward(&a.k_raw, w(kn), &dk, hd, seq, eps, gk);
+            dk = maths::head_rms_norm_backward(&a.k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
         }
         let (mut dxn, dxkv) = overlapped(
             overlap,

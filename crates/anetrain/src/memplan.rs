@@ -13,12 +13,18 @@
 //!   layer (persistent) or twice (streamed), plus one output per kernel;
 //! * activations — what the forward keeps for the backward (everything, or
 //!   with `--grad-checkpoint` each layer's input plus one recomputed layer);
-//! * transients — the largest of: a layer's backward temporaries and the
+//! * transients — held during part of a step, counted together: a layer's backward temporaries and the
 //!   attention scores, the LM head's logits chunk, frozen weights converted
 //!   for a kernel (and the next layer's prepared while the device runs),
-//!   the simulator's f32 copy of an evaluation; and a checkpoint's encoding.
+//!   the simulator's f32 copy of an evaluation. (A checkpoint is written
+//!   as it is encoded, `tensor_file::write_to`: it adds nothing.)
+
+use std::path::Path;
 
 use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::choice::Choice;
 
 use crate::config::ModelConfig;
 use crate::engine::HEAD_CHUNK_ROWS;
@@ -51,6 +57,8 @@ pub struct PlanRequest<'a> {
     pub device: Option<DeviceBuffers>,
     /// The device is the simulator (its evaluation copies an input to f32).
     pub simulated: bool,
+    /// Bytes of the model's `tokenizer.json` (0: none).
+    pub tokenizer_file: u64,
     pub grad_checkpoint: bool,
     /// Kernel options (limits, LoRA) the device kernels are built with.
     pub opts: Option<&'a KernelOptions>,
@@ -75,13 +83,21 @@ pub struct MemoryPlan {
     pub total: u64,
 }
 
-/// The process before any model: code, the tokenizer, the corpus index,
-/// allocator slack; measured on `anetrain train --model tiny`: 45 MB, and
-/// with Qwen3's tokenizer loaded about 150 MB more.
-const PROCESS_BYTES: u64 = 200 << 20;
+/// The process before any model: code, the corpus index, allocator slack;
+/// measured on `anetrain train --model tiny`: 45 MB.
+const PROCESS_BYTES: u64 = 50 << 20;
 
-fn gb(b: u64) -> String {
-    format!("{:.2} GB", b as f64 / 1e9)
+/// A loaded tokenizer per byte of its `tokenizer.json`: Qwen3's 11.4 MB
+/// file costs about 150 MB once loaded (vocabulary, merges, the
+/// pre-tokenizer's tables).
+const TOKENIZER_PER_FILE_BYTE: u64 = 13;
+
+/// Bytes for people: GB to two places, or MB below a GB.
+pub fn size(b: u64) -> String {
+    match b {
+        0..1_000_000_000 => format!("{:.0} MB", b as f64 / 1e6),
+        _ => format!("{:.2} GB", b as f64 / 1e9),
+    }
 }
 
 /// Trainable LoRA parameters: `r·(in + out)` per adapted projection.
@@ -97,9 +113,10 @@ pub fn lora_params(cfg: &ModelConfig, l: &LoraConfig) -> u64 {
     (per_layer * cfg.num_hidden_layers) as u64
 }
 
-/// Floats one layer's forward keeps for its backward, per position
-/// (`LayerActs` in the engine).
-fn layer_act_floats(cfg: &ModelConfig) -> u64 {
+/// Bytes one layer's forward keeps for its backward, per position
+/// (`LayerActs` in the engine): the host's four `[D]` values in f32, the
+/// kernels' outputs in f16 when a device made them (`Kept`).
+fn layer_act_bytes(cfg: &ModelConfig, device: bool) -> u64 {
     let (d, q, kv, h) = (
         cfg.hidden_size,
         cfg.q_dim(),
@@ -108,7 +125,8 @@ fn layer_act_floats(cfg: &ModelConfig) -> u64 {
     );
     let qk = if cfg.qk_norm { 1 } else { 0 };
     // x, xn, x2, x2n; attn, q_rope (+ q_raw); k_rope, v (+ k_raw); h1, h3, gate
-    (4 * d + (2 + qk) * q + (2 + qk) * kv + 3 * h) as u64
+    let kernel_outputs = ((2 + qk) * q + (2 + qk) * kv + 3 * h) as u64;
+    (4 * d) as u64 * 4 + kernel_outputs * if device { 2 } else { 4 }
 }
 
 impl MemoryPlan {
@@ -132,8 +150,14 @@ impl MemoryPlan {
             * 4;
         let mut resident = vec![Part {
             name: "process",
-            bytes: PROCESS_BYTES,
-            detail: "code, tokenizer, data index".into(),
+            bytes: PROCESS_BYTES + TOKENIZER_PER_FILE_BYTE * r.tokenizer_file,
+            detail: match r.tokenizer_file {
+                0 => "code, data index".into(),
+                _ => format!(
+                    "code, data index, the tokenizer {}",
+                    size(TOKENIZER_PER_FILE_BYTE * r.tokenizer_file)
+                ),
+            },
         }];
         resident.push(match r.base {
             BaseWeights::F32 => Part {
@@ -170,21 +194,21 @@ impl MemoryPlan {
                 detail: "gradients and AdamW moments of every parameter".into(),
             },
         });
-        let act = layer_act_floats(cfg) * s * 4;
+        let act = layer_act_bytes(cfg, r.device.is_some()) * s;
         resident.push(match r.grad_checkpoint {
             true => Part {
                 name: "activations",
                 bytes: layers * d * s * 4 + act,
                 detail: format!(
                     "each layer's input ({}), one layer recomputed ({})",
-                    gb(layers * d * s * 4),
-                    gb(act)
+                    size(layers * d * s * 4),
+                    size(act)
                 ),
             },
             false => Part {
                 name: "activations",
                 bytes: layers * act,
-                detail: format!("{layers} layers × {}", gb(act)),
+                detail: format!("{layers} layers × {}", size(act)),
             },
         });
 
@@ -193,7 +217,7 @@ impl MemoryPlan {
         // attention probabilities and their gradient [heads·S, S], which the
         // CPU twin and the device path both hold in f32.
         let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
-        let backward = scores + layer_act_floats(cfg) * s * 4;
+        let backward = scores + layer_act_bytes(cfg, false) * s;
         // The head: a logits chunk, its head rows converted, dxf.
         let chunk = (HEAD_CHUNK_ROWS as u64).min(v);
         let head_rows = match r.base {
@@ -203,7 +227,7 @@ impl MemoryPlan {
         transient.push(Part {
             name: "layer backward",
             bytes: backward,
-            detail: format!("attention scores {} and upstream gradients", gb(scores)),
+            detail: format!("attention scores {} and upstream gradients", size(scores)),
         });
         transient.push(Part {
             name: "LM head",
@@ -221,7 +245,7 @@ impl MemoryPlan {
         if let (Some(mode), Some(opts)) = (r.device, r.opts) {
             let compiled = r.seq.div_ceil(32).next_power_of_two() * 32;
             let shape = Shape::new(cfg, compiled);
-            let plan = tiling::plan(&shape, &mode.options(opts.clone()))?;
+            let plan = tiling::plan(&shape, opts)?;
             let layers = cfg.num_hidden_layers;
             let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
             for k in &plan.kernels {
@@ -241,12 +265,12 @@ impl MemoryPlan {
                 detail: match mode {
                     DeviceBuffers::Persistent => format!(
                         "persistent: every layer's kernel tiles, {}",
-                        gb(device_bytes)
+                        size(device_bytes)
                     ),
                     DeviceBuffers::Streamed => format!(
                         "streamed: one tile per kernel {} and its next tile prepared on the host {}",
-                        gb(device_bytes),
-                        gb(host_bytes)
+                        size(device_bytes),
+                        size(host_bytes)
                     ),
                 },
             });
@@ -260,9 +284,9 @@ impl MemoryPlan {
                 bytes: staging + sim,
                 detail: format!(
                     "a tile's weights in f32 {}{}",
-                    gb(staging),
+                    size(staging),
                     if r.simulated {
-                        format!(", simulated evaluation {}", gb(sim))
+                        format!(", simulated evaluation {}", size(sim))
                     } else {
                         String::new()
                     }
@@ -278,19 +302,7 @@ impl MemoryPlan {
         if let Some(p) = device_part {
             transient.push(p);
         }
-        // Saving a checkpoint encodes the trainable weights and the optimizer
-        // moments (each copied once more while serialised).
-        transient.push(Part {
-            name: "checkpoint save",
-            bytes: 2 * trainable * 12,
-            detail: "trainable weights and AdamW moments encoded".into(),
-        });
-        let peak_transient = transient
-            .iter()
-            .filter(|p| p.name != "checkpoint save")
-            .map(|p| p.bytes)
-            .sum::<u64>()
-            .max(transient.iter().map(|p| p.bytes).max().unwrap_or(0));
+        let peak_transient = transient.iter().map(|p| p.bytes).sum::<u64>();
         let total = resident.iter().map(|p| p.bytes).sum::<u64>() + peak_transient;
         Ok(MemoryPlan {
             resident,
@@ -300,6 +312,15 @@ impl MemoryPlan {
         })
     }
 
+    fn empty() -> MemoryPlan {
+        MemoryPlan {
+            resident: Vec::new(),
+            transient: Vec::new(),
+            device_buffers: None,
+            total: 0,
+        }
+    }
+
     /// The plan in one line: the total and its largest parts.
     pub fn line(&self) -> String {
         let mut parts: Vec<&Part> = self.resident.iter().chain(&self.transient).collect();
@@ -307,11 +328,11 @@ impl MemoryPlan {
         let top: Vec<String> = parts
             .iter()
             .take(3)
-            .map(|p| format!("{} {}", p.name, gb(p.bytes)))
+            .map(|p| format!("{} {}", p.name, size(p.bytes)))
             .collect();
         format!(
             "memory plan: {} at peak ({})",
-            gb(self.total),
+            size(self.total),
             top.join(", ")
         )
     }
@@ -328,16 +349,204 @@ impl MemoryPlan {
                 out.push_str(&format!(
                     "  {:<18} {:>10}  {}\n",
                     p.name,
-                    gb(p.bytes),
+                    size(p.bytes),
                     p.detail
                 ));
             }
         }
         out.push_str(&format!(
-            "peak estimate: {} (held + the larger of a step's parts together and a checkpoint save)\n",
-            gb(self.total)
+            "peak estimate: {} (what is held, and a step's parts together)\n",
+            size(self.total)
         ));
         out
+    }
+}
+
+/// Settings that trade memory for time without changing any result.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryOptions {
+    /// Recompute each layer's forward in the backward.
+    pub grad_checkpoint: bool,
+    /// Device input buffers [default: from the memory plan].
+    pub device_buffers: Option<DeviceBuffers>,
+    /// Refuse a run whose plan exceeds this many bytes [default on a device
+    /// backend: physical memory less 2 GB; on the CPU: no limit].
+    pub max_memory: Option<u64>,
+}
+
+/// The dtype a model directory's first matrix is stored in (read from the
+/// safetensors header; nothing is loaded); for a config without weights
+/// beside it, bf16, the dtype Hugging Face checkpoints are published in.
+pub fn file_dtype(model: &Path) -> anyhow::Result<StoredDtype> {
+    let has_weights = ["model.safetensors", "model.safetensors.index.json"]
+        .iter()
+        .any(|f| model.join(f).is_file());
+    if !has_weights {
+        return Ok(StoredDtype::BF16);
+    }
+    for f in &crate::model::safetensor_files(model)? {
+        if let Some((_, (_, s))) = crate::tensor_file::map(f)?
+            .into_iter()
+            .find(|(_, (shape, _))| shape.len() == 2)
+        {
+            return Ok(s.dtype);
+        }
+    }
+    anyhow::bail!("'{}' holds no weight matrices", model.display())
+}
+
+/// A training run's plan: the device buffer mode it settles and the limit
+/// it is held to.
+pub struct RunPlan {
+    pub buffers: DeviceBuffers,
+    pub plan: MemoryPlan,
+    pub limit: Option<u64>,
+    /// The limit is `--max-memory`'s, not the default.
+    explicit_limit: bool,
+    /// What the run is: to plan its alternatives.
+    model: String,
+    cfg: ModelConfig,
+    seq: usize,
+    lora: Option<LoraConfig>,
+    backend: Backend,
+    base: BaseWeights,
+    tokenizer_file: u64,
+    grad_checkpoint: bool,
+}
+
+impl RunPlan {
+    /// The plan of training `model` (a preset or a model directory) at
+    /// `seq` on `backend`: device buffers as forced, or persistent when the
+    /// whole plan with them fits in a quarter of the limit, else streamed.
+    /// Persistent buffers save re-staging the weights of every layer for
+    /// every kernel call (a frozen base is staged once), but hold the
+    /// weights a second time, in fp16, per kernel that reads them; that
+    /// is worth it only while the run leaves most of the machine free.
+    pub fn new(
+        model: &str,
+        seq: usize,
+        lora: Option<&LoraConfig>,
+        backend: Backend,
+        m: &MemoryOptions,
+    ) -> anyhow::Result<RunPlan> {
+        let cfg = ModelConfig::resolve(model)?;
+        let base = match (lora, ModelConfig::preset(model)) {
+            (Some(_), None) => BaseWeights::Mapped(file_dtype(Path::new(model))?),
+            _ => BaseWeights::F32,
+        };
+        let device = backend != Backend::Cpu;
+        let limit = m
+            .max_memory
+            .or_else(|| device.then(default_max_memory).flatten());
+        let mut run = RunPlan {
+            buffers: m.device_buffers.unwrap_or(DeviceBuffers::Persistent),
+            plan: MemoryPlan::empty(),
+            limit,
+            explicit_limit: m.max_memory.is_some(),
+            model: model.to_string(),
+            cfg,
+            seq,
+            lora: lora.cloned(),
+            backend,
+            base,
+            tokenizer_file: std::fs::metadata(Path::new(model).join("tokenizer.json"))
+                .map_or(0, |m| m.len()),
+            grad_checkpoint: m.grad_checkpoint,
+        };
+        run.plan = run.with(seq, lora, m.grad_checkpoint, run.buffers)?;
+        if m.device_buffers.is_none() && limit.is_some_and(|l| run.plan.total > l / 4) {
+            run.buffers = DeviceBuffers::Streamed;
+            run.plan = run.with(seq, lora, m.grad_checkpoint, run.buffers)?;
+        }
+        Ok(run)
+    }
+
+    /// The plan with some settings changed.
+    fn with(
+        &self,
+        seq: usize,
+        lora: Option<&LoraConfig>,
+        grad_checkpoint: bool,
+        buffers: DeviceBuffers,
+    ) -> anyhow::Result<MemoryPlan> {
+        let device = self.backend != Backend::Cpu;
+        let mut opts = KernelOptions::hf(&self.cfg);
+        opts.lora = lora.map(crate::kernels::LoraKernel::of);
+        MemoryPlan::new(&PlanRequest {
+            cfg: &self.cfg,
+            seq,
+            lora,
+            base: self.base,
+            device: device.then_some(buffers),
+            simulated: self.backend == Backend::AneSim,
+            tokenizer_file: self.tokenizer_file,
+            grad_checkpoint,
+            opts: Some(&opts),
+        })
+        .map_err(anyhow::Error::msg)
+    }
+
+    /// The plan, or an error in one line when it exceeds the limit, naming
+    /// the single changes that would fit.
+    pub fn refuse_over_limit(self) -> anyhow::Result<RunPlan> {
+        let Some(limit) = self.limit.filter(|&l| self.plan.total > l) else {
+            return Ok(self);
+        };
+        let (seq, lora, ckpt, buffers) = (
+            self.seq,
+            self.lora.as_ref(),
+            self.grad_checkpoint,
+            self.buffers,
+        );
+        let mut fits = Vec::new();
+        if !ckpt {
+            let p = self.with(seq, lora, true, buffers)?;
+            if p.total <= limit {
+                fits.push(format!("--grad-checkpoint ({})", size(p.total)));
+            }
+        }
+        if self.backend != Backend::Cpu && buffers == DeviceBuffers::Persistent {
+            let p = self.with(seq, lora, ckpt, DeviceBuffers::Streamed)?;
+            if p.total <= limit {
+                fits.push(format!("--device-buffers streamed ({})", size(p.total)));
+            }
+        }
+        if let Some(l) = lora {
+            let mut smaller = l.clone();
+            while smaller.rank > 1 {
+                smaller.rank /= 2;
+                let p = self.with(seq, Some(&smaller), ckpt, buffers)?;
+                if p.total <= limit {
+                    fits.push(format!("--lora-rank {} ({})", smaller.rank, size(p.total)));
+                    break;
+                }
+            }
+        }
+        let mut shorter = seq;
+        while shorter > 32 {
+            shorter /= 2;
+            let p = self.with(shorter, lora, ckpt, buffers)?;
+            if p.total <= limit {
+                fits.push(format!("--seq {shorter} ({})", size(p.total)));
+                break;
+            }
+        }
+        anyhow::bail!(
+            "this run needs about {} of memory at its peak and the limit is {} (--max-memory{}); {}; `anetrain kernels plan --model {} --seq {}{}{} --backend {}` shows the plan by part",
+            size(self.plan.total),
+            size(limit),
+            if self.explicit_limit { "" } else { ", default: physical memory less 2 GB" },
+            if fits.is_empty() {
+                "nothing one flag changes fits: use a smaller model or a machine with more memory".to_string()
+            } else {
+                format!("would fit: {}", fits.join(", or "))
+            },
+            self.model,
+            seq,
+            lora.map_or(String::new(), |l| format!(" --lora-rank {}", l.rank)),
+            if ckpt { " --grad-checkpoint" } else { "" },
+            self.backend.name(),
+        )
     }
 }
 
@@ -446,6 +655,7 @@ mod tests {
             base: BaseWeights::Mapped(StoredDtype::BF16),
             device: None,
             simulated: false,
+            tokenizer_file: 0,
             grad_checkpoint: false,
             opts: None,
         };

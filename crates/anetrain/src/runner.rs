@@ -222,17 +222,10 @@ pub enum DeviceBuffers {
     /// One buffer per kernel, refilled for every (layer, tile) it runs;
     /// while the device evaluates one, a host thread prepares the next
     /// one's weights (double buffering: the second buffer is host memory,
-    /// fp16). Kernels are tiled until a tile's input is at most
-    /// [`STREAMED_TILE_BYTES`].
+    /// fp16). A buffer holds one tile, at most
+    /// [`crate::kernels::MAX_TILE_BYTES`].
     Streamed,
 }
-
-/// The largest tile input streamed buffers hold (where an axis allows
-/// cutting further): bounds the device buffers, the host's staging copy
-/// and the simulator's working set to a few tens of megabytes per kernel
-/// whatever the model's size. Tiles share a program, so this adds device
-/// evaluations, not compiles.
-pub const STREAMED_TILE_BYTES: usize = 64 << 20;
 
 impl crate::choice::Choice for DeviceBuffers {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
@@ -250,14 +243,6 @@ impl crate::choice::Choice for DeviceBuffers {
 }
 
 impl DeviceBuffers {
-    /// Kernel options for this mode: streamed buffers cap a tile's input.
-    pub fn options(self, mut opts: KernelOptions) -> KernelOptions {
-        if self == DeviceBuffers::Streamed {
-            opts.max_tile_bytes = Some(STREAMED_TILE_BYTES);
-        }
-        opts
-    }
-
     /// Device input buffers of kernel tiles `k` in a model of `layers`
     /// layers, and (streamed) the host's staging copies beside them.
     pub fn buffers_of(self, k: &tiling::KernelTiles, layers: usize) -> (usize, usize) {
@@ -404,7 +389,6 @@ impl<D: Device> NeuralKernels<D> {
     /// Keeps input buffers as `mode` says (from the next compiled set on).
     pub fn with_buffers(mut self, mode: DeviceBuffers) -> NeuralKernels<D> {
         self.buffers = mode;
-        self.opts = mode.options(self.opts);
         self
     }
 

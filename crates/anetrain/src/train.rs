@@ -20,12 +20,12 @@ use crate::data::{self, TokenDtype};
 use crate::engine::{self, zero_grads, Engine};
 use crate::fsutil::write_atomic;
 use crate::lora::{Lora, LoraConfig};
-use crate::memplan::{self, BaseWeights, MemoryPlan, PlanRequest};
+use crate::memplan::RunPlan;
 use crate::model::Model;
 use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
 use crate::records::{self, Example};
 use crate::rng::Rng;
-use crate::runner::{DeviceBuffers, KernelRunner};
+use crate::runner::KernelRunner;
 use crate::tokenizer::Tokenizer;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,17 +114,7 @@ pub struct TrainRequest {
     pub memory: MemoryOptions,
 }
 
-/// Settings that trade memory for time without changing any result.
-#[derive(Clone, Debug, Default)]
-pub struct MemoryOptions {
-    /// Recompute each layer's forward in the backward.
-    pub grad_checkpoint: bool,
-    /// Device input buffers [default: from the memory plan].
-    pub device_buffers: Option<DeviceBuffers>,
-    /// Refuse a run whose plan exceeds this many bytes [default on a device
-    /// backend: physical memory less 2 GB; on the CPU: no limit].
-    pub max_memory: Option<u64>,
-}
+pub use crate::memplan::MemoryOptions;
 
 /// What a run reports as it goes.
 #[derive(Clone, Debug, PartialEq)]
@@ -726,8 +716,10 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         crate::kernels::tiling::plan(&crate::kernels::Shape::new(&cfg, compiled), &o)
             .map_err(anyhow::Error::msg)?;
     }
-    let (buffers, plan) = memory_plan(&s, &r.memory)?;
-    report(&Event::Note(plan.line()));
+    // Refused before anything is created; reported once the data is read.
+    let RunPlan { buffers, plan, .. } =
+        RunPlan::new(&s.model, s.seq, s.lora.as_ref(), s.backend, &r.memory)?
+            .refuse_over_limit()?;
     // Open the device before any work, so an unusable one fails first.
     let ane_device = match s.backend {
         Backend::Ane => Some(backend::open_ane()?),
@@ -856,6 +848,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         (model, opt, state, corpus)
     };
 
+    report(&Event::Note(plan.line()));
     let mut run = Run {
         r: &r,
         s: &s,
@@ -885,120 +878,6 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             run.go(e, &mut model, &mut opt, &mut state)
         }
     }
-}
-
-/// The dtype a model directory's first matrix is stored in (read from the
-/// safetensors header; nothing is loaded).
-fn file_dtype(dir: &Path) -> Result<crate::model::StoredDtype> {
-    let files = crate::model::safetensor_files(dir)?;
-    for f in &files {
-        if let Some((_, (_, s))) = crate::tensor_file::map(f)?
-            .into_iter()
-            .find(|(_, (shape, _))| shape.len() == 2)
-        {
-            return Ok(s.dtype);
-        }
-    }
-    bail!("'{}' holds no weight matrices", dir.display())
-}
-
-/// The run's memory plan, with the device buffer mode it settles (forced,
-/// or persistent when the whole plan with them fits in half the limit,
-/// else streamed); refuses a plan over the limit in one line naming the
-/// settings that would fit.
-fn memory_plan(s: &TrainSettings, m: &MemoryOptions) -> Result<(DeviceBuffers, MemoryPlan)> {
-    let cfg = ModelConfig::resolve(&s.model)?;
-    let base = match (&s.lora, ModelConfig::preset(&s.model)) {
-        (Some(_), None) => BaseWeights::Mapped(file_dtype(Path::new(&s.model))?),
-        _ => BaseWeights::F32,
-    };
-    let device = s.backend != Backend::Cpu;
-    let mut opts = crate::kernels::KernelOptions::hf(&cfg);
-    opts.lora = s.lora.as_ref().map(crate::kernels::LoraKernel::of);
-    let limit = m
-        .max_memory
-        .or_else(|| device.then(memplan::default_max_memory).flatten());
-    let plan_for = |seq: usize, lora: Option<&LoraConfig>, ckpt: bool, b: DeviceBuffers| {
-        let mut o = opts.clone();
-        o.lora = lora.map(crate::kernels::LoraKernel::of);
-        MemoryPlan::new(&PlanRequest {
-            cfg: &cfg,
-            seq,
-            lora,
-            base,
-            device: device.then_some(b),
-            simulated: s.backend == Backend::AneSim,
-            grad_checkpoint: ckpt,
-            opts: Some(&o),
-        })
-        .map_err(anyhow::Error::msg)
-    };
-    let lora = s.lora.as_ref();
-    let ckpt = m.grad_checkpoint;
-    let buffers = match m.device_buffers {
-        Some(b) => b,
-        None => {
-            let persistent = plan_for(s.seq, lora, ckpt, DeviceBuffers::Persistent)?;
-            match limit {
-                Some(l) if persistent.total > l / 2 => DeviceBuffers::Streamed,
-                _ => DeviceBuffers::Persistent,
-            }
-        }
-    };
-    let plan = plan_for(s.seq, lora, ckpt, buffers)?;
-    let Some(limit) = limit.filter(|&l| plan.total > l) else {
-        return Ok((buffers, plan));
-    };
-    // What would fit, one change at a time.
-    let gb = |b: u64| format!("{:.1} GB", b as f64 / 1e9);
-    let mut fits = Vec::new();
-    if !ckpt {
-        let p = plan_for(s.seq, lora, true, buffers)?;
-        if p.total <= limit {
-            fits.push(format!("--grad-checkpoint ({})", gb(p.total)));
-        }
-    }
-    if device && buffers == DeviceBuffers::Persistent {
-        let p = plan_for(s.seq, lora, ckpt, DeviceBuffers::Streamed)?;
-        if p.total <= limit {
-            fits.push(format!("--device-buffers streamed ({})", gb(p.total)));
-        }
-    }
-    if let Some(l) = lora {
-        let mut smaller = l.clone();
-        while smaller.rank > 1 {
-            smaller.rank /= 2;
-            let p = plan_for(s.seq, Some(&smaller), ckpt, buffers)?;
-            if p.total <= limit {
-                fits.push(format!("--lora-rank {} ({})", smaller.rank, gb(p.total)));
-                break;
-            }
-        }
-    }
-    let mut seq = s.seq;
-    while seq > 32 {
-        seq /= 2;
-        let p = plan_for(seq, lora, ckpt, buffers)?;
-        if p.total <= limit {
-            fits.push(format!("--seq {seq} ({})", gb(p.total)));
-            break;
-        }
-    }
-    bail!(
-        "this run needs about {} of memory at its peak and the limit is {} (--max-memory{}); {}; `anetrain kernels plan --model {} --seq {}{}{}` shows the plan by part",
-        gb(plan.total),
-        gb(limit),
-        if m.max_memory.is_none() { ", default: physical memory less 2 GB" } else { "" },
-        if fits.is_empty() {
-            "nothing one flag changes fits: use a smaller model or a machine with more memory".to_string()
-        } else {
-            format!("would fit: {}", fits.join(", or "))
-        },
-        s.model,
-        s.seq,
-        lora.map_or(String::new(), |l| format!(" --lora-rank {}", l.rank)),
-        if ckpt { " --grad-checkpoint" } else { "" },
-    )
 }
 
 /// The parts of a run the step loop reads.

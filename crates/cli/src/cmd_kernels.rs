@@ -3,8 +3,12 @@
 use std::path::Path;
 use std::time::Instant;
 
+use anetrain::backend::Backend;
+use anetrain::choice::Choice;
 use anetrain::config::ModelConfig;
 use anetrain::kernels::{self, check, tiling, KernelKind, KernelOptions, Shape};
+use anetrain::lora::LoraConfig;
+use anetrain::memplan::{MemoryOptions, RunPlan};
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -36,7 +40,7 @@ pub fn setup(
         );
     }
     if !seed_compat {
-        println!("chip family: {}", profile.describe());
+        eprintln!("chip family: {}", profile.describe());
     }
     Ok((cfg.clone(), Shape::new(&cfg, seq), opts))
 }
@@ -105,18 +109,48 @@ pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[Stri
     Ok(())
 }
 
+/// What `anetrain kernels plan` plans for.
+pub struct PlanArgs {
+    pub model: String,
+    pub seq: usize,
+    pub lora_rank: Option<usize>,
+    pub backend: Backend,
+    pub memory: MemoryOptions,
+    pub json: bool,
+}
+
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
-/// the device limits in force, and what that costs.
-pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()> {
+/// the device limits in force, what that costs, and the memory plan of a
+/// training run with these settings.
+pub fn show_plan(a: PlanArgs) -> Result<()> {
+    let PlanArgs {
+        model,
+        seq,
+        lora_rank,
+        ..
+    } = &a;
+    let (model, seq, lora_rank) = (model.as_str(), *seq, *lora_rank);
     let (cfg, shape, mut opts) = setup(model, seq, false)?;
-    if let Some(rank) = lora_rank {
-        opts.lora = Some(kernels::LoraKernel {
-            rank,
-            scale: 2.0,
-            targets: anetrain::model::Projection::ALL.to_vec(),
-        });
-    }
+    let lora = lora_rank.map(|rank| LoraConfig {
+        rank,
+        alpha: 2.0 * rank as f64,
+        dropout: 0.0,
+        targets: anetrain::model::Projection::ALL.to_vec(),
+        rslora: false,
+    });
+    opts.lora = lora.as_ref().map(kernels::LoraKernel::of);
+    let memory = RunPlan::new(model, seq, lora.as_ref(), a.backend, &a.memory)?;
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    if a.json {
+        let v = serde_json::json!({
+            "shape": shape,
+            "plan": plan,
+            "memory": memory.plan,
+            "max_memory": memory.limit,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
     println!(
         "{model}: dim {} intermediate {} heads {}/{} head_dim {} layers {} seq {}{}; axis caps: spatial {}, channel {}{}",
         shape.dim,
@@ -180,6 +214,30 @@ pub fn show_plan(model: &str, seq: usize, lora_rank: Option<usize>) -> Result<()
         plan.programs(),
         plan.evaluations_per_layer()
     );
+    println!(
+        "\nmemory of a training run on {}{}{}:",
+        a.backend.name(),
+        lora_rank.map_or(String::new(), |r| format!(", LoRA rank {r}")),
+        if a.memory.grad_checkpoint {
+            ", --grad-checkpoint"
+        } else {
+            ""
+        }
+    );
+    print!("{}", memory.plan.table());
+    if let Some(limit) = memory.limit {
+        let fits = memory.plan.total <= limit;
+        println!(
+            "{} the limit of {}{}",
+            if fits { "within" } else { "OVER" },
+            anetrain::memplan::size(limit),
+            if a.memory.max_memory.is_some() {
+                " (--max-memory)"
+            } else {
+                " (physical memory less 2 GB)"
+            }
+        );
+    }
     Ok(())
 }
 

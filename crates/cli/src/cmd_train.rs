@@ -187,7 +187,7 @@ pub struct MemoryArgs {
     /// Device input buffers: one per layer and kernel, staged once per step
     /// (persistent), or two per kernel refilled layer by layer while the
     /// device runs (streamed) [default: persistent when the run's memory
-    /// plan with them fits in half of --max-memory, else streamed].
+    /// plan with them fits in a quarter of --max-memory, else streamed].
     #[arg(long, value_parser = crate::choice::<DeviceBuffers>(), help_heading = "Memory")]
     pub device_buffers: Option<DeviceBuffers>,
     /// Refuse to start a run whose memory plan exceeds this (e.g. 14G,

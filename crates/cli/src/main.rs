@@ -352,6 +352,14 @@ enum KernelsCommand {
         /// Plan for LoRA adapters of this rank on all seven projections.
         #[arg(long, value_name = "R")]
         lora_rank: Option<usize>,
+        /// The engine whose memory plan to show.
+        #[arg(long, value_parser = choice::<anetrain::backend::Backend>(), default_value = "ane")]
+        backend: anetrain::backend::Backend,
+        #[command(flatten)]
+        memory: cmd_train::MemoryArgs,
+        /// Print the plan (tiles and memory) as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -741,7 +749,17 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 model,
                 seq,
                 lora_rank,
-            } => cmd_kernels::show_plan(&hub::resolve(&model, hub::Need::Config)?, seq, lora_rank)?,
+                backend,
+                memory,
+                json,
+            } => cmd_kernels::show_plan(cmd_kernels::PlanArgs {
+                model: hub::resolve(&model, hub::Need::Config)?,
+                seq,
+                lora_rank,
+                backend,
+                memory: memory.options(),
+                json,
+            })?,
         },
         Command::Mil { command } => match command {
             MilCommand::Run {

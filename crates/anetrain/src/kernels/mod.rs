@@ -184,10 +184,18 @@ pub struct KernelOptions {
     pub min_tiles: usize,
     /// Tile a kernel further, where an axis allows, until one tile's input
     /// surface is at most this many bytes (`None`: only as far as the
-    /// device's limits need). Streamed device buffers hold one tile per
-    /// kernel, so this bounds them (see `runner::DeviceBuffers`).
+    /// device's limits need; Hugging Face models: [`MAX_TILE_BYTES`]).
     pub max_tile_bytes: Option<usize>,
 }
+
+/// The largest tile input the device kernels are built for (where an axis
+/// allows cutting further): what a device buffer holds at most, so it
+/// bounds streamed buffers, the host's staging copy and the simulator's
+/// working set to a few tens of megabytes per kernel whatever the model's
+/// size (see `runner::DeviceBuffers`). Tiles share a program, so this
+/// adds device evaluations, not compiles. Both buffer modes run the same
+/// tiles, which is what makes them give the same bits.
+pub const MAX_TILE_BYTES: usize = 16 << 20;
 
 /// What the kernels need to know about LoRA adapters: every adapted
 /// projection `W` gains regions `A [r, in]` and `B [out, r]` and computes
@@ -312,7 +320,7 @@ impl KernelOptions {
                 .map(|p| p.limits)
                 .unwrap_or_default(),
             min_tiles: tiling::min_tiles_from_env(),
-            max_tile_bytes: None,
+            max_tile_bytes: Some(MAX_TILE_BYTES),
         }
     }
 
