@@ -10,6 +10,7 @@ use crate::backend::{self, Backend};
 use crate::config::ModelConfig;
 use crate::engine::{self, zero_grads, Engine, Grads};
 use crate::lora::{Lora, LoraConfig};
+use crate::memplan::RunPlan;
 use crate::model::Model;
 use crate::model::Projection;
 use crate::optim::{self, AdamW, AdamWConfig};
@@ -38,7 +39,7 @@ pub fn projection_flops(c: &ModelConfig, tokens: usize) -> f64 {
     3.0 * 2.0 * tokens as f64 * (per_layer * c.num_hidden_layers as f64 + v * d)
 }
 
-/// Peak resident memory of this process in MB (Linux), if known.
+/// Peak resident memory of this process in MiB (Linux), if known.
 pub fn peak_rss_mb() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -181,6 +182,8 @@ pub struct BenchArgs {
     pub backend: Backend,
     /// LoRA rank (every projection adapted, base frozen), if any.
     pub lora_rank: Option<usize>,
+    /// Checkpointing and device buffers, as `train` takes them.
+    pub memory: crate::memplan::MemoryOptions,
 }
 
 /// Jiffies the hypervisor gave to other guests ("steal") and all jiffies,
@@ -223,30 +226,38 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
             cfg.max_position_embeddings
         );
     }
-    let mut model = if ModelConfig::preset(&a.model).is_some() {
-        Model::init(&cfg, 0)?
-    } else {
-        Model::load(std::path::Path::new(&a.model))?
+    let lora = a.lora_rank.map(|rank| LoraConfig {
+        rank,
+        alpha: 2.0 * rank as f64,
+        dropout: 0.0,
+        targets: Projection::ALL.to_vec(),
+        rslora: false,
+    });
+    // The memory plan of the same run, reported beside the measured peak.
+    let plan = RunPlan::new(&a.model, a.seq, lora.as_ref(), a.backend, &a.memory)?
+        .refuse_over_limit()?;
+    let dir = std::path::Path::new(&a.model);
+    let mut model = match (ModelConfig::preset(&a.model), &lora) {
+        (Some(_), _) => Model::init(&cfg, 0)?,
+        // A frozen base stays mapped in the file's dtype, as in `train`.
+        (None, Some(_)) => Model::load_frozen(dir)?,
+        (None, None) => Model::load(dir)?,
     };
-    if let Some(rank) = a.lora_rank {
-        let lc = LoraConfig {
-            rank,
-            alpha: 2.0 * rank as f64,
-            dropout: 0.0,
-            targets: Projection::ALL.to_vec(),
-            rslora: false,
-        };
+    if let Some(lc) = lora {
         model.lora = Some(Lora::init(&model.cfg, lc, 0)?);
     }
+    let ckpt = a.memory.grad_checkpoint;
     match a.backend {
-        Backend::Cpu => run(a, model, Engine::cpu, progress),
+        Backend::Cpu => run(a, model, &plan, |m| Engine::cpu(m).checkpointing(ckpt), progress),
         Backend::AneSim => {
             let device = crate::backend::open_sim()?;
-            run(a, model, |m| Engine::neural(m, device), progress)
+            let make = |m: &Model| Engine::neural(m, device).buffers(plan.buffers).checkpointing(ckpt);
+            run(a, model, &plan, make, progress)
         }
         Backend::Ane => {
             let device = backend::open_ane()?;
-            run(a, model, move |m| Engine::neural(m, device), progress)
+            let make = |m: &Model| Engine::neural(m, device).buffers(plan.buffers).checkpointing(ckpt);
+            run(a, model, &plan, make, progress)
         }
     }
 }
@@ -254,6 +265,7 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
 fn run<R: KernelRunner>(
     a: &BenchArgs,
     mut model: Model,
+    plan: &RunPlan,
     make: impl FnOnce(&Model) -> Engine<R>,
     progress: &mut dyn FnMut(String),
 ) -> Result<serde_json::Value> {
@@ -359,6 +371,10 @@ fn run<R: KernelRunner>(
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
         "peak_rss_mb": peak_rss, "host_steal_fraction": steal,
+        "memory_plan_mb": plan.plan.total as f64 / (1 << 20) as f64,
+        "plan_over_peak_rss": peak_rss.map(|p| plan.plan.total as f64 / (1 << 20) as f64 / p),
+        "grad_checkpoint": a.memory.grad_checkpoint,
+        "device_buffers": (a.backend != Backend::Cpu).then_some(plan.buffers),
         "products_only_s": products, "step_over_products": products.map(|p| med / p),
         "phases_median_s": {
             "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),
@@ -402,8 +418,14 @@ mod tests {
             warmup: 1,
             backend: Backend::Cpu,
             lora_rank: None,
+            memory: Default::default(),
         };
         let r = bench(&args, &mut |_| {}).unwrap();
+        // The plan is reported beside the measured peak (on Linux).
+        assert!(r["memory_plan_mb"].as_f64().unwrap() > 0.0, "{r}");
+        if cfg!(target_os = "linux") {
+            assert!(r["plan_over_peak_rss"].as_f64().unwrap() > 0.0, "{r}");
+        }
         let step = r["median_step_s"].as_f64().unwrap();
         let floor = r["products_only_s"].as_f64().unwrap();
         assert!(step > 0.0 && floor > 0.0, "{r}");

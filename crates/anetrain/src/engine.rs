@@ -272,9 +272,21 @@ impl<D: ane::Device> Engine<NeuralKernels<D>> {
         let opts = KernelOptions::for_model(model);
         Engine::with_runner(NeuralKernels::new(device, opts.clone()), opts)
     }
+
+    /// With device buffers kept as `mode` says.
+    pub fn buffers(mut self, mode: crate::runner::DeviceBuffers) -> Self {
+        self.runner = self.runner.with_buffers(mode);
+        self
+    }
 }
 
 impl<R: KernelRunner> Engine<R> {
+    /// With activation checkpointing on or off (see [`Engine::grad_checkpoint`]).
+    pub fn checkpointing(mut self, on: bool) -> Self {
+        self.grad_checkpoint = on;
+        self
+    }
+
     /// Forward over `tokens` (one sequence), keeping what backward needs.
     pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
         let cfg = &model.cfg;

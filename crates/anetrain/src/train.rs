@@ -861,20 +861,17 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
     let ckpt = r.memory.grad_checkpoint;
     match (s.backend, ane_device) {
         (Backend::Ane, Some(d)) => {
-            let mut e = Engine::neural(&model, d);
-            e.runner = e.runner.with_buffers(buffers);
-            e.grad_checkpoint = ckpt;
+            let e = Engine::neural(&model, d).buffers(buffers).checkpointing(ckpt);
             run.go(e, &mut model, &mut opt, &mut state)
         }
         (Backend::AneSim, _) => {
-            let mut e = Engine::neural(&model, crate::backend::open_sim()?);
-            e.runner = e.runner.with_buffers(buffers);
-            e.grad_checkpoint = ckpt;
+            let e = Engine::neural(&model, crate::backend::open_sim()?)
+                .buffers(buffers)
+                .checkpointing(ckpt);
             run.go(e, &mut model, &mut opt, &mut state)
         }
         _ => {
-            let mut e = Engine::cpu(&model);
-            e.grad_checkpoint = ckpt;
+            let e = Engine::cpu(&model).checkpointing(ckpt);
             run.go(e, &mut model, &mut opt, &mut state)
         }
     }

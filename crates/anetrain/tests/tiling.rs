@@ -97,10 +97,17 @@ fn larger_models_plan_within_the_limits() {
             true,
         );
     }
-    // Qwen3-0.6B fits untiled at 16384, and tiles under a 4096 limit.
+    // Qwen3-0.6B fits the axis caps untiled at 16384: only the tile-size
+    // cap cuts its largest kernels; and it tiles under a 4096 limit.
     let small = ModelConfig::preset("qwen3-0.6b").unwrap();
     let plan = plan_and_check("qwen3-0.6b", &small, 256, ane::rules::MAX_DIM, false);
-    assert!(plan.kernels.iter().all(|k| k.tiles == 1));
+    let cap = anetrain::kernels::MAX_TILE_BYTES;
+    assert!(plan.kernels.iter().all(|k| k.surface_bytes().0 <= cap));
+    let mut uncapped = KernelOptions::hf(&small);
+    uncapped.limits = Limits::conservative();
+    uncapped.max_tile_bytes = None;
+    let plan = tiling::plan(&Shape::new(&small, 256), &uncapped).unwrap();
+    assert!(plan.kernels.iter().all(|k| k.tiles == 1), "{plan:?}");
     let plan = plan_and_check("qwen3-0.6b at 4096", &small, 256, 4096, false);
     assert!(plan.of(KernelKind::FfnForward).tiles >= 2);
     assert!(plan.of(KernelKind::SdpaForward).tiles >= 2);

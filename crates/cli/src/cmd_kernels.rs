@@ -13,11 +13,13 @@ use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
 
-/// Shape and options for `--model`, `--seq`, `--seed-compat`.
+/// Shape and options for `--model`, `--seq`, `--seed-compat`; with
+/// `announce`, the chip family whose limits they are built for is printed.
 pub fn setup(
     model: &str,
     seq: usize,
     seed_compat: bool,
+    announce: bool,
 ) -> Result<(ModelConfig, Shape, KernelOptions)> {
     let cfg = ModelConfig::resolve(model)?;
     let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
@@ -39,8 +41,8 @@ pub fn setup(
             cfg.hidden_size
         );
     }
-    if !seed_compat {
-        eprintln!("chip family: {}", profile.describe());
+    if !seed_compat && announce {
+        println!("chip family: {}", profile.describe());
     }
     Ok((cfg.clone(), Shape::new(&cfg, seq), opts))
 }
@@ -60,7 +62,7 @@ fn selected(only: &[String]) -> Result<Vec<KernelKind>> {
 }
 
 pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[String]) -> Result<()> {
-    let (_, shape, opts) = setup(model, seq, seed_compat)?;
+    let (_, shape, opts) = setup(model, seq, seed_compat, true)?;
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights)
@@ -130,7 +132,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         ..
     } = &a;
     let (model, seq, lora_rank) = (model.as_str(), *seq, *lora_rank);
-    let (cfg, shape, mut opts) = setup(model, seq, false)?;
+    let (cfg, shape, mut opts) = setup(model, seq, false, !a.json)?;
     let lora = lora_rank.map(|rank| LoraConfig {
         rank,
         alpha: 2.0 * rank as f64,
@@ -248,7 +250,7 @@ pub fn run_check(
     only: &[String],
     seed: u64,
 ) -> Result<()> {
-    let (_, shape, opts) = setup(model, seq, seed_compat)?;
+    let (_, shape, opts) = setup(model, seq, seed_compat, true)?;
     println!(
         "kernel check: dim {} hidden {} heads {}/{} head_dim {} seq {} (rope {:?}, qk_norm {}, residual scale {})",
         shape.dim, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.seq, opts.rope, opts.qk_norm, opts.residual_scale

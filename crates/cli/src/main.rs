@@ -175,6 +175,8 @@ enum Command {
         /// (base frozen) instead of full training.
         #[arg(long, value_name = "R")]
         lora_rank: Option<usize>,
+        #[command(flatten)]
+        memory: cmd_train::MemoryArgs,
     },
     /// Fold a LoRA adapter into its base model (W + α/r·B·A) and write a
     /// plain Hugging Face model directory.
@@ -621,9 +623,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             warmup,
             backend,
             lora_rank,
+            memory,
         } => {
             let args = anetrain::bench::BenchArgs {
                 lora_rank,
+                memory: memory.options(),
                 model: hub::resolve(&model, hub::Need::Model)?,
                 seq,
                 batch,

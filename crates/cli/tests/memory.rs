@@ -228,14 +228,27 @@ fn kernels_plan_shows_the_memory_plan() {
             .as_u64()
             .unwrap()
     };
-    let lora = plan(&["--lora-rank", "16", "--backend", "ane-sim"]);
-    let ckpt = plan(&[
-        "--lora-rank",
-        "16",
-        "--backend",
-        "ane-sim",
-        "--grad-checkpoint",
-    ]);
+    let persistent = ["--device-buffers", "persistent"];
+    let lora = plan(
+        &[
+            &["--lora-rank", "16", "--backend", "ane-sim"][..],
+            &persistent,
+        ]
+        .concat(),
+    );
+    let ckpt = plan(
+        &[
+            &[
+                "--lora-rank",
+                "16",
+                "--backend",
+                "ane-sim",
+                "--grad-checkpoint",
+            ][..],
+            &persistent,
+        ]
+        .concat(),
+    );
     let streamed = plan(&[
         "--lora-rank",
         "16",
