@@ -234,8 +234,8 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
         rslora: false,
     });
     // The memory plan of the same run, reported beside the measured peak.
-    let plan = RunPlan::new(&a.model, a.seq, lora.as_ref(), a.backend, &a.memory)?
-        .refuse_over_limit()?;
+    let plan =
+        RunPlan::new(&a.model, a.seq, lora.as_ref(), a.backend, &a.memory)?.refuse_over_limit()?;
     let dir = std::path::Path::new(&a.model);
     let mut model = match (ModelConfig::preset(&a.model), &lora) {
         (Some(_), _) => Model::init(&cfg, 0)?,
@@ -248,15 +248,29 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     }
     let ckpt = a.memory.grad_checkpoint;
     match a.backend {
-        Backend::Cpu => run(a, model, &plan, |m| Engine::cpu(m).checkpointing(ckpt), progress),
+        Backend::Cpu => run(
+            a,
+            model,
+            &plan,
+            |m| Engine::cpu(m).checkpointing(ckpt),
+            progress,
+        ),
         Backend::AneSim => {
             let device = crate::backend::open_sim()?;
-            let make = |m: &Model| Engine::neural(m, device).buffers(plan.buffers).checkpointing(ckpt);
+            let make = |m: &Model| {
+                Engine::neural(m, device)
+                    .buffers(plan.buffers)
+                    .checkpointing(ckpt)
+            };
             run(a, model, &plan, make, progress)
         }
         Backend::Ane => {
             let device = backend::open_ane()?;
-            let make = |m: &Model| Engine::neural(m, device).buffers(plan.buffers).checkpointing(ckpt);
+            let make = |m: &Model| {
+                Engine::neural(m, device)
+                    .buffers(plan.buffers)
+                    .checkpointing(ckpt)
+            };
             run(a, model, &plan, make, progress)
         }
     }

@@ -100,7 +100,7 @@ struct LayerActs {
 /// What a forward pass keeps of one layer for the backward.
 enum Saved {
     /// Everything the backward reads.
-    Acts(LayerActs),
+    Acts(Box<LayerActs>),
     /// Only the layer's input (and its dropout masks): with activation
     /// checkpointing the backward recomputes the rest with the same
     /// kernels in the same order, so gradients are bit-identical.
@@ -319,7 +319,7 @@ impl<R: KernelRunner> Engine<R> {
             let (acts, x_next) = self.layer_forward(model, i, &shape, x, masks)?;
             layers.push(match self.grad_checkpoint {
                 true => Saved::Input(acts.x, acts.masks),
-                false => Saved::Acts(acts),
+                false => Saved::Acts(Box::new(acts)),
             });
             x = x_next;
         }
@@ -725,7 +725,7 @@ pub fn head_loss_chunked(
     targets: &[u32],
     first: usize,
     grad_scale: f32,
-    mut grads: Option<&mut Grads>,
+    grads: Option<&mut Grads>,
     chunk_rows: usize,
 ) -> Result<(f64, Vec<f32>)> {
     let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
@@ -775,7 +775,7 @@ pub fn head_loss_chunked(
     let loss: f64 = (first..seq)
         .map(|s| max[s] as f64 + sum[s].ln() - target_logit[s] as f64)
         .sum();
-    let Some(grads) = grads.as_deref_mut() else {
+    let Some(grads) = grads else {
         LOGITS.with(|b| *b.borrow_mut() = lt);
         return Ok((loss, vec![]));
     };

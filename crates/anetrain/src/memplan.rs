@@ -324,7 +324,7 @@ impl MemoryPlan {
     /// The plan in one line: the total and its largest parts.
     pub fn line(&self) -> String {
         let mut parts: Vec<&Part> = self.resident.iter().chain(&self.transient).collect();
-        parts.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        parts.sort_by_key(|p| std::cmp::Reverse(p.bytes));
         let top: Vec<String> = parts
             .iter()
             .take(3)

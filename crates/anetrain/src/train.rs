@@ -861,7 +861,9 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
     let ckpt = r.memory.grad_checkpoint;
     match (s.backend, ane_device) {
         (Backend::Ane, Some(d)) => {
-            let e = Engine::neural(&model, d).buffers(buffers).checkpointing(ckpt);
+            let e = Engine::neural(&model, d)
+                .buffers(buffers)
+                .checkpointing(ckpt);
             run.go(e, &mut model, &mut opt, &mut state)
         }
         (Backend::AneSim, _) => {

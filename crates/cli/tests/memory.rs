@@ -35,7 +35,10 @@ fn train(args: &[&str], env: &[(&str, &str)], out: &Path, weights: &str) -> (Vec
 
 /// Every variant of `variants` (extra flags, environment) gives the first's
 /// losses and weights, bit for bit.
-fn all_identical(base: &[&str], weights: &str, variants: &[(&[&str], &[(&str, &str)])]) {
+/// Extra flags and environment variables of one run.
+type Variant<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)]);
+
+fn all_identical(base: &[&str], weights: &str, variants: &[Variant]) {
     let dir = tmp();
     let mut first: Option<(Vec<String>, Vec<u8>)> = None;
     for (i, (flags, env)) in variants.iter().enumerate() {
