@@ -19,9 +19,13 @@ use anyhow::{bail, Context, Result};
 use crate::fsutil::write_atomic;
 
 /// Loads `dir`, with the adapter in `adapter` attached (or, with `merge`,
-/// folded into the weights).
+/// folded into the weights). Unless merged into, its matrices stay
+/// memory-mapped in the file's dtype, as a LoRA run's base does.
 fn load_model(dir: &Path, adapter: Option<&Path>, merge: bool) -> Result<Model> {
-    let mut model = Model::load(dir)?;
+    let mut model = match merge {
+        true => Model::load(dir)?,
+        false => Model::load_frozen(dir)?,
+    };
     if let Some(a) = adapter {
         let lora = Lora::load(&model.cfg, a)?;
         if merge {
