@@ -632,16 +632,12 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             }
             let buf = &mut set.inputs[ki][b];
             for (port, data) in acts.ports() {
-                let padded = match tiles.tiles {
-                    1 => pad(port, data, seq, sp),
-                    _ => pad(
-                        port,
-                        &tiling::tile_activation(tiles, port, data, seq, t),
-                        seq,
-                        sp,
-                    ),
+                let padded = pad(port, data, seq, sp);
+                let part = match tiles.tiles {
+                    1 => padded,
+                    _ => tiling::tile_activation(tiles, port, &padded, sp, t),
                 };
-                write_region(&mut self.device, buf, l, port, &padded)?;
+                write_region(&mut self.device, buf, l, port, &part)?;
             }
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.
@@ -692,17 +688,20 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 self.device
                     .read(out, blk.channels.start * l.out_spatial, &mut v)
                     .map_err(|e| anyhow!("{e}"))?;
-                let part = crop(blk.port, &v, seq, sp);
                 let acc = results.entry(blk.port).or_default();
-                tiling::combine(tiles, blk.port, acc, part, t);
+                match tiles.tiles {
+                    1 => *acc = v,
+                    _ => tiling::combine(tiles, blk.port, acc, v, t),
+                }
             }
         }
-        K::Out::from_lookup(&mut |port| results.remove(&port)).ok_or_else(|| {
-            anyhow!(
-                "{}: an output block is missing from its layout",
-                kind.name()
-            )
-        })
+        K::Out::from_lookup(&mut |port| results.remove(&port).map(|v| crop(port, &v, seq, sp)))
+            .ok_or_else(|| {
+                anyhow!(
+                    "{}: an output block is missing from its layout",
+                    kind.name()
+                )
+            })
     }
 }
 

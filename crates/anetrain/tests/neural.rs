@@ -220,6 +220,50 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
     }
 }
 
+/// Sequence tiles: every kernel that treats positions alone cut into
+/// blocks of 32 positions (`KernelOptions::min_seq_tiles`, the in-process
+/// form of `ANETRAIN_ANE_SEQ_TILES`) computes each position as the whole
+/// does, so the loss and every gradient are the untiled run's, bit for bit.
+#[test]
+fn sequence_tiles_give_the_untiled_bits() {
+    use anetrain::kernels::tiling::Axis;
+    for kind in ["qwen3", "llama"] {
+        let model = Model::load(&fixture(kind).join("model")).unwrap();
+        let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
+        opts.min_seq_tiles = 2;
+        let mut tiled = Engine::with_runner(
+            anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+            opts,
+        );
+        let mut plain = Engine::neural(&model, ane::SimDevice::new());
+        // 60 positions, padded to 64: two blocks of 32.
+        let rows = vec![(0..60).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
+        let (mut gt, mut gp) = (zero_grads(&model), zero_grads(&model));
+        let (lt, _) = engine::loss_and_grads(&mut tiled, &model, &rows, Some(&mut gt)).unwrap();
+        let (lp, _) = engine::loss_and_grads(&mut plain, &model, &rows, Some(&mut gp)).unwrap();
+        let plan = tiled.runner.plan().unwrap().clone();
+        for k in &plan.kernels {
+            let seq_split = k
+                .splits
+                .iter()
+                .any(|s| s.axis == Axis::Seq && s.blocks == 2);
+            assert_eq!(
+                seq_split,
+                k.kind.tile_axes().contains(&Axis::Seq),
+                "{kind}: {k:?}"
+            );
+        }
+        assert_eq!(lt.to_bits(), lp.to_bits(), "{kind}: loss {lt} vs {lp}");
+        for (p, (a, b)) in model.params.iter().zip(gt.iter().zip(&gp)) {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{kind}: {}: sequence tiles changed the gradient",
+                p.name
+            );
+        }
+    }
+}
+
 /// LoRA adapters on all seven projections, tiled: each tile carries its
 /// block of `B` (output split) or of `A` (input split) and the adapter
 /// gradients track the CPU engine as untiled ones do.

@@ -183,17 +183,12 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
                 .splits
                 .iter()
                 .map(|sp| {
-                    let (part, whole) = match sp.axis {
-                        tiling::Axis::Hidden => (k.shape.hidden, shape.hidden),
-                        tiling::Axis::KvGroups => (k.shape.kv_heads, shape.kv_heads),
-                        tiling::Axis::Dim => (k.shape.dim, shape.dim),
-                    };
-                    let short = match sp.axis {
-                        tiling::Axis::Hidden => "inter",
-                        tiling::Axis::KvGroups => "kv",
-                        tiling::Axis::Dim => "dim",
-                    };
-                    format!("{short} {part}/{whole}")
+                    format!(
+                        "{} {}/{}",
+                        sp.axis.short(),
+                        sp.axis.count(&k.shape),
+                        sp.axis.count(&shape)
+                    )
                 })
                 .collect::<Vec<_>>()
                 .join(" x "),

@@ -182,6 +182,10 @@ pub struct KernelOptions {
     /// (`ANETRAIN_ANE_MIN_TILES`; 1 unless set): exercises tiled execution
     /// on models too small to need it.
     pub min_tiles: usize,
+    /// Split the sequence of every kernel that may split it into at least
+    /// this many blocks, where the length allows (`ANETRAIN_ANE_SEQ_TILES`;
+    /// 1 unless set): exercises sequence tiling at short lengths.
+    pub min_seq_tiles: usize,
     /// Tile a kernel further, where an axis allows, until one tile's input
     /// surface is at most this many bytes (`None`: only as far as the
     /// device's limits need; Hugging Face models: [`MAX_TILE_BYTES`]).
@@ -320,6 +324,7 @@ impl KernelOptions {
                 .map(|p| p.limits)
                 .unwrap_or_default(),
             min_tiles: tiling::min_tiles_from_env(),
+            min_seq_tiles: tiling::min_seq_tiles_from_env(),
             max_tile_bytes: Some(MAX_TILE_BYTES),
         }
     }
@@ -373,6 +378,7 @@ impl KernelOptions {
             min_surface_bytes: 0,
             limits: ane::rules::Limits::default().with_max_dim(ane::rules::MAX_DIM),
             min_tiles: 1,
+            min_seq_tiles: 1,
             max_tile_bytes: None,
         }
     }

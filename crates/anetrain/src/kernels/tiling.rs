@@ -36,14 +36,32 @@ use crate::model::Projection;
 /// Forces tiling (see [`KernelOptions::min_tiles`]).
 pub const MIN_TILES_ENV: &str = "ANETRAIN_ANE_MIN_TILES";
 
+/// Forces sequence tiling (see [`KernelOptions::min_seq_tiles`]).
+pub const SEQ_TILES_ENV: &str = "ANETRAIN_ANE_SEQ_TILES";
+
 /// `ANETRAIN_ANE_MIN_TILES` as a number (1 when unset or unusable).
 pub fn min_tiles_from_env() -> usize {
-    std::env::var(MIN_TILES_ENV)
+    count_from_env(MIN_TILES_ENV)
+}
+
+/// `ANETRAIN_ANE_SEQ_TILES` as a number (1 when unset or unusable).
+pub fn min_seq_tiles_from_env() -> usize {
+    count_from_env(SEQ_TILES_ENV)
+}
+
+fn count_from_env(var: &str) -> usize {
+    std::env::var(var)
         .ok()
         .and_then(|v| v.trim().parse().ok())
         .filter(|&n: &usize| n >= 1)
         .unwrap_or(1)
 }
+
+/// The narrowest block of positions a sequence tile holds, and the
+/// multiple every block is of: the runner's padding granularity
+/// ([`crate::runner::SEQ_MULTIPLE`]: surfaces at least 32 wide, sequence
+/// strides multiples of 16).
+pub const SEQ_BLOCK_MULTIPLE: usize = 32;
 
 /// What a kernel's tiles split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -55,6 +73,10 @@ pub enum Axis {
     /// The model dimension, where a kernel only multiplies along it (its
     /// output, or the reduction of a product).
     Dim,
+    /// Blocks of positions, for kernels that treat every position alone
+    /// (products with weights, elementwise maths): each block's results
+    /// are its columns of the whole.
+    Seq,
 }
 
 impl Axis {
@@ -63,6 +85,17 @@ impl Axis {
             Axis::Hidden => "intermediate size",
             Axis::KvGroups => "KV heads",
             Axis::Dim => "model dimension",
+            Axis::Seq => "sequence",
+        }
+    }
+
+    /// The axis in a column of `kernels plan`.
+    pub fn short(self) -> &'static str {
+        match self {
+            Axis::Hidden => "inter",
+            Axis::KvGroups => "kv",
+            Axis::Dim => "dim",
+            Axis::Seq => "seq",
         }
     }
 
@@ -72,7 +105,19 @@ impl Axis {
             Axis::Hidden => s.hidden,
             Axis::KvGroups => s.kv_heads,
             Axis::Dim => s.dim,
+            Axis::Seq => s.seq,
         }
+    }
+
+    /// The block counts the axis may be cut into at `s`: divisors of its
+    /// count, and for the sequence only those leaving blocks a multiple of
+    /// [`SEQ_BLOCK_MULTIPLE`] wide.
+    fn block_counts(self, s: &Shape) -> Vec<usize> {
+        let n = self.count(s);
+        divisors(n)
+            .into_iter()
+            .filter(|&c| self != Axis::Seq || c == 1 || (n / c).is_multiple_of(SEQ_BLOCK_MULTIPLE))
+            .collect()
     }
 }
 
@@ -80,18 +125,21 @@ impl KernelKind {
     /// The axes this kernel's tiles may split, preferred first. A kernel
     /// with a nonlinearity across an axis (softmax over heads' scores,
     /// SiLU of a product summed over the model dimension) cannot split it.
+    /// Kernels that treat every position alone may also split the
+    /// sequence, last: a block re-sends the weights, so weight axes go
+    /// first.
     pub fn tile_axes(self) -> &'static [Axis] {
         use Axis::*;
         match self {
-            KernelKind::FfnForward => &[Hidden],
-            KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => &[Hidden, Dim],
+            KernelKind::FfnForward => &[Hidden, Seq],
+            KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => &[Hidden, Dim, Seq],
             KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {
                 &[KvGroups]
             }
             KernelKind::WoForward
             | KernelKind::WoBackward
             | KernelKind::QBackward
-            | KernelKind::KvBackward => &[KvGroups, Dim],
+            | KernelKind::KvBackward => &[KvGroups, Dim, Seq],
         }
     }
 }
@@ -120,6 +168,8 @@ impl Extent {
             Axis::Hidden => self == Extent::Hidden,
             Axis::KvGroups => matches!(self, Extent::Q | Extent::Kv | Extent::Scores),
             Axis::Dim => self == Extent::Dim,
+            // Positions run along a port's columns, never its channels.
+            Axis::Seq => false,
         }
     }
 }
@@ -203,6 +253,25 @@ impl KernelTiles {
             .into_iter()
             .find(|(sp, _)| extent.split_by(sp.axis))
     }
+
+    /// The sequence split cutting activation `port`'s columns in tile `t`,
+    /// with the tile's block of positions.
+    fn cut_columns(&self, port: Port, t: usize) -> Option<(Split, usize)> {
+        if activation_extent(port) == Extent::Whole {
+            return None;
+        }
+        self.indices(t)
+            .into_iter()
+            .find(|(sp, _)| sp.axis == Axis::Seq)
+    }
+
+    /// Whether tile `t` is at block 0 of every split a sum runs over (every
+    /// split but the sequence's, whose blocks hold other positions).
+    fn first_of_sums(&self, t: usize) -> bool {
+        self.indices(t)
+            .iter()
+            .all(|&(sp, i)| i == 0 || sp.axis == Axis::Seq)
+    }
 }
 
 /// The tiling of every kernel for one model shape and device limits.
@@ -246,6 +315,7 @@ pub fn tile_shape(full: &Shape, splits: &[Split]) -> Shape {
                 s.kv_heads /= sp.blocks;
             }
             Axis::Dim => s.dim /= sp.blocks,
+            Axis::Seq => s.seq /= sp.blocks,
         }
     }
     s
@@ -267,12 +337,16 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
     let axes = kind.tile_axes();
     let mut grids: Vec<Vec<Split>> = vec![vec![]];
     for &axis in axes {
-        let mut counts = divisors(axis.count(full));
-        if o.min_tiles > 1 {
-            // Forced tiling: at least `min_tiles` blocks of every axis the
-            // kernel may split (or as many as the axis has), so grids of
-            // two axes run too.
-            let floor = o.min_tiles.min(*counts.last().unwrap_or(&1));
+        let mut counts = axis.block_counts(full);
+        // Forced tiling: at least `min_tiles` blocks of every weight axis
+        // the kernel may split, `min_seq_tiles` of the sequence (or as
+        // many as the axis has), so grids of two axes run too.
+        let forced = match axis {
+            Axis::Seq => o.min_seq_tiles,
+            _ => o.min_tiles,
+        };
+        if forced > 1 {
+            let floor = forced.min(*counts.last().unwrap_or(&1));
             counts.retain(|&c| c >= floor);
         }
         grids = grids
@@ -290,8 +364,13 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
     }
     let tiles = |g: &Vec<Split>| g.iter().map(|s| s.blocks).product::<usize>();
     grids.sort_by_key(|g| {
+        let seq: usize = g
+            .iter()
+            .filter(|s| s.axis == Axis::Seq)
+            .map(|s| s.blocks)
+            .product();
         let later: usize = g.iter().skip(1).map(|s| s.blocks).product();
-        (tiles(g), later)
+        (tiles(g), seq, later)
     });
     grids.dedup();
     grids
@@ -299,8 +378,9 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
 
 /// Plans every kernel: the fewest equal tiles whose program passes every
 /// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
-/// per-axis caps, contraction multiples, …); failing that, the fewest that
-/// at least fit the axis caps. An error names the kernel, the axes and
+/// per-axis caps, contraction multiples, …) within `o.max_tile_bytes`;
+/// failing the size, the passing tiling with the smallest input; failing
+/// the rules, the fewest tiles that at least fit the axis caps. An error names the kernel, the axes and
 /// the caps when no tiling fits.
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     let rules = ane::rules::RuleSet::for_limits(o.limits);
@@ -336,8 +416,13 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
             }
             if findings.is_empty() {
                 // Passes every rule but is larger than asked: the fallback
-                // when no finer tiling passes.
-                passing.get_or_insert(tiles);
+                // when no tiling meets the cap is the smallest that passes.
+                if passing
+                    .as_ref()
+                    .is_none_or(|p: &KernelTiles| tiles.surface_bytes().0 < p.surface_bytes().0)
+                {
+                    passing = Some(tiles);
+                }
                 continue;
             }
             fits_dim.get_or_insert(tiles);
@@ -464,10 +549,12 @@ pub fn adapter_blocks(
     )
 }
 
-/// Tile `t`'s part of activation `port` (`[C, seq]` row-major): its
-/// channel block when a split cuts the port, else the whole. The residual
-/// `x2` enters once: whole in the tiles at block 0 of every split, zeros
-/// in the others, whose partial sums must not add it again.
+/// Tile `t`'s part of activation `port` (`[C, seq]` row-major, `seq` the
+/// whole sequence): its channel block when a split cuts the port, else
+/// every channel; its block of positions when the sequence is split, else
+/// every position. The residual `x2` enters once: in the tiles at block 0
+/// of every split a sum runs over, zeros in the others, whose partial sums
+/// must not add it again.
 pub fn tile_activation(
     k: &KernelTiles,
     port: Port,
@@ -475,31 +562,47 @@ pub fn tile_activation(
     seq: usize,
     t: usize,
 ) -> Vec<f32> {
-    let e = activation_extent(port);
-    if let Some((sp, i)) = k.cut(e, t) {
-        return row_block(data, data.len() / seq, i, sp.blocks);
+    let mut v = match k.cut(activation_extent(port), t) {
+        Some((sp, i)) => row_block(data, data.len() / seq, i, sp.blocks),
+        None => data.to_vec(),
+    };
+    if let Some((sp, i)) = k.cut_columns(port, t) {
+        v = col_block(&v, seq, i, sp.blocks);
     }
-    if port == Port::X2 && k.indices(t).iter().any(|&(_, i)| i > 0) {
-        return vec![0.0; data.len()];
+    if port == Port::X2 && !k.first_of_sums(t) {
+        v.fill(0.0);
     }
-    data.to_vec()
+    v
 }
 
-/// Adds tile `t`'s result for `port` into the full result `acc` (zeros of
-/// the full size on the first tile): at its channel block when a split
-/// cuts the port, else over the whole — concatenation along the cut axis,
-/// a sum over the others.
+/// Adds tile `t`'s result for `port` (`[c, w]`, `w` the tile's positions)
+/// into the full result `acc` (zeros of the full size on the first tile):
+/// at its channel block when a split cuts the port, at its block of
+/// positions when the sequence is split — concatenation along cut axes, a
+/// sum over the others.
 pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, t: usize) {
-    let cut = k.cut(activation_extent(port), t);
+    let rows_cut = k.cut(activation_extent(port), t);
+    let cols_cut = k.cut_columns(port, t);
+    let w = k.shape.seq;
+    let c = part.len() / w;
+    let (nr, nc) = (
+        rows_cut.map_or(1, |(sp, _)| sp.blocks),
+        cols_cut.map_or(1, |(sp, _)| sp.blocks),
+    );
     if t == 0 {
-        let n = cut.map_or(1, |(sp, _)| sp.blocks);
-        *acc = vec![0.0; part.len() * n];
+        *acc = vec![0.0; part.len() * nr * nc];
     }
-    let at = cut.map_or(0, |(_, i)| i * part.len());
-    acc[at..at + part.len()]
-        .iter_mut()
-        .zip(&part)
-        .for_each(|(a, p)| *a += p);
+    let (r0, c0) = (
+        rows_cut.map_or(0, |(_, i)| i * c),
+        cols_cut.map_or(0, |(_, i)| i * w),
+    );
+    let width = w * nc;
+    for (r, src) in part.chunks(w).enumerate() {
+        acc[(r0 + r) * width + c0..][..w]
+            .iter_mut()
+            .zip(src)
+            .for_each(|(a, p)| *a += p);
+    }
 }
 
 #[cfg(test)]
