@@ -533,6 +533,8 @@ impl<R: KernelRunner> Engine<R> {
                 k_rope: &k_rope,
                 v: &a.v.get(),
                 da: &da,
+                // Made per tile by the device runner for blocks of queries.
+                mask: None,
             },
         )?;
         let dv = b1.dv;

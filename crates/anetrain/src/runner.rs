@@ -639,6 +639,10 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 };
                 write_region(&mut self.device, buf, l, port, &part)?;
             }
+            if l.inputs.iter().any(|r| r.port == Port::Mask) {
+                let mask = tiling::tile_mask(tiles, sp, t);
+                write_region(&mut self.device, buf, l, Port::Mask, &mask)?;
+            }
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.
             let next = next_unit(kind, unit, tiles.tiles, layers, recomputing).and_then(|n| {

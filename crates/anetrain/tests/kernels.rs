@@ -83,6 +83,24 @@ fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
     }
 }
 
+/// The attention backward kernels for a block of queries against every key
+/// (`Shape::queries < seq`: q, dA and dq as the block's rows, the mask an
+/// input) match their twins, for MHA and GQA.
+#[test]
+fn query_block_kernels_match_their_cpu_twins() {
+    for cfg in [
+        config(48, 96, 4, 4, 16, false),
+        config(96, 128, 8, 2, 16, true),
+    ] {
+        let mut s = Shape::new(&cfg, 32);
+        s.queries = 8;
+        for kind in [KernelKind::SdpaBackward1, KernelKind::SdpaBackward2] {
+            let r = check_kernel(kind, &s, &KernelOptions::hf(&cfg), 7).unwrap();
+            assert!(r.passed(), "{kind:?} ratio {}: {r:?}", s.ratio());
+        }
+    }
+}
+
 /// The seed reference corpus's `mha_b` programs, kept in the repository.
 fn reference_dir() -> PathBuf {
     let d = PathBuf::from(env!("CARGO_MANIFEST_DIR"))

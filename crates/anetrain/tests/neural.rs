@@ -220,10 +220,12 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
     }
 }
 
-/// Sequence tiles: every kernel that treats positions alone cut into
-/// blocks of 32 positions (`KernelOptions::min_seq_tiles`, the in-process
-/// form of `ANETRAIN_ANE_SEQ_TILES`) computes each position as the whole
-/// does, so the loss and every gradient are the untiled run's, bit for bit.
+/// Sequence tiles (`KernelOptions::min_seq_tiles`, the in-process form of
+/// `ANETRAIN_ANE_SEQ_TILES`): kernels that treat positions alone, cut into
+/// blocks of 32 positions, compute each position as the whole does, so the
+/// forward and its loss are the untiled run's bit for bit; the attention
+/// backward in blocks of 32 queries moves the gradients by rounding only
+/// (3e-3 of the untiled device run) and they hold the CPU tolerance.
 #[test]
 fn sequence_tiles_give_the_untiled_bits() {
     use anetrain::kernels::tiling::Axis;
@@ -254,12 +256,19 @@ fn sequence_tiles_give_the_untiled_bits() {
             );
         }
         assert_eq!(lt.to_bits(), lp.to_bits(), "{kind}: loss {lt} vs {lp}");
-        for (p, (a, b)) in model.params.iter().zip(gt.iter().zip(&gp)) {
+        // Blocks of queries sum their partial dK, dV in f32 from fp16
+        // results: the gradients move by rounding, not more.
+        let mut cpu = Engine::cpu(&model);
+        let mut gc = zero_grads(&model);
+        engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+        for (p, ((a, b), c)) in model.params.iter().zip(gt.iter().zip(&gp).zip(&gc)) {
+            let (r, rc) = (rel(a, b), rel(a, c));
             assert!(
-                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{kind}: {}: sequence tiles changed the gradient",
+                r < 3e-3,
+                "{kind}: {}: query blocks moved the gradient by {r}",
                 p.name
             );
+            assert!(rc < 5e-2, "{kind}: {}: {rc} from the CPU engine", p.name);
         }
     }
 }

@@ -174,3 +174,32 @@ fn per_axis_caps_plan_4096_tokens_on_a16() {
         );
     }
 }
+
+/// Sequence tiles take the Qwen3 shapes to long sequences: blocks of
+/// positions keep the packed FFN inputs under the spatial cap and blocks
+/// of queries the attention backward's scores, every tile program passing
+/// every rule. `sdpa_forward` keeps all of its queries, so Qwen3-4B (four
+/// query heads per KV head) stops at 4096, refused in one line that says
+/// how long a sequence fits.
+#[test]
+fn sequence_tiles_plan_long_sequences() {
+    let small = ModelConfig::preset("qwen3-0.6b").unwrap();
+    for (name, cfg) in [("qwen3-0.6b", small), ("qwen3-1.7b", config("qwen3-1.7b"))] {
+        for seq in [4096, 8192] {
+            let plan = plan_and_check(name, &cfg, seq, ane::rules::MAX_DIM, false);
+            for kind in [KernelKind::FfnForward, KernelKind::SdpaBackward2] {
+                assert!(
+                    plan.of(kind).splits.iter().any(|s| s.axis == Axis::Seq),
+                    "{name} at {seq}: {kind:?} {:?}",
+                    plan.of(kind)
+                );
+            }
+        }
+    }
+    let big = config("qwen3-4b");
+    plan_and_check("qwen3-4b", &big, 4096, ane::rules::MAX_DIM, true);
+    let e = tiling::plan(&Shape::new(&big, 8192), &KernelOptions::hf(&big)).unwrap_err();
+    assert!(!e.contains('\n'), "{e}");
+    assert!(e.starts_with("sdpa_forward: no tiling fits"), "{e}");
+    assert!(e.contains("sequences up to 4096 tokens fit"), "{e}");
+}

@@ -187,12 +187,12 @@ pub struct KernelOptions {
     /// 1 unless set): exercises sequence tiling at short lengths.
     pub min_seq_tiles: usize,
     /// Tile a kernel further, where an axis allows, until one tile's input
-    /// surface is at most this many bytes (`None`: only as far as the
+    /// and output surfaces are at most this many bytes each (`None`: only as far as the
     /// device's limits need; Hugging Face models: [`MAX_TILE_BYTES`]).
     pub max_tile_bytes: Option<usize>,
 }
 
-/// The largest tile input the device kernels are built for (where an axis
+/// The largest tile surface (input or output) the device kernels are built for (where an axis
 /// allows cutting further): what a device buffer holds at most, so it
 /// bounds streamed buffers, the host's staging copy and the simulator's
 /// working set to a few tens of megabytes per kernel whatever the model's
@@ -392,7 +392,12 @@ pub struct Shape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    /// Positions: keys, and for every kernel but the attention kernels'
+    /// query blocks, the positions computed.
     pub seq: usize,
+    /// Query positions an attention kernel computes: `seq`, or one block of
+    /// them at `seq / queries` query blocks (see [`tiling::Axis::Seq`]).
+    pub queries: usize,
 }
 
 impl Shape {
@@ -404,6 +409,7 @@ impl Shape {
             kv_heads: cfg.num_key_value_heads,
             head_dim: cfg.head_dim,
             seq,
+            queries: seq,
         }
     }
 
@@ -431,9 +437,21 @@ impl Shape {
         self.heads / self.kv_heads
     }
 
-    /// Channels of a flattened score matrix (`heads·S`).
+    /// Channels of a flattened score matrix (`heads·queries`).
     pub fn score_channels(&self) -> usize {
-        self.heads * self.seq
+        self.heads * self.queries
+    }
+
+    /// Whether attention runs on a block of the queries (against every key).
+    pub fn query_block(&self) -> bool {
+        self.queries < self.seq
+    }
+
+    /// Channels a `[channels, queries]` tensor fills in a region `seq`
+    /// wide: a query block's activations are laid out row-major, whole
+    /// rows of the surface, so every region keeps the sequence's width.
+    pub fn query_rows(&self, channels: usize) -> usize {
+        channels * self.queries / self.seq
     }
 }
 
@@ -684,10 +702,7 @@ pub fn run_cpu(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> T
         fn call<K: Kernel>(self) -> Tensors {
             let Run(s, o, t) = self;
             let w = LayerWeights::from_tensors(t);
-            let get = |p: Port| -> &[f32] {
-                t.get(&p)
-                    .unwrap_or_else(|| panic!("{}: no input '{}'", K::KIND.name(), p.name()))
-            };
+            let get = |p: Port| -> Option<&[f32]> { t.get(&p).map(|v| v.as_slice()) };
             let acts = K::Acts::from_lookup(&get);
             K::cpu(s, o, &w, &acts).into_ports().into_iter().collect()
         }
@@ -706,6 +721,10 @@ pub(crate) const BLOB_ROT: &str = "rope_rot_";
 /// Zero channels padding an output, `zeros_{channels}x{seq}.bin`.
 pub(crate) const BLOB_ZEROS: &str = "zeros_";
 
+/// What an additive mask adds to a score a query must not see: fp16's
+/// lowest finite value (−inf would turn fully masked rows into NaN).
+pub(crate) const MASKED: f32 = -65504.0;
+
 /// Additive causal mask for `ratio` query heads folded along the sequence:
 /// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` with −65504 (fp16's
 /// lowest finite value; −inf would turn fully masked rows into NaN).
@@ -714,7 +733,7 @@ pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
     for row in 0..ratio * seq {
         let i = row % seq;
         for j in i + 1..seq {
-            m[row * seq + j] = -65504.0;
+            m[row * seq + j] = MASKED;
         }
     }
     m

@@ -266,6 +266,32 @@ impl<'a> Gen<'a> {
         self.transpose(out, &r, &[0, 2, 1, 3])
     }
 
+    /// A query block's region `[1, C·queries/S, 1, S]` (whole rows of the
+    /// surface, see [`Shape::query_rows`]) as channel-first `[1, C, 1,
+    /// queries]`; a whole sequence's region as it is.
+    pub fn query_channels(&mut self, port: Port, channels: usize, s: &Shape) -> Result<Value> {
+        let v = self.region(port)?;
+        if !s.query_block() {
+            return Ok(v);
+        }
+        self.reshape(
+            &format!("{}_block", port.name()),
+            &v,
+            &[1, channels, 1, s.queries],
+        )
+    }
+
+    /// Channel-first `[1, C, 1, queries]` laid out as whole rows of an
+    /// output `S` wide, `[1, C·queries/S, 1, S]` (the inverse of
+    /// [`Gen::query_channels`]).
+    pub fn query_rows_out(&mut self, out: &str, v: &Value, s: &Shape) -> Result<Value> {
+        if !s.query_block() {
+            return Ok(v.clone());
+        }
+        let c = v.dims()[1];
+        self.reshape(out, v, &[1, s.query_rows(c), 1, s.seq])
+    }
+
     /// Channel-first `[1, heads·HD, 1, S]` → `[1, heads, S, HD]`.
     pub fn channels_to_heads(&mut self, out: &str, x: &Value, heads: usize) -> Result<Value> {
         let (n, s) = (x.dims()[1], x.dims()[3]);
@@ -378,8 +404,19 @@ impl<'a> Gen<'a> {
         let scores = self.matmul("scores", q, k, false, true)?;
         let sc = self.scalar("scale", 1.0 / (s.head_dim as f64).sqrt())?;
         let scaled = self.b.mul("scaled", &scores, &sc)?;
-        let mask = self.blob("mask", [1, 1, s.ratio() * s.seq, s.seq], BLOB_MASK)?;
-        let masked = self.b.add("masked", &scaled, &mask)?;
+        let masked = if s.query_block() {
+            // A block of queries: its mask is an input `[queries, S]`,
+            // added to every head's rows.
+            let (qb, seq) = (s.queries, s.seq);
+            let m = self.region(Port::Mask)?;
+            let m = self.reshape("mask_rows", &m, &[1, 1, qb, seq])?;
+            let heads = self.reshape("scaled_heads", &scaled, &[1, s.heads, qb, seq])?;
+            let added = self.b.add("masked_heads", &heads, &m)?;
+            self.reshape("masked", &added, &[1, s.kv_heads, s.ratio() * qb, seq])?
+        } else {
+            let mask = self.blob("mask", [1, 1, s.ratio() * s.seq, s.seq], BLOB_MASK)?;
+            self.b.add("masked", &scaled, &mask)?
+        };
         let ax = self.b.int("axis_m1", -1)?;
         self.b.softmax("probs", &masked, &ax)
     }

@@ -4,6 +4,11 @@
 //!   P = softmax(qᵀk/√HD + causal),   dV_g = Σ_{h in g} P_hᵀ·dA_h,   dP = dAᵀ·V
 //!
 //! P and dP are passed on to `sdpa_backward2` (`[heads·S, S]` each).
+//!
+//! Tiled into query blocks (`queries < S`), a tile computes its queries'
+//! rows of P and dP against every key, with the block's causal mask as an
+//! input, and a partial dV that the tiles sum; q and dA arrive as the
+//! block's `[C, queries]`, laid out as whole rows of the surface.
 
 use super::prelude::*;
 use rayon::prelude::*;
@@ -14,8 +19,12 @@ use linalg::{matmul_serial, MatMut, MatRef};
 pub struct SdpaBackward1;
 
 activations! {
-    /// Roped queries and keys, values and the attention output's gradient.
-    Acts { q_rope: Port::QRope, k_rope: Port::KRope, v: Port::V, da: Port::Da }
+    /// Roped queries and keys, values and the attention output's gradient;
+    /// for a block of queries, their additive mask `[queries, S]`.
+    Acts {
+        q_rope: Port::QRope, k_rope: Port::KRope, v: Port::V, da: Port::Da;
+        optional mask: Port::Mask
+    }
 }
 
 outputs! {
@@ -30,27 +39,30 @@ impl Kernel for SdpaBackward1 {
     type Out = Out;
 
     fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
-        b.rows(Port::QRope, s.q_dim())
+        b.rows(Port::QRope, s.query_rows(s.q_dim()))
             .rows(Port::KRope, s.kv_dim())
             .rows(Port::V, s.kv_dim())
-            .rows(Port::Da, s.q_dim())
-            .output(Port::Dv, s.kv_dim())
+            .rows(Port::Da, s.query_rows(s.q_dim()));
+        if s.query_block() {
+            b.rows(Port::Mask, s.queries);
+        }
+        b.output(Port::Dv, s.kv_dim())
             .output(Port::Probs, s.score_channels())
             .output(Port::Dp, s.score_channels());
     }
 
     fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
-        let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
-        let qc = g.region(Port::QRope)?;
+        let (kvh, r, seq, hd, qb) = (s.kv_heads, s.ratio(), s.seq, s.head_dim, s.queries);
+        let qc = g.query_channels(Port::QRope, s.q_dim(), s)?;
         let kc = g.region(Port::KRope)?;
         let vc = g.region(Port::V)?;
-        let dac = g.region(Port::Da)?;
+        let dac = g.query_channels(Port::Da, s.q_dim(), s)?;
         let q = g.channels_to_heads("q", &qc, s.heads)?;
         let k = g.channels_to_heads("k", &kc, kvh)?;
         let v = g.channels_to_heads("v_h", &vc, kvh)?;
         let da = g.channels_to_heads("da_h", &dac, s.heads)?;
-        let qf = g.reshape("q_fold", &q, &[1, kvh, r * seq, hd])?;
-        let daf = g.reshape("da_fold", &da, &[1, kvh, r * seq, hd])?;
+        let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
+        let daf = g.reshape("da_fold", &da, &[1, kvh, r * qb, hd])?;
         let probs = g.attention_probs(&qf, &k, s)?;
         // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
         let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
@@ -63,6 +75,9 @@ impl Kernel for SdpaBackward1 {
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {
+        if s.query_block() {
+            return query_block(s, o, a);
+        }
         let (kv, seq, hd, r) = (s.kv_dim(), s.seq, s.head_dim, s.ratio());
         let scale = o.constant(1.0 / (hd as f64).sqrt());
         let (qr, kr, v, da) = (a.q_rope, a.k_rope, a.v, a.da);
@@ -110,4 +125,57 @@ impl Kernel for SdpaBackward1 {
             });
         Out { dv, probs, dp }
     }
+}
+
+/// The twin for a block of `queries` (`qb`) against all `S` keys:
+///   P_h = softmax(q_hᵀk_g/√HD + mask),  dV_g += Σ_h dA_h·P_h,  dP_h = dA_hᵀ·V_g
+/// over whole rows (the mask, an input, says what is causal).
+fn query_block(s: &Shape, o: &KernelOptions, a: &Acts) -> Out {
+    let (kv, seq, hd, r, qb) = (s.kv_dim(), s.seq, s.head_dim, s.ratio(), s.queries);
+    let scale = o.constant(1.0 / (hd as f64).sqrt());
+    let mask = a
+        .mask
+        .expect("a block of queries reads its mask (the runner makes it)");
+    let (qr, kr, v, da) = (a.q_rope, a.k_rope, a.v, a.da);
+    let mut dv = vec![0f32; kv * seq];
+    let mut probs = vec![0f32; s.heads * qb * seq];
+    let mut dp = vec![0f32; s.heads * qb * seq];
+    dv.par_chunks_mut(hd * seq)
+        .zip(probs.par_chunks_mut(r * qb * seq))
+        .zip(dp.par_chunks_mut(r * qb * seq))
+        .enumerate()
+        .for_each(|(g, ((dv_g, probs_g), dp_g))| {
+            for j in 0..r {
+                let h = g * r + j;
+                let p = &mut probs_g[j * qb * seq..(j + 1) * qb * seq];
+                // P_h [qb, S] = q_hᵀ·k_g, scaled, masked, softmax by row.
+                matmul_serial(
+                    MatRef::row_major(qr, h * hd * qb, hd, qb).t(),
+                    MatRef::row_major(kr, g * hd * seq, hd, seq),
+                    MatMut::row_major(p, 0, qb, seq),
+                    false,
+                );
+                for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
+                    row.iter_mut()
+                        .zip(m)
+                        .for_each(|(x, &m)| *x = *x * scale + m);
+                    crate::simd::softmax_scaled(row, 1.0);
+                }
+                // dV_g [HD, S] += dA_h [HD, qb] · P_h
+                matmul_serial(
+                    MatRef::row_major(da, h * hd * qb, hd, qb),
+                    MatRef::row_major(p, 0, qb, seq),
+                    MatMut::row_major(dv_g, 0, hd, seq),
+                    true,
+                );
+                // dP_h [qb, S] = dA_hᵀ · V_g
+                matmul_serial(
+                    MatRef::row_major(da, h * hd * qb, hd, qb).t(),
+                    MatRef::row_major(v, g * hd * seq, hd, seq),
+                    MatMut::row_major(dp_g, j * qb * seq, qb, seq),
+                    false,
+                );
+            }
+        });
+    Out { dv, probs, dp }
 }

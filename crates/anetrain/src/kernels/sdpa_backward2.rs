@@ -3,6 +3,10 @@
 //!   dS = P ⊙ (dP − Σ_j P⊙dP) / √HD,   dQ_h = dS_h·K_g,   dK_g = Σ_{h in g} dS_hᵀ·Q_h
 //!
 //! (on roped q and k; the engine rotates dq and dk back on the CPU).
+//!
+//! Tiled into query blocks, a tile reads its queries' rows of P and dP
+//! and returns their dq and a partial dK that the tiles sum: every row of
+//! dS is whole in its tile, so the softmax backward is exact.
 
 use super::prelude::*;
 use rayon::prelude::*;
@@ -30,23 +34,23 @@ impl Kernel for SdpaBackward2 {
     fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
         b.rows(Port::Probs, s.score_channels())
             .rows(Port::Dp, s.score_channels())
-            .rows(Port::QRope, s.q_dim())
+            .rows(Port::QRope, s.query_rows(s.q_dim()))
             .rows(Port::KRope, s.kv_dim())
-            .output(Port::Dq, s.q_dim())
+            .output(Port::Dq, s.query_rows(s.q_dim()))
             .output(Port::Dk, s.kv_dim());
     }
 
     fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
-        let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
+        let (kvh, r, seq, hd, qb) = (s.kv_heads, s.ratio(), s.seq, s.head_dim, s.queries);
         let pf = g.region(Port::Probs)?;
         let dpf = g.region(Port::Dp)?;
-        let qc = g.region(Port::QRope)?;
+        let qc = g.query_channels(Port::QRope, s.q_dim(), s)?;
         let kc = g.region(Port::KRope)?;
-        let probs = g.reshape("probs_fold", &pf, &[1, kvh, r * seq, seq])?;
-        let dp = g.reshape("dp_fold", &dpf, &[1, kvh, r * seq, seq])?;
+        let probs = g.reshape("probs_fold", &pf, &[1, kvh, r * qb, seq])?;
+        let dp = g.reshape("dp_fold", &dpf, &[1, kvh, r * qb, seq])?;
         let q = g.channels_to_heads("q", &qc, s.heads)?;
         let k = g.channels_to_heads("k", &kc, kvh)?;
-        let qf = g.reshape("q_fold", &q, &[1, kvh, r * seq, hd])?;
+        let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
         // dS = P ⊙ (dP − Σ_j P⊙dP) / √HD
         let pdp = g.b.mul("pdp", &probs, &dp)?;
         let axes = g.ints("axes", &[-1])?;
@@ -59,29 +63,43 @@ impl Kernel for SdpaBackward2 {
         // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
         let dq = g.matmul("dq_fold", &ds, &k, false, false)?;
         let dk = g.matmul("dk_h", &ds, &qf, true, false)?;
-        let dqh = g.reshape("dq_h", &dq, &[1, s.heads, seq, hd])?;
-        let dqc = g.heads_rows_to_channels("dq", &dqh)?;
+        let dqh = g.reshape("dq_h", &dq, &[1, s.heads, qb, hd])?;
+        let dqc = match s.query_block() {
+            false => g.heads_rows_to_channels("dq", &dqh)?,
+            true => {
+                let c = g.heads_rows_to_channels("dq_block", &dqh)?;
+                g.query_rows_out("dq", &c, s)?
+            }
+        };
         let dkc = g.heads_rows_to_channels("dk", &dk)?;
         Ok(vec![dqc, dkc])
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, _: &LayerWeights, a: &Acts) -> Out {
-        let (q, kv, seq, hd, r) = (s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
+        // `qb` queries (all `seq`, or a block of them) against `seq` keys.
+        let (q, kv, seq, hd, r, qb) = (
+            s.q_dim(),
+            s.kv_dim(),
+            s.seq,
+            s.head_dim,
+            s.ratio(),
+            s.queries,
+        );
         let scale = o.constant(1.0 / (hd as f64).sqrt());
         let (p, dp, qr, kr) = (a.probs, a.dp, a.q_rope, a.k_rope);
-        let mut dq = vec![0f32; q * seq];
+        let mut dq = vec![0f32; q * qb];
         let mut dk = vec![0f32; kv * seq];
-        dq.par_chunks_mut(r * hd * seq)
+        dq.par_chunks_mut(r * hd * qb)
             .zip(dk.par_chunks_mut(hd * seq))
             .enumerate()
             .for_each(|(g, (dq_g, dk_g))| {
-                let mut ds = vec![0f32; seq * seq];
+                let mut ds = vec![0f32; qb * seq];
                 for j in 0..r {
                     let h = g * r + j;
-                    let base = h * seq * seq;
+                    let base = h * qb * seq;
                     // dS = P ∘ (dP − rowsum(P ∘ dP)) · scale (over whole
                     // rows, as the kernel does, whatever P holds).
-                    for i in 0..seq {
+                    for i in 0..qb {
                         let (p, dp) = (&p[base + i * seq..][..seq], &dp[base + i * seq..][..seq]);
                         let dot: f32 = p.iter().zip(dp).map(|(a, b)| a * b).sum();
                         let row = &mut ds[i * seq..(i + 1) * seq];
@@ -89,16 +107,16 @@ impl Kernel for SdpaBackward2 {
                             *d = p * (dp - dot) * scale;
                         }
                     }
-                    // dQ_h [HD, S] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
+                    // dQ_h [HD, qb] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
                     matmul_serial(
                         MatRef::row_major(kr, g * hd * seq, hd, seq),
-                        MatRef::row_major(&ds, 0, seq, seq).t(),
-                        MatMut::row_major(dq_g, j * hd * seq, hd, seq),
+                        MatRef::row_major(&ds, 0, qb, seq).t(),
+                        MatMut::row_major(dq_g, j * hd * qb, hd, qb),
                         false,
                     );
                     matmul_serial(
-                        MatRef::row_major(qr, h * hd * seq, hd, seq),
-                        MatRef::row_major(&ds, 0, seq, seq),
+                        MatRef::row_major(qr, h * hd * qb, hd, qb),
+                        MatRef::row_major(&ds, 0, qb, seq),
                         MatMut::row_major(dk_g, 0, hd, seq),
                         true,
                     );

@@ -73,9 +73,14 @@ pub enum Axis {
     /// The model dimension, where a kernel only multiplies along it (its
     /// output, or the reduction of a product).
     Dim,
-    /// Blocks of positions, for kernels that treat every position alone
-    /// (products with weights, elementwise maths): each block's results
-    /// are its columns of the whole.
+    /// Blocks of positions. Kernels that treat every position alone
+    /// (products with weights, elementwise maths) compute a block of
+    /// positions, their results the block's columns of the whole. The
+    /// attention backward kernels compute a block of queries against every
+    /// key (causal: the keys after the block are masked): what runs along
+    /// the queries (q, dA, dq, score rows) is cut, what runs along the keys
+    /// (k, v) is read whole, and the keys' gradients (dk, dv) are the sum
+    /// of the blocks'.
     Seq,
 }
 
@@ -105,7 +110,8 @@ impl Axis {
             Axis::Hidden => s.hidden,
             Axis::KvGroups => s.kv_heads,
             Axis::Dim => s.dim,
-            Axis::Seq => s.seq,
+            // Query positions: every position, but for attention's blocks.
+            Axis::Seq => s.queries,
         }
     }
 
@@ -133,9 +139,8 @@ impl KernelKind {
         match self {
             KernelKind::FfnForward => &[Hidden, Seq],
             KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => &[Hidden, Dim, Seq],
-            KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {
-                &[KvGroups]
-            }
+            KernelKind::SdpaForward => &[KvGroups],
+            KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => &[KvGroups, Seq],
             KernelKind::WoForward
             | KernelKind::WoBackward
             | KernelKind::QBackward
@@ -194,7 +199,36 @@ pub fn activation_extent(port: Port) -> Extent {
         Attn | QRope | Da | Dq | QRaw => Extent::Q,
         KRope | V | Dk | Dv | KRaw => Extent::Kv,
         Probs | Dp => Extent::Scores,
-        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) => Extent::Whole,
+        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask => Extent::Whole,
+    }
+}
+
+/// What an activation port's positions are in a kernel, for cutting it
+/// into blocks of positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Positions {
+    /// The positions a tile computes: its block of columns.
+    Computed,
+    /// Keys of attention: every tile reads them all and its results along
+    /// them are partial sums.
+    Keys,
+    /// Score rows `[heads·S, S]`: each head's rows are cut to the block.
+    ScoreRows,
+    /// Not an activation (weights), or made per tile (the mask).
+    None,
+}
+
+fn positions(kind: KernelKind, port: Port) -> Positions {
+    use Port::*;
+    let attention = matches!(
+        kind,
+        KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2
+    );
+    match port {
+        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask => Positions::None,
+        Probs | Dp => Positions::ScoreRows,
+        KRope | V | Dk | Dv | KRaw if attention => Positions::Keys,
+        _ => Positions::Computed,
     }
 }
 
@@ -254,10 +288,13 @@ impl KernelTiles {
             .find(|(sp, _)| extent.split_by(sp.axis))
     }
 
-    /// The sequence split cutting activation `port`'s columns in tile `t`,
-    /// with the tile's block of positions.
-    fn cut_columns(&self, port: Port, t: usize) -> Option<(Split, usize)> {
-        if activation_extent(port) == Extent::Whole {
+    /// The sequence split cutting activation `port`'s positions in tile
+    /// `t`, with the tile's block of positions.
+    fn cut_positions(&self, port: Port, t: usize) -> Option<(Split, usize)> {
+        if matches!(
+            positions(self.kind, port),
+            Positions::None | Positions::Keys
+        ) {
             return None;
         }
         self.indices(t)
@@ -304,8 +341,10 @@ impl Plan {
     }
 }
 
-/// The tile shape for `splits` of `full`.
-pub fn tile_shape(full: &Shape, splits: &[Split]) -> Shape {
+/// The tile shape for `splits` of `full`: a block of the sequence is a
+/// block of the positions computed, and for attention a block of queries
+/// against every key.
+pub fn tile_shape(kind: KernelKind, full: &Shape, splits: &[Split]) -> Shape {
     let mut s = *full;
     for sp in splits {
         match sp.axis {
@@ -315,7 +354,12 @@ pub fn tile_shape(full: &Shape, splits: &[Split]) -> Shape {
                 s.kv_heads /= sp.blocks;
             }
             Axis::Dim => s.dim /= sp.blocks,
-            Axis::Seq => s.seq /= sp.blocks,
+            Axis::Seq => {
+                s.queries /= sp.blocks;
+                if positions(kind, Port::KRope) != Positions::Keys {
+                    s.seq /= sp.blocks;
+                }
+            }
         }
     }
     s
@@ -378,8 +422,9 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
 
 /// Plans every kernel: the fewest equal tiles whose program passes every
 /// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
-/// per-axis caps, contraction multiples, …) within `o.max_tile_bytes`;
-/// failing the size, the passing tiling with the smallest input; failing
+/// per-axis caps, contraction multiples, …) with surfaces within
+/// `o.max_tile_bytes`; failing the size, the passing tiling with the
+/// smallest largest surface; failing
 /// the rules, the fewest tiles that at least fit the axis caps. An error names the kernel, the axes and
 /// the caps when no tiling fits.
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
@@ -391,7 +436,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
         let mut chosen = None;
         let mut last_problem = String::new();
         for splits in candidates(kind, full, o) {
-            let shape = tile_shape(full, &splits);
+            let shape = tile_shape(kind, full, &splits);
             let k = build(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
             let findings = ane::rules::check(&k.program, &rules);
             if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
@@ -407,9 +452,11 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 input: [l.in_channels, l.in_spatial],
                 output: [l.out_channels, l.out_spatial],
             };
-            let small_enough = o
-                .max_tile_bytes
-                .is_none_or(|cap| tiles.surface_bytes().0 <= cap);
+            let largest = |t: &KernelTiles| {
+                let (i, o) = t.surface_bytes();
+                i.max(o)
+            };
+            let small_enough = o.max_tile_bytes.is_none_or(|cap| largest(&tiles) <= cap);
             if findings.is_empty() && small_enough {
                 chosen = Some(tiles);
                 break;
@@ -419,7 +466,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 // when no tiling meets the cap is the smallest that passes.
                 if passing
                     .as_ref()
-                    .is_none_or(|p: &KernelTiles| tiles.surface_bytes().0 < p.surface_bytes().0)
+                    .is_none_or(|p: &KernelTiles| largest(&tiles) < largest(p))
                 {
                     passing = Some(tiles);
                 }
@@ -435,8 +482,25 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                     .iter()
                     .map(|a| format!("the {} ({})", a.name(), a.count(full)))
                     .collect();
+                // Attention reads every key in every tile (and
+                // `sdpa_forward` every query too, the heads sharing a KV
+                // head folded along them): the sequence it can take is
+                // bounded by the spatial cap.
+                let keys = match kind {
+                    KernelKind::SdpaForward => format!(
+                        "; attention keeps all {} positions of its {} query heads per KV head in one tile, so sequences up to {} tokens fit",
+                        full.seq,
+                        full.ratio(),
+                        o.limits.max_spatial / full.ratio()
+                    ),
+                    KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => format!(
+                        "; attention keeps every key in a tile, so sequences up to {} tokens fit",
+                        o.limits.max_spatial
+                    ),
+                    _ => String::new(),
+                };
                 return Err(format!(
-                    "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}",
+                    "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}{keys}",
                     kind.name(),
                     o.limits.max_spatial,
                     o.limits.max_channel,
@@ -566,13 +630,37 @@ pub fn tile_activation(
         Some((sp, i)) => row_block(data, data.len() / seq, i, sp.blocks),
         None => data.to_vec(),
     };
-    if let Some((sp, i)) = k.cut_columns(port, t) {
-        v = col_block(&v, seq, i, sp.blocks);
+    if let Some((sp, i)) = k.cut_positions(port, t) {
+        v = match positions(k.kind, port) {
+            // Each head's `[S, S]` rows: the block's rows, whole.
+            Positions::ScoreRows => v
+                .chunks(seq * seq)
+                .flat_map(|head| row_block(head, seq, i, sp.blocks))
+                .collect(),
+            _ => col_block(&v, seq, i, sp.blocks),
+        };
     }
     if port == Port::X2 && !k.first_of_sums(t) {
         v.fill(0.0);
     }
     v
+}
+
+/// The additive causal mask of tile `t`'s block of queries against all
+/// `seq` keys, `[queries, seq]`: query `lo + r` sees keys `0..=lo + r`
+/// (as [`super::causal_mask`] for the whole).
+pub fn tile_mask(k: &KernelTiles, seq: usize, t: usize) -> Vec<f32> {
+    let qb = k.shape.queries;
+    let lo = k
+        .indices(t)
+        .iter()
+        .find(|(sp, _)| sp.axis == Axis::Seq)
+        .map_or(0, |&(_, i)| i * qb);
+    let mut m = vec![0f32; qb * seq];
+    for (r, row) in m.chunks_mut(seq).enumerate() {
+        row[lo + r + 1..].fill(super::MASKED);
+    }
+    m
 }
 
 /// Adds tile `t`'s result for `port` (`[c, w]`, `w` the tile's positions)
@@ -582,23 +670,36 @@ pub fn tile_activation(
 /// sum over the others.
 pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, t: usize) {
     let rows_cut = k.cut(activation_extent(port), t);
-    let cols_cut = k.cut_columns(port, t);
-    let w = k.shape.seq;
-    let c = part.len() / w;
-    let (nr, nc) = (
+    let pos_cut = k.cut_positions(port, t);
+    let (nr, np) = (
         rows_cut.map_or(1, |(sp, _)| sp.blocks),
-        cols_cut.map_or(1, |(sp, _)| sp.blocks),
+        pos_cut.map_or(1, |(sp, _)| sp.blocks),
     );
     if t == 0 {
-        *acc = vec![0.0; part.len() * nr * nc];
+        *acc = vec![0.0; part.len() * nr * np];
     }
-    let (r0, c0) = (
-        rows_cut.map_or(0, |(_, i)| i * c),
-        cols_cut.map_or(0, |(_, i)| i * w),
-    );
-    let width = w * nc;
+    let along = positions(k.kind, port);
+    let scores = along == Positions::ScoreRows;
+    // The part as `[rows, w]` placed at row r0, column c0 of the whole
+    // `[.., width]`; score rows go head by head.
+    let w = match along {
+        Positions::ScoreRows | Positions::Keys => k.shape.seq,
+        _ => k.shape.queries,
+    };
+    let width = if scores { w } else { w * np };
+    let c = part.len() / w;
+    let r0 = rows_cut.map_or(0, |(_, i)| i * c * if scores { np } else { 1 });
+    let c0 = match scores {
+        true => 0,
+        false => pos_cut.map_or(0, |(_, i)| i * w),
+    };
+    let qb = k.shape.queries;
     for (r, src) in part.chunks(w).enumerate() {
-        acc[(r0 + r) * width + c0..][..w]
+        let row = match (scores, pos_cut) {
+            (true, Some((_, i))) => r0 + (r / qb) * qb * np + i * qb + r % qb,
+            _ => r0 + r,
+        };
+        acc[row * width + c0..][..w]
             .iter_mut()
             .zip(src)
             .for_each(|(a, p)| *a += p);
@@ -635,7 +736,7 @@ mod tests {
         let k = KernelTiles {
             kind: KernelKind::FfnBackwardW13,
             tiles: 8,
-            shape: tile_shape(&full, &splits),
+            shape: tile_shape(KernelKind::FfnBackwardW13, &full, &splits),
             splits,
             input: [0, 0],
             output: [0, 0],
