@@ -353,7 +353,15 @@ impl<R: KernelRunner> Engine<R> {
             i,
             shape,
             &masks,
-            &kernels::sdpa_forward::Acts { xnorm: &xn },
+            &kernels::sdpa_forward::Acts {
+                xnorm: &xn,
+                // A block of queries reads its columns too; its angles and
+                // mask the device runner makes per tile.
+                xnorm_block: Some(&xn),
+                rope_cos: None,
+                rope_sin: None,
+                mask: None,
+            },
         )?;
         let o = self.runner.run::<kernels::WoForward>(
             model,

@@ -596,6 +596,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let l = &k.layout;
         let tiles = set.plan.of(kind);
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
+        let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
         for t in 0..tiles.tiles {
             let unit = Unit { layer, tile: t };
             let (b, want) = (at(unit), Held::of(model, unit));
@@ -632,6 +633,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             }
             let buf = &mut set.inputs[ki][b];
             for (port, data) in acts.ports() {
+                if !l.inputs.iter().any(|r| r.port == port) {
+                    // An input only a block of queries reads (the layer
+                    // input's columns), given to a whole-sequence program.
+                    continue;
+                }
                 let padded = pad(port, data, seq, sp);
                 let part = match tiles.tiles {
                     1 => padded,
@@ -642,6 +648,13 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             if l.inputs.iter().any(|r| r.port == Port::Mask) {
                 let mask = tiling::tile_mask(tiles, sp, t);
                 write_region(&mut self.device, buf, l, Port::Mask, &mask)?;
+            }
+            if l.inputs.iter().any(|r| r.port == Port::RopeCos) {
+                let (cos, sin) =
+                    rope.get_or_insert_with(|| self.opts.rope_tables(sp, full.head_dim));
+                let (c, s) = tiling::tile_rope(tiles, (cos, sin), t);
+                write_region(&mut self.device, buf, l, Port::RopeCos, &c)?;
+                write_region(&mut self.device, buf, l, Port::RopeSin, &s)?;
             }
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.

@@ -83,9 +83,10 @@ fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
     }
 }
 
-/// The attention backward kernels for a block of queries against every key
-/// (`Shape::queries < seq`: q, dA and dq as the block's rows, the mask an
-/// input) match their twins, for MHA and GQA.
+/// The attention kernels for a block of queries against every key
+/// (`Shape::queries < seq`: q, dA, dq and the attention as the block's
+/// rows; the mask and the block's RoPE angles inputs) match their twins,
+/// for MHA and GQA, with and without QK-norm.
 #[test]
 fn query_block_kernels_match_their_cpu_twins() {
     for cfg in [
@@ -94,7 +95,11 @@ fn query_block_kernels_match_their_cpu_twins() {
     ] {
         let mut s = Shape::new(&cfg, 32);
         s.queries = 8;
-        for kind in [KernelKind::SdpaBackward1, KernelKind::SdpaBackward2] {
+        for kind in [
+            KernelKind::SdpaForward,
+            KernelKind::SdpaBackward1,
+            KernelKind::SdpaBackward2,
+        ] {
             let r = check_kernel(kind, &s, &KernelOptions::hf(&cfg), 7).unwrap();
             assert!(r.passed(), "{kind:?} ratio {}: {r:?}", s.ratio());
         }

@@ -307,3 +307,34 @@ fn tiled_lora_adapters_track_the_cpu_engine() {
         assert!(r < 5e-2, "{}: tiled adapter gradient rel err {r}", p.name);
     }
 }
+
+/// A 4096-token sequence on the simulated device, its attention in blocks
+/// of queries (forced: this model's are small enough whole), gives the CPU
+/// engine's loss to 1e-2 (relative), as `eval` reports it.
+#[test]
+fn a_long_sequence_runs_in_query_blocks_and_matches_the_cpu_loss() {
+    use anetrain::kernels::tiling::Axis;
+    let model = Model::load(&fixture("qwen3").join("model")).unwrap();
+    let rows = vec![(0..4097)
+        .map(|i| (i * 37 % 90) as u32)
+        .collect::<Vec<u32>>()];
+    let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
+    opts.min_seq_tiles = 4;
+    let mut sim = Engine::with_runner(
+        anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+        opts,
+    );
+    let mut cpu = Engine::cpu(&model);
+    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, None).unwrap();
+    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, None).unwrap();
+    let plan = sim.runner.plan().unwrap().clone();
+    let forward = plan.of(anetrain::kernels::KernelKind::SdpaForward);
+    assert!(
+        forward.splits.iter().any(|s| s.axis == Axis::Seq),
+        "{forward:?}"
+    );
+    assert!(
+        ((ls - lc) / lc).abs() < 1e-2,
+        "4096 tokens: ane-sim loss {ls} vs cpu {lc}"
+    );
+}

@@ -280,6 +280,24 @@ impl LayoutBuilder {
         self
     }
 
+    /// Spatial stacking of a `[rows, cols]` tensor wrapped row-major into
+    /// whole rows of a region as tall as the input already is (or the
+    /// largest power of two under that, dividing the tensor and leaving a
+    /// width a multiple of 16): a block's mask `[queries, S]` beside a
+    /// whole sequence takes `queries·S/D` columns, not `S`. The program
+    /// reshapes it back.
+    pub fn columns_wrapped(&mut self, port: Port, rows: usize, cols: usize) -> &mut Self {
+        let n = rows * cols;
+        let mut c = 1;
+        while 2 * c <= self.channels.max(1)
+            && n.is_multiple_of(2 * c)
+            && (n / (2 * c)).is_multiple_of(16)
+        {
+            c *= 2;
+        }
+        self.columns(port, c, n / c, Encoding::Activation)
+    }
+
     /// Pads the spatial width with unused columns up to a multiple of `m`
     /// (and of the view, when aligned).
     pub fn pad_spatial_to(&mut self, m: usize) -> &mut Self {

@@ -453,6 +453,12 @@ impl Shape {
     pub fn query_rows(&self, channels: usize) -> usize {
         channels * self.queries / self.seq
     }
+
+    /// Whether a query block's `[q_dim, queries]` fills whole rows of the
+    /// surface (so [`Shape::query_rows`] is exact).
+    pub fn query_rows_whole(&self) -> bool {
+        (self.q_dim() * self.queries).is_multiple_of(self.seq)
+    }
 }
 
 impl KernelOptions {
@@ -588,17 +594,38 @@ impl KernelProgram {
 
 /// Generates `kind` for shape `s` with options `o`.
 pub fn build(kind: KernelKind, s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
-    struct Build<'a>(&'a Shape, &'a KernelOptions);
+    build_with(kind, s, o, true)
+}
+
+/// [`build`] without the constants' bytes (`blobs` empty, the program
+/// naming them by role): what checking a program against the device's
+/// rules needs. Planning builds many candidate tiles, and a whole
+/// sequence's causal mask is `ratio·S²` values.
+pub fn build_unfilled(
+    kind: KernelKind,
+    s: &Shape,
+    o: &KernelOptions,
+) -> mil::Result<KernelProgram> {
+    build_with(kind, s, o, false)
+}
+
+fn build_with(
+    kind: KernelKind,
+    s: &Shape,
+    o: &KernelOptions,
+    fill: bool,
+) -> mil::Result<KernelProgram> {
+    struct Build<'a>(&'a Shape, &'a KernelOptions, bool);
     impl KernelFn for Build<'_> {
         type Output = mil::Result<KernelProgram>;
         fn call<K: Kernel>(self) -> Self::Output {
-            build_of::<K>(self.0, self.1)
+            build_of::<K>(self.0, self.1, self.2)
         }
     }
-    kind.with(Build(s, o))
+    kind.with(Build(s, o, fill))
 }
 
-fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgram> {
+fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<KernelProgram> {
     let layout = layout_of::<K>(s, o);
     let mut g = Gen::new(&layout);
     let blocks = K::mil(&mut g, s, o)?;
@@ -630,6 +657,14 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> mil::Result<KernelProgra
             .collect::<mil::Result<Vec<_>>>()?
     };
     let (mut function, blob_names) = g.finish(&outputs)?;
+    if !fill {
+        return Ok(KernelProgram {
+            kind: K::KIND,
+            layout,
+            program: mil::Program::new(vec![function]),
+            blobs: vec![],
+        });
+    }
     let blobs: Vec<(String, Vec<u8>)> = blob_names
         .into_iter()
         .map(|name| {

@@ -9,6 +9,12 @@
 //! sequence (`[1, KV, ratio·S, HD]`), so K and V are never duplicated.
 //! Outputs keep what the backward needs: roped q and k, v, and (with
 //! QK-norm) the pre-norm q and k.
+//!
+//! Tiled into query blocks (`queries < S`), a tile projects q for its
+//! block only (`xnorm_block`, RoPE's angles at the block's positions and
+//! the causal mask as inputs) and k, v for every position; its attention
+//! and q are the block's, laid out as whole rows of the surface, and every
+//! block's k and v are the same (the first block's are kept).
 
 use super::prelude::*;
 use rayon::prelude::*;
@@ -20,8 +26,17 @@ use linalg::{matmul_serial, MatMut, MatRef};
 pub struct SdpaForward;
 
 activations! {
-    /// The normed layer input `[D, S]`.
-    Acts { xnorm: Port::Xnorm }
+    /// The normed layer input `[D, S]`; for a block of queries also its
+    /// columns, RoPE's angles there `[queries, HD]` and the mask
+    /// `[queries, S]` (the runner cuts and makes these per tile).
+    Acts {
+        xnorm: Port::Xnorm;
+        optional
+        xnorm_block: Port::XnormBlock,
+        rope_cos: Port::RopeCos,
+        rope_sin: Port::RopeSin,
+        mask: Port::Mask,
+    }
 }
 
 outputs! {
@@ -50,8 +65,15 @@ impl Kernel for SdpaForward {
 
     fn layout(b: &mut LayoutBuilder, s: &Shape, o: &KernelOptions) {
         let (d, q, kv, seq) = (s.dim, s.q_dim(), s.kv_dim(), s.seq);
-        b.columns(Port::Xnorm, d, seq, Activation)
-            .columns(Port::Weight(Projection::Q), d, q, Transposed)
+        b.columns(Port::Xnorm, d, seq, Activation);
+        if s.query_block() {
+            let qb = s.queries;
+            b.columns(Port::XnormBlock, d, qb, Activation)
+                .columns_wrapped(Port::RopeCos, qb, s.head_dim)
+                .columns_wrapped(Port::RopeSin, qb, s.head_dim)
+                .columns_wrapped(Port::Mask, qb, seq);
+        }
+        b.columns(Port::Weight(Projection::Q), d, q, Transposed)
             .columns(Port::Weight(Projection::K), d, kv, Transposed)
             .columns(Port::Weight(Projection::V), d, kv, Transposed);
         if o.qk_norm {
@@ -62,25 +84,32 @@ impl Kernel for SdpaForward {
                 .columns(Port::KNorm, s.head_dim, 1, Activation)
                 .pad_spatial_to(16);
         }
-        b.output(Port::Attn, q)
-            .output(Port::QRope, q)
+        let qr = s.query_rows(q);
+        b.output(Port::Attn, qr)
+            .output(Port::QRope, qr)
             .output(Port::KRope, kv)
             .output(Port::V, kv);
         if o.seed_compat {
             b.output(Port::Xnorm, d);
         }
         if o.qk_norm {
-            b.output(Port::QRaw, q).output(Port::KRaw, kv);
+            b.output(Port::QRaw, qr).output(Port::KRaw, kv);
         }
     }
 
     fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
-        let (kvh, r, seq, hd) = (s.kv_heads, s.ratio(), s.seq, s.head_dim);
+        let (kvh, r, seq, hd, qb) = (s.kv_heads, s.ratio(), s.seq, s.head_dim, s.queries);
         let xt = g.act_rows(Port::Xnorm)?;
+        // q of the positions computed: every one, or the query block's.
+        let xq = match s.query_block() {
+            false => xt.clone(),
+            true => g.act_rows(Port::XnormBlock)?,
+        };
         let mut projected = vec![];
         for (&(p, product), name) in Self::PROJECTIONS.iter().zip(["q_mm", "k_mm", "v_mm"]) {
-            let y = g.project(name, &xt, Port::Weight(p))?;
-            projected.push(g.with_adapter(y, &xt, p, product, o)?);
+            let x = if p == Projection::Q { &xq } else { &xt };
+            let y = g.project(name, x, Port::Weight(p))?;
+            projected.push(g.with_adapter(y, x, p, product, o)?);
         }
         let [qm, km, vm] = <[Value; 3]>::try_from(projected).expect("three projections");
         let mut q = g.rows_to_heads("q", &qm, s.heads)?;
@@ -97,6 +126,16 @@ impl Kernel for SdpaForward {
                 g.rope("q_rope", &q, &cos, &sin, o.rope)?,
                 g.rope("k_rope", &k, &cos, &sin, o.rope)?,
             )
+        } else if s.query_block() {
+            // The block's angles, `[queries, HD]` as channels × columns.
+            let cb = g.region(Port::RopeCos)?;
+            let sb = g.region(Port::RopeSin)?;
+            let cb = g.reshape("cos_rows", &cb, &[1, 1, qb, hd])?;
+            let sb = g.reshape("sin_rows", &sb, &[1, 1, qb, hd])?;
+            (
+                g.rope_by_matrix("q_rope", &q, &cb, &sb)?,
+                g.rope_by_matrix("k_rope", &k, &cos, &sin)?,
+            )
         } else {
             (
                 g.rope_by_matrix("q_rope", &q, &cos, &sin)?,
@@ -104,12 +143,24 @@ impl Kernel for SdpaForward {
             )
         };
         // Fold the R query heads of each KV head along the sequence.
-        let qf = g.reshape("q_fold", &q_rope, &[1, kvh, r * seq, hd])?;
+        let qf = g.reshape("q_fold", &q_rope, &[1, kvh, r * qb, hd])?;
         let probs = g.attention_probs(&qf, &k_rope, s)?;
         let a = g.matmul("attn_fold", &probs, &v, false, false)?;
-        let a = g.reshape("attn_heads", &a, &[1, s.heads, seq, hd])?;
-        let attn = g.heads_rows_to_channels("attn", &a)?;
-        let qc = g.heads_rows_to_channels("q_rope_out", &q_rope)?;
+        let a = g.reshape("attn_heads", &a, &[1, s.heads, qb, hd])?;
+        let (attn, qc) = match s.query_block() {
+            false => (
+                g.heads_rows_to_channels("attn", &a)?,
+                g.heads_rows_to_channels("q_rope_out", &q_rope)?,
+            ),
+            true => {
+                let a = g.heads_rows_to_channels("attn_block", &a)?;
+                let qc = g.heads_rows_to_channels("q_rope_block", &q_rope)?;
+                (
+                    g.query_rows_out("attn", &a, s)?,
+                    g.query_rows_out("q_rope_out", &qc, s)?,
+                )
+            }
+        };
         let kc = g.heads_rows_to_channels("k_rope_out", &k_rope)?;
         let vc = g.rows_to_channels("v_out", &vm)?;
         let mut outs = vec![attn, qc, kc, vc];
@@ -117,13 +168,23 @@ impl Kernel for SdpaForward {
             outs.push(g.region(Port::Xnorm)?);
         }
         if o.qk_norm {
-            outs.push(g.rows_to_channels("q_raw", &qm)?);
+            let q_raw = match s.query_block() {
+                false => g.rows_to_channels("q_raw", &qm)?,
+                true => {
+                    let c = g.rows_to_channels("q_raw_block", &qm)?;
+                    g.query_rows_out("q_raw", &c, s)?
+                }
+            };
+            outs.push(q_raw);
             outs.push(g.rows_to_channels("k_raw", &km)?);
         }
         Ok(outs)
     }
 
     fn cpu(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
+        if s.query_block() {
+            return query_block(s, o, w, a);
+        }
         let (d, q, kv, seq, hd, r) = (s.dim, s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
         let scale = o.constant(1.0 / (hd as f64).sqrt());
         let eps = o.norm_eps();
@@ -194,5 +255,93 @@ impl Kernel for SdpaForward {
             q_raw: o.qk_norm.then_some(q_raw),
             k_raw: o.qk_norm.then_some(k_raw),
         }
+    }
+}
+
+/// The twin for a block of `queries` (`qb`) against all `S` keys: q from
+/// the block's columns with the block's RoPE angles, k and v from every
+/// position, then attention over whole rows with the given mask:
+///   attn_h = softmax(q_hᵀk_g/√HD + mask)·v_gᵀ
+fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out {
+    let (d, q, kv, seq, hd, r, qb) = (
+        s.dim,
+        s.q_dim(),
+        s.kv_dim(),
+        s.seq,
+        s.head_dim,
+        s.ratio(),
+        s.queries,
+    );
+    let need = |v: Option<&'_ [f32]>, what: &str| -> Vec<f32> {
+        v.unwrap_or_else(|| panic!("a block of queries reads its {what} (the runner makes it)"))
+            .to_vec()
+    };
+    let (xq, cos_q, sin_q, mask) = (
+        need(a.xnorm_block, "columns"),
+        need(a.rope_cos, "RoPE angles"),
+        need(a.rope_sin, "RoPE angles"),
+        need(a.mask, "mask"),
+    );
+    let scale = o.constant(1.0 / (hd as f64).sqrt());
+    let eps = o.norm_eps();
+    let block = Shape {
+        seq: qb,
+        queries: qb,
+        ..*s
+    };
+    let project = |p: Projection, rows: usize, x: &[f32], sh: &Shape| {
+        let mut y = w_x(w.projection(p), x, rows, d, sh.seq);
+        add_adapter(&mut y, w, o, sh, p, x, Product::Forward);
+        y
+    };
+    let q_raw = project(Projection::Q, q, &xq, &block);
+    let k_raw = project(Projection::K, kv, a.xnorm, s);
+    let v = project(Projection::V, kv, a.xnorm, s);
+    let norm = |x: &[f32], wn: Option<&[f32]>, n: usize| match (o.qk_norm, wn) {
+        (true, Some(wn)) => head_rms_norm(x, wn, hd, n, eps),
+        (true, None) => panic!("QK-norm is on but the layer has no QK-norm weights"),
+        (false, _) => x.to_vec(),
+    };
+    let (qn, kn) = (norm(&q_raw, w.q_norm, qb), norm(&k_raw, w.k_norm, seq));
+    let (cos, sin) = o.rope_tables(seq, hd);
+    let q_rope = apply_rope(&qn, hd, qb, &cos_q, &sin_q, o.rope, 1.0);
+    let k_rope = apply_rope(&kn, hd, seq, &cos, &sin, o.rope, 1.0);
+    let mut attn = vec![0f32; q * qb];
+    attn.par_chunks_mut(r * hd * qb)
+        .enumerate()
+        .for_each(|(g, attn_g)| {
+            let mut p = vec![0f32; qb * seq];
+            for j in 0..r {
+                let h = g * r + j;
+                // P_h [qb, S] = q_hᵀ·k_g, scaled, masked, softmax by row.
+                matmul_serial(
+                    MatRef::row_major(&q_rope, h * hd * qb, hd, qb).t(),
+                    MatRef::row_major(&k_rope, g * hd * seq, hd, seq),
+                    MatMut::row_major(&mut p, 0, qb, seq),
+                    false,
+                );
+                for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
+                    row.iter_mut()
+                        .zip(m)
+                        .for_each(|(x, &m)| *x = *x * scale + m);
+                    crate::simd::softmax_scaled(row, 1.0);
+                }
+                // attn_h [HD, qb] = V_g [HD, S] · P_hᵀ
+                matmul_serial(
+                    MatRef::row_major(&v, g * hd * seq, hd, seq),
+                    MatRef::row_major(&p, 0, qb, seq).t(),
+                    MatMut::row_major(attn_g, j * hd * qb, hd, qb),
+                    false,
+                );
+            }
+        });
+    Out {
+        attn,
+        q_rope,
+        k_rope,
+        v,
+        xnorm: None,
+        q_raw: o.qk_norm.then_some(q_raw),
+        k_raw: o.qk_norm.then_some(k_raw),
     }
 }

@@ -30,7 +30,7 @@
 use serde::Serialize;
 
 use super::io::{Port, Tensors};
-use super::{build, KernelKind, KernelOptions, Shape};
+use super::{build_unfilled, KernelKind, KernelOptions, Shape};
 use crate::model::Projection;
 
 /// Forces tiling (see [`KernelOptions::min_tiles`]).
@@ -139,8 +139,9 @@ impl KernelKind {
         match self {
             KernelKind::FfnForward => &[Hidden, Seq],
             KernelKind::FfnBackwardW2 | KernelKind::FfnBackwardW13 => &[Hidden, Dim, Seq],
-            KernelKind::SdpaForward => &[KvGroups],
-            KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => &[KvGroups, Seq],
+            KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => {
+                &[KvGroups, Seq]
+            }
             KernelKind::WoForward
             | KernelKind::WoBackward
             | KernelKind::QBackward
@@ -194,12 +195,12 @@ fn projection_extents(p: Projection) -> (Extent, Extent) {
 pub fn activation_extent(port: Port) -> Extent {
     use Port::*;
     match port {
-        Xnorm | X2norm | X2 | Dffn | Dy | O | XNext | Dx => Extent::Dim,
+        Xnorm | XnormBlock | X2norm | X2 | Dffn | Dy | O | XNext | Dx => Extent::Dim,
         H1 | H3 | Gate | Dgate | Dh1 | Dh3 => Extent::Hidden,
         Attn | QRope | Da | Dq | QRaw => Extent::Q,
         KRope | V | Dk | Dv | KRaw => Extent::Kv,
         Probs | Dp => Extent::Scores,
-        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask => Extent::Whole,
+        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => Extent::Whole,
     }
 }
 
@@ -214,20 +215,32 @@ enum Positions {
     Keys,
     /// Score rows `[heads·S, S]`: each head's rows are cut to the block.
     ScoreRows,
+    /// Results along the keys that every block computes whole
+    /// (`sdpa_forward`'s k and v): the first block's are kept.
+    Shared,
     /// Not an activation (weights), or made per tile (the mask).
     None,
 }
 
-fn positions(kind: KernelKind, port: Port) -> Positions {
-    use Port::*;
-    let attention = matches!(
+/// Whether `kind` attends: its sequence blocks are blocks of queries
+/// against every key.
+fn attends(kind: KernelKind) -> bool {
+    matches!(
         kind,
         KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2
-    );
+    )
+}
+
+fn positions(kind: KernelKind, port: Port) -> Positions {
+    use Port::*;
+    let attention = attends(kind);
     match port {
-        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask => Positions::None,
+        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
+            Positions::None
+        }
         Probs | Dp => Positions::ScoreRows,
-        KRope | V | Dk | Dv | KRaw if attention => Positions::Keys,
+        KRope | V | KRaw if kind == KernelKind::SdpaForward => Positions::Shared,
+        Xnorm | KRope | V | Dk | Dv | KRaw if attention => Positions::Keys,
         _ => Positions::Computed,
     }
 }
@@ -293,13 +306,21 @@ impl KernelTiles {
     fn cut_positions(&self, port: Port, t: usize) -> Option<(Split, usize)> {
         if matches!(
             positions(self.kind, port),
-            Positions::None | Positions::Keys
+            Positions::None | Positions::Keys | Positions::Shared
         ) {
             return None;
         }
         self.indices(t)
             .into_iter()
             .find(|(sp, _)| sp.axis == Axis::Seq)
+    }
+
+    /// Tile `t`'s block of queries (0 when the sequence is not split).
+    fn query_block(&self, t: usize) -> usize {
+        self.indices(t)
+            .iter()
+            .find(|(sp, _)| sp.axis == Axis::Seq)
+            .map_or(0, |&(_, i)| i)
     }
 
     /// Whether tile `t` is at block 0 of every split a sum runs over (every
@@ -356,7 +377,7 @@ pub fn tile_shape(kind: KernelKind, full: &Shape, splits: &[Split]) -> Shape {
             Axis::Dim => s.dim /= sp.blocks,
             Axis::Seq => {
                 s.queries /= sp.blocks;
-                if positions(kind, Port::KRope) != Positions::Keys {
+                if !attends(kind) {
                     s.seq /= sp.blocks;
                 }
             }
@@ -432,12 +453,15 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL {
         let mut fits_dim = None;
-        let mut passing = None;
+        let mut passing: Vec<KernelTiles> = vec![];
         let mut chosen = None;
         let mut last_problem = String::new();
         for splits in candidates(kind, full, o) {
             let shape = tile_shape(kind, full, &splits);
-            let k = build(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
+            if !shape.query_rows_whole() {
+                continue;
+            }
+            let k = build_unfilled(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
             let findings = ane::rules::check(&k.program, &rules);
             if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
                 last_problem = f.message.clone();
@@ -452,29 +476,31 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 input: [l.in_channels, l.in_spatial],
                 output: [l.out_channels, l.out_spatial],
             };
-            let largest = |t: &KernelTiles| {
-                let (i, o) = t.surface_bytes();
-                i.max(o)
-            };
-            let small_enough = o.max_tile_bytes.is_none_or(|cap| largest(&tiles) <= cap);
+            let (i, out) = tiles.surface_bytes();
+            let small_enough = o.max_tile_bytes.is_none_or(|cap| i.max(out) <= cap);
             if findings.is_empty() && small_enough {
                 chosen = Some(tiles);
                 break;
             }
             if findings.is_empty() {
-                // Passes every rule but is larger than asked: the fallback
-                // when no tiling meets the cap is the smallest that passes.
-                if passing
-                    .as_ref()
-                    .is_none_or(|p: &KernelTiles| largest(&tiles) < largest(p))
-                {
-                    passing = Some(tiles);
-                }
+                // Passes every rule but is larger than asked: a fallback
+                // when no tiling meets the cap.
+                passing.push(tiles);
                 continue;
             }
             fits_dim.get_or_insert(tiles);
         }
-        match chosen.or(passing).or(fits_dim) {
+        // Failing the cap, the fewest tiles (candidates come fewest
+        // first) within a quarter of the smallest surface that passes:
+        // where what every tile reads whole dominates (a whole sequence's
+        // keys), more tiles would add evaluations and shrink nothing.
+        let largest = |t: &KernelTiles| {
+            let (i, o) = t.surface_bytes();
+            i.max(o)
+        };
+        let smallest = passing.iter().map(largest).min();
+        let fallback = smallest.and_then(|m| passing.into_iter().find(|t| 4 * largest(t) <= 5 * m));
+        match chosen.or(fallback).or(fits_dim) {
             Some(t) => kernels.push(t),
             None => {
                 let axes: Vec<String> = kind
@@ -482,22 +508,15 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                     .iter()
                     .map(|a| format!("the {} ({})", a.name(), a.count(full)))
                     .collect();
-                // Attention reads every key in every tile (and
-                // `sdpa_forward` every query too, the heads sharing a KV
-                // head folded along them): the sequence it can take is
-                // bounded by the spatial cap.
-                let keys = match kind {
-                    KernelKind::SdpaForward => format!(
-                        "; attention keeps all {} positions of its {} query heads per KV head in one tile, so sequences up to {} tokens fit",
-                        full.seq,
-                        full.ratio(),
-                        o.limits.max_spatial / full.ratio()
+                // Attention reads every key in every tile: the sequence
+                // is bounded by the spatial cap, less what a tile lays
+                // beside the keys (`sdpa_forward`: its weights).
+                let keys = match attends(kind) {
+                    true => format!(
+                        "; attention reads all {} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq",
+                        full.seq
                     ),
-                    KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2 => format!(
-                        "; attention keeps every key in a tile, so sequences up to {} tokens fit",
-                        o.limits.max_spatial
-                    ),
-                    _ => String::new(),
+                    false => String::new(),
                 };
                 return Err(format!(
                     "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}{keys}",
@@ -651,16 +670,23 @@ pub fn tile_activation(
 /// (as [`super::causal_mask`] for the whole).
 pub fn tile_mask(k: &KernelTiles, seq: usize, t: usize) -> Vec<f32> {
     let qb = k.shape.queries;
-    let lo = k
-        .indices(t)
-        .iter()
-        .find(|(sp, _)| sp.axis == Axis::Seq)
-        .map_or(0, |&(_, i)| i * qb);
+    let lo = k.query_block(t) * qb;
     let mut m = vec![0f32; qb * seq];
     for (r, row) in m.chunks_mut(seq).enumerate() {
         row[lo + r + 1..].fill(super::MASKED);
     }
     m
+}
+
+/// RoPE's angles (cos, sin) at tile `t`'s block of queries, `[queries,
+/// HD]` each: rows of the whole `[seq, HD]` tables `(cos, sin)`.
+pub fn tile_rope(k: &KernelTiles, (cos, sin): (&[f32], &[f32]), t: usize) -> (Vec<f32>, Vec<f32>) {
+    let (qb, hd) = (k.shape.queries, k.shape.head_dim);
+    let at = k.query_block(t) * qb * hd;
+    (
+        cos[at..at + qb * hd].to_vec(),
+        sin[at..at + qb * hd].to_vec(),
+    )
 }
 
 /// Adds tile `t`'s result for `port` (`[c, w]`, `w` the tile's positions)
@@ -679,11 +705,14 @@ pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, 
         *acc = vec![0.0; part.len() * nr * np];
     }
     let along = positions(k.kind, port);
+    if along == Positions::Shared && k.query_block(t) > 0 {
+        return;
+    }
     let scores = along == Positions::ScoreRows;
     // The part as `[rows, w]` placed at row r0, column c0 of the whole
     // `[.., width]`; score rows go head by head.
     let w = match along {
-        Positions::ScoreRows | Positions::Keys => k.shape.seq,
+        Positions::ScoreRows | Positions::Keys | Positions::Shared => k.shape.seq,
         _ => k.shape.queries,
     };
     let width = if scores { w } else { w * np };
