@@ -173,6 +173,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
     (best, flops / 2.0)
 }
 
+#[derive(Clone)]
 pub struct BenchArgs {
     pub model: String,
     pub seq: usize,
@@ -374,6 +375,19 @@ fn run<R: KernelRunner>(
     let products = (a.backend == Backend::Cpu && model.lora.is_none())
         .then(|| products_only(&model, &mut grads, a.seq * a.batch).0);
     let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
+    // Where the arithmetic goes on the device path (none on the CPU).
+    let work = match a.backend {
+        Backend::Cpu => None,
+        _ => Some(crate::work::StepWork::plan(
+            &model.cfg,
+            a.seq,
+            a.batch,
+            &crate::kernels::KernelOptions::for_model(&model),
+            model.lora.is_none(),
+            a.memory.grad_checkpoint,
+        )?),
+    };
+    let gflop = |f: f64| f / 1e9;
     Ok(json!({
         "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
         "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": linalg::threads(),
@@ -388,6 +402,10 @@ fn run<R: KernelRunner>(
         "memory_plan_mb": plan.plan.total as f64 / (1 << 20) as f64,
         "plan_over_peak_rss": peak_rss.map(|p| plan.plan.total as f64 / (1 << 20) as f64 / p),
         "grad_checkpoint": a.memory.grad_checkpoint,
+        "device_gflop": work.as_ref().map(|w| gflop(w.device_flop)),
+        "device_evaluations": work.as_ref().map(|w| w.device_evaluations),
+        "host_gflop": work.as_ref().map(|w| gflop(w.host_flop)),
+        "host_weight_gradient_gflop": work.as_ref().map(|w| gflop(w.host_weight_gradient_flop)),
         "device_buffers": (a.backend != Backend::Cpu).then_some(plan.buffers),
         "products_only_s": products, "step_over_products": products.map(|p| med / p),
         "phases_median_s": {
@@ -450,11 +468,28 @@ mod tests {
         let lora = bench(
             &BenchArgs {
                 lora_rank: Some(2),
-                ..args
+                ..args.clone()
             },
             &mut |_| {},
         )
         .unwrap();
         assert!(lora["products_only_s"].is_null(), "{lora}");
+        assert!(lora["device_gflop"].is_null(), "{lora}");
+        // On the simulated device: the plan's work beside the time, the
+        // LM head on the host's critical path.
+        let sim = bench(
+            &BenchArgs {
+                backend: Backend::AneSim,
+                lora_rank: Some(2),
+                ..args
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let head = 4.0 * (cfg.vocab_size * cfg.hidden_size * 32) as f64 / 1e9;
+        assert_eq!(sim["host_gflop"].as_f64(), Some(head), "{sim}");
+        assert!(sim["device_gflop"].as_f64().unwrap() > 0.0, "{sim}");
+        assert_eq!(sim["host_weight_gradient_gflop"].as_f64(), Some(0.0));
     }
 }

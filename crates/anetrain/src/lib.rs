@@ -36,3 +36,4 @@ mod simd;
 pub mod tensor_file;
 pub mod tokenizer;
 pub mod train;
+pub mod work;

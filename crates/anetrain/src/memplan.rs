@@ -243,7 +243,7 @@ impl MemoryPlan {
         };
         let mut device_part = None;
         if let (Some(mode), Some(opts)) = (r.device, r.opts) {
-            let compiled = r.seq.div_ceil(32).next_power_of_two() * 32;
+            let compiled = crate::runner::compiled_length(r.seq);
             let shape = Shape::new(cfg, compiled);
             let plan = tiling::plan(&shape, opts)?;
             let layers = cfg.num_hidden_layers;

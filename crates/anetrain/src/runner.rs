@@ -168,6 +168,13 @@ impl KernelRunner for CpuKernels {
 /// PR #47).
 pub const SEQ_MULTIPLE: usize = 32;
 
+/// The length a kernel set is compiled for to run `seq` positions: a
+/// power-of-two multiple of [`SEQ_MULTIPLE`], so rows of many lengths
+/// share a few sets.
+pub fn compiled_length(seq: usize) -> usize {
+    seq.div_ceil(SEQ_MULTIPLE).next_power_of_two() * SEQ_MULTIPLE
+}
+
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
 /// `[rows, sp]` (or `[heads·sp, sp]`) layout, zeros elsewhere.
 fn pad(port: Port, data: &[f32], seq: usize, sp: usize) -> Vec<f32> {
@@ -422,7 +429,7 @@ impl<D: Device> NeuralKernels<D> {
             Some(f) => Ok(f),
             None => Ok(match self.sets.keys().next_back() {
                 Some(&sp) if sp >= seq => sp,
-                _ => seq.div_ceil(SEQ_MULTIPLE).next_power_of_two() * SEQ_MULTIPLE,
+                _ => compiled_length(seq),
             }),
         }
     }

@@ -143,10 +143,19 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     opts.lora = lora.as_ref().map(kernels::LoraKernel::of);
     let memory = RunPlan::new(model, seq, lora.as_ref(), a.backend, &a.memory)?;
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    let work = anetrain::work::StepWork::plan(
+        &cfg,
+        seq,
+        1,
+        &opts,
+        lora.is_none(),
+        a.memory.grad_checkpoint,
+    )?;
     if a.json {
         let v = serde_json::json!({
             "shape": shape,
             "plan": plan,
+            "work": work,
             "memory": memory.plan,
             "max_memory": memory.limit,
         });
@@ -211,6 +220,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         plan.programs(),
         plan.evaluations_per_layer()
     );
+    println!("{}", work.describe());
     println!(
         "\nmemory of a training run on {}{}{}:",
         a.backend.name(),

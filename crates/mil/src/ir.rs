@@ -83,6 +83,30 @@ impl Function {
             })
     }
 
+    /// FLOPs of the function's matrix products, `2·M·N·K` per output
+    /// (batched `matmul`s; elementwise work is not counted). `K` is the
+    /// dimension of `x` that is not the output's `M` (either, when equal).
+    pub fn matmul_flops(&self) -> f64 {
+        self.ops
+            .iter()
+            .filter(|o| o.op == "matmul")
+            .filter_map(|o| {
+                let out = o.output.ty.dims();
+                let Some(Arg::Var(x)) = o.arg("x") else {
+                    return None;
+                };
+                let xd = self.var_type(x)?.dims();
+                let (m, r) = (out[out.len().checked_sub(2)?], xd.len());
+                let k = if xd[r.checked_sub(2)?] == m {
+                    xd[r - 1]
+                } else {
+                    xd[r - 2]
+                };
+                Some(2.0 * out.iter().product::<usize>() as f64 * k as f64)
+            })
+            .sum()
+    }
+
     pub fn output_types(&self) -> Vec<Ty> {
         self.outputs
             .iter()
@@ -204,5 +228,21 @@ impl ConstVal {
             ConstData::Str(s) => Some(s),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn matmul_flops_count_every_product_and_its_transposes() {
+        // [2, 3, 4]·[2, 4, 5] and xᵀ·y with x [2, 4, 3]: 2·(2·3·5)·4 each.
+        let text = "program(1.3)\n{\n func main<ios18>(tensor<fp16, [2, 3, 4]> a, tensor<fp16, [2, 4, 5]> b, tensor<fp16, [2, 4, 3]> c) {\n \
+             bool f = const()[name=string(\"f\"), val=bool(false)];\n \
+             bool t = const()[name=string(\"t\"), val=bool(true)];\n \
+             tensor<fp16, [2, 3, 5]> y = matmul(x=a, y=b, transpose_x=f, transpose_y=f)[name=string(\"y\")];\n \
+             tensor<fp16, [2, 3, 5]> z = matmul(x=c, y=b, transpose_x=t, transpose_y=f)[name=string(\"z\")];\n \
+             } -> (y, z);\n}\n";
+        let p = crate::parse_and_validate(text).unwrap();
+        assert_eq!(p.functions[0].matmul_flops(), 2.0 * 240.0);
     }
 }

@@ -266,6 +266,8 @@ pub struct KernelTiles {
     /// `[channels, width]` of a tile's input and output surfaces.
     pub input: [usize; 2],
     pub output: [usize; 2],
+    /// FLOPs of one tile's matrix products (counted from its program).
+    pub flop: f64,
 }
 
 impl KernelTiles {
@@ -359,6 +361,20 @@ impl Plan {
     /// Device evaluations per layer for one forward and backward pass.
     pub fn evaluations_per_layer(&self) -> usize {
         self.kernels.iter().map(|k| k.tiles).sum()
+    }
+
+    /// FLOPs and evaluations on the device per layer for one forward and
+    /// backward pass; `recompute` (activation checkpointing) runs the
+    /// forward kernels twice.
+    pub fn work_per_layer(&self, recompute: bool) -> (f64, usize) {
+        self.kernels.iter().fold((0.0, 0), |(f, n), k| {
+            let runs = if recompute && k.kind.is_forward() {
+                2
+            } else {
+                1
+            };
+            (f + (runs * k.tiles) as f64 * k.flop, n + runs * k.tiles)
+        })
     }
 }
 
@@ -475,6 +491,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 shape,
                 input: [l.in_channels, l.in_spatial],
                 output: [l.out_channels, l.out_spatial],
+                flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
             };
             let (i, out) = tiles.surface_bytes();
             let small_enough = o.max_tile_bytes.is_none_or(|cap| i.max(out) <= cap);
@@ -769,6 +786,7 @@ mod tests {
             splits,
             input: [0, 0],
             output: [0, 0],
+            flop: 0.0,
         };
         assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
         // Tile 5 = hidden block 1, dim block 1.
