@@ -269,6 +269,34 @@ pub fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p
     }
 }
 
+/// One head's probabilities for a block of `qb` queries against all `seq`
+/// keys with an additive mask `[qb, seq]`, over whole rows:
+///   P [qb, S] = softmax(q_hᵀ·k_g·scale + mask)
+/// (`q_h [HD, qb]`, `k_g [HD, S]`).
+pub fn masked_head_probs(
+    q_h: &[f32],
+    k_g: &[f32],
+    hd: usize,
+    scale: f32,
+    mask: &[f32],
+    p: &mut [f32],
+) {
+    let seq = k_g.len() / hd;
+    let qb = q_h.len() / hd;
+    matmul_serial(
+        MatRef::row_major(q_h, 0, hd, qb).t(),
+        MatRef::row_major(k_g, 0, hd, seq),
+        MatMut::row_major(p, 0, qb, seq),
+        false,
+    );
+    for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
+        row.iter_mut()
+            .zip(m)
+            .for_each(|(x, &m)| *x = *x * scale + m);
+        crate::simd::softmax_scaled(row, 1.0);
+    }
+}
+
 /// Causal attention in blocks of queries: block `lo..hi` sees keys `0..hi`
 /// only. Products over probabilities a kernel computes itself skip the
 /// blocks above the diagonal, where every entry is exactly zero (3/8 of

@@ -13,7 +13,7 @@
 use super::prelude::*;
 use rayon::prelude::*;
 
-use super::maths::{causal_blocks, head_probs};
+use super::maths::{causal_blocks, head_probs, masked_head_probs};
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaBackward1;
@@ -148,19 +148,14 @@ fn query_block(s: &Shape, o: &KernelOptions, a: &Acts) -> Out {
             for j in 0..r {
                 let h = g * r + j;
                 let p = &mut probs_g[j * qb * seq..(j + 1) * qb * seq];
-                // P_h [qb, S] = q_hᵀ·k_g, scaled, masked, softmax by row.
-                matmul_serial(
-                    MatRef::row_major(qr, h * hd * qb, hd, qb).t(),
-                    MatRef::row_major(kr, g * hd * seq, hd, seq),
-                    MatMut::row_major(p, 0, qb, seq),
-                    false,
+                masked_head_probs(
+                    &qr[h * hd * qb..][..hd * qb],
+                    &kr[g * hd * seq..][..hd * seq],
+                    hd,
+                    scale,
+                    mask,
+                    p,
                 );
-                for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
-                    row.iter_mut()
-                        .zip(m)
-                        .for_each(|(x, &m)| *x = *x * scale + m);
-                    crate::simd::softmax_scaled(row, 1.0);
-                }
                 // dV_g [HD, S] += dA_h [HD, qb] · P_h
                 matmul_serial(
                     MatRef::row_major(da, h * hd * qb, hd, qb),

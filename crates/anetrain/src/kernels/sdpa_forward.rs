@@ -19,7 +19,9 @@
 use super::prelude::*;
 use rayon::prelude::*;
 
-use super::maths::{add_adapter, apply_rope, causal_blocks, head_probs, head_rms_norm, w_x};
+use super::maths::{
+    add_adapter, apply_rope, causal_blocks, head_probs, head_rms_norm, masked_head_probs, w_x,
+};
 use super::{BLOB_COS, BLOB_SIN};
 use linalg::{matmul_serial, MatMut, MatRef};
 
@@ -313,19 +315,14 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
             let mut p = vec![0f32; qb * seq];
             for j in 0..r {
                 let h = g * r + j;
-                // P_h [qb, S] = q_hᵀ·k_g, scaled, masked, softmax by row.
-                matmul_serial(
-                    MatRef::row_major(&q_rope, h * hd * qb, hd, qb).t(),
-                    MatRef::row_major(&k_rope, g * hd * seq, hd, seq),
-                    MatMut::row_major(&mut p, 0, qb, seq),
-                    false,
+                masked_head_probs(
+                    &q_rope[h * hd * qb..][..hd * qb],
+                    &k_rope[g * hd * seq..][..hd * seq],
+                    hd,
+                    scale,
+                    &mask,
+                    &mut p,
                 );
-                for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
-                    row.iter_mut()
-                        .zip(m)
-                        .for_each(|(x, &m)| *x = *x * scale + m);
-                    crate::simd::softmax_scaled(row, 1.0);
-                }
                 // attn_h [HD, qb] = V_g [HD, S] · P_hᵀ
                 matmul_serial(
                     MatRef::row_major(&v, g * hd * seq, hd, seq),
