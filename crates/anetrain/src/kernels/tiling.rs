@@ -279,6 +279,12 @@ impl KernelTiles {
         )
     }
 
+    /// Bytes of a tile's larger surface: what the tile-size cap bounds.
+    pub fn largest_surface(&self) -> usize {
+        let (i, o) = self.surface_bytes();
+        i.max(o)
+    }
+
     /// Tile `t`'s block index along each split.
     fn indices(&self, t: usize) -> Vec<(Split, usize)> {
         let mut rest = t;
@@ -493,8 +499,9 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
                 output: [l.out_channels, l.out_spatial],
                 flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
             };
-            let (i, out) = tiles.surface_bytes();
-            let small_enough = o.max_tile_bytes.is_none_or(|cap| i.max(out) <= cap);
+            let small_enough = o
+                .max_tile_bytes
+                .is_none_or(|cap| tiles.largest_surface() <= cap);
             if findings.is_empty() && small_enough {
                 chosen = Some(tiles);
                 break;
@@ -511,12 +518,12 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
         // first) within a quarter of the smallest surface that passes:
         // where what every tile reads whole dominates (a whole sequence's
         // keys), more tiles would add evaluations and shrink nothing.
-        let largest = |t: &KernelTiles| {
-            let (i, o) = t.surface_bytes();
-            i.max(o)
-        };
-        let smallest = passing.iter().map(largest).min();
-        let fallback = smallest.and_then(|m| passing.into_iter().find(|t| 4 * largest(t) <= 5 * m));
+        let smallest = passing.iter().map(KernelTiles::largest_surface).min();
+        let fallback = smallest.and_then(|m| {
+            passing
+                .into_iter()
+                .find(|t| 4 * t.largest_surface() <= 5 * m)
+        });
         match chosen.or(fallback).or(fits_dim) {
             Some(t) => kernels.push(t),
             None => {
