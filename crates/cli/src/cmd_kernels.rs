@@ -72,10 +72,10 @@ pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[Stri
         // A tiled kernel is one program at its tile shape.
         let k = kernels::build(kind, &plan.of(kind).shape, &opts)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
-        let name = if seed_compat {
-            kind.seed_name()
-        } else {
-            kind.name()
+        // The seed's names where the seed has the kernel.
+        let name = match seed_compat {
+            true => kind.seed_name().unwrap_or(kind.name()),
+            false => kind.name(),
         };
         write_atomic(&out.join(format!("{name}.mil")), k.text().as_bytes())?;
         for (file, bytes) in &k.blobs {
@@ -219,6 +219,13 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         plan.programs(),
         plan.programs(),
         plan.evaluations_per_layer()
+    );
+    println!(
+        "LM head: {} vocabulary chunks of {} rows ({} tokens), {} device evaluations per sequence with a gradient (head_forward twice over several chunks: statistics, then the gradient)",
+        plan.head.chunks,
+        plan.head.rows,
+        shape.vocab,
+        plan.head_work(true).1
     );
     println!("{}", work.describe());
     println!(

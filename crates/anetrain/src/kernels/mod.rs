@@ -36,6 +36,8 @@ mod prelude {
 pub mod ffn_backward_w13;
 pub mod ffn_backward_w2;
 pub mod ffn_forward;
+pub mod head_backward;
+pub mod head_forward;
 pub mod kv_backward;
 pub mod q_backward;
 pub mod sdpa_backward1;
@@ -51,6 +53,8 @@ use crate::model::Projection;
 pub use ffn_backward_w13::FfnBackwardW13;
 pub use ffn_backward_w2::FfnBackwardW2;
 pub use ffn_forward::FfnForward;
+pub use head_backward::HeadBackward;
+pub use head_forward::HeadForward;
 pub use io::{Activations, LayerWeights, Outputs, Port, Tensors};
 pub use kv_backward::KvBackward;
 pub use layout::{Encoding, KernelLayout, LayoutBuilder};
@@ -62,7 +66,8 @@ pub use sdpa_forward::SdpaForward;
 pub use wo_backward::WoBackward;
 pub use wo_forward::WoForward;
 
-/// The ten kernels, in the order a training step uses them.
+/// The kernels: ten per layer, in the order a training step uses them,
+/// and the LM head's two, run per vocabulary chunk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum KernelKind {
     /// xnorm, Wq, Wk, Wv (+ QK-norm weights) → attention output, roped q/k, v.
@@ -85,10 +90,14 @@ pub enum KernelKind {
     QBackward,
     /// dk, dv, Wk, Wv → dx = Wkᵀ dk + Wvᵀ dv.
     KvBackward,
+    /// xf, a vocabulary chunk of the LM head E_c → logits z_c = E_c·xf.
+    HeadForward,
+    /// dz_c, E_c → dxf_c = E_cᵀ·dz_c (summed over chunks by the host).
+    HeadBackward,
 }
 
 impl KernelKind {
-    pub const ALL: [KernelKind; 10] = [
+    pub const ALL: [KernelKind; 12] = [
         KernelKind::SdpaForward,
         KernelKind::WoForward,
         KernelKind::FfnForward,
@@ -99,6 +108,8 @@ impl KernelKind {
         KernelKind::SdpaBackward2,
         KernelKind::QBackward,
         KernelKind::KvBackward,
+        KernelKind::HeadForward,
+        KernelKind::HeadBackward,
     ];
 
     /// File-friendly name (`sdpa_forward`).
@@ -114,12 +125,15 @@ impl KernelKind {
             KernelKind::SdpaBackward2 => "sdpa_backward2",
             KernelKind::QBackward => "q_backward",
             KernelKind::KvBackward => "kv_backward",
+            KernelKind::HeadForward => "head_forward",
+            KernelKind::HeadBackward => "head_backward",
         }
     }
 
-    /// The seed's name for the same kernel (`sdpaFwd`).
-    pub fn seed_name(self) -> &'static str {
-        match self {
+    /// The seed's name for the same kernel (`sdpaFwd`); the seed runs the
+    /// LM head on the host, so its kernels have none.
+    pub fn seed_name(self) -> Option<&'static str> {
+        Some(match self {
             KernelKind::SdpaForward => "sdpaFwd",
             KernelKind::WoForward => "woFwd",
             KernelKind::FfnForward => "ffnFused",
@@ -130,13 +144,20 @@ impl KernelKind {
             KernelKind::SdpaBackward2 => "sdpaBwd2",
             KernelKind::QBackward => "qBwd",
             KernelKind::KvBackward => "kvBwd",
-        }
+            KernelKind::HeadForward | KernelKind::HeadBackward => return None,
+        })
     }
 
     pub fn from_name(s: &str) -> Option<KernelKind> {
         KernelKind::ALL
             .into_iter()
-            .find(|k| k.name() == s || k.seed_name() == s)
+            .find(|k| k.name() == s || k.seed_name() == Some(s))
+    }
+
+    /// Whether the kernel computes the LM head (its units are vocabulary
+    /// chunks, not layers).
+    pub fn is_head(self) -> bool {
+        matches!(self, KernelKind::HeadForward | KernelKind::HeadBackward)
     }
 }
 
@@ -241,7 +262,10 @@ impl KernelKind {
     pub fn is_forward(self) -> bool {
         matches!(
             self,
-            KernelKind::SdpaForward | KernelKind::WoForward | KernelKind::FfnForward
+            KernelKind::SdpaForward
+                | KernelKind::WoForward
+                | KernelKind::FfnForward
+                | KernelKind::HeadForward
         )
     }
 
@@ -271,6 +295,8 @@ impl KernelKind {
             KernelKind::SdpaBackward2 => f.call::<SdpaBackward2>(),
             KernelKind::QBackward => f.call::<QBackward>(),
             KernelKind::KvBackward => f.call::<KvBackward>(),
+            KernelKind::HeadForward => f.call::<HeadForward>(),
+            KernelKind::HeadBackward => f.call::<HeadBackward>(),
         }
     }
 }
@@ -398,6 +424,9 @@ pub struct Shape {
     /// Query positions an attention kernel computes: `seq`, or one block of
     /// them at `seq / queries` query blocks (see [`tiling::Axis::Seq`]).
     pub queries: usize,
+    /// Rows of the LM head the head kernels compute: the vocabulary, or
+    /// one chunk of it (see [`tiling::HeadChunks`]).
+    pub vocab: usize,
 }
 
 impl Shape {
@@ -410,6 +439,7 @@ impl Shape {
             head_dim: cfg.head_dim,
             seq,
             queries: seq,
+            vocab: cfg.vocab_size,
         }
     }
 

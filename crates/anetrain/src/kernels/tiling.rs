@@ -146,6 +146,9 @@ impl KernelKind {
             | KernelKind::WoBackward
             | KernelKind::QBackward
             | KernelKind::KvBackward => &[KvGroups, Dim, Seq],
+            // The vocabulary is cut into chunks the host walks
+            // ([`HeadChunks`]); a chunk's product treats positions alone.
+            KernelKind::HeadForward | KernelKind::HeadBackward => &[Seq],
         }
     }
 }
@@ -163,6 +166,8 @@ pub enum Extent {
     Kv,
     /// Score rows, query heads × positions.
     Scores,
+    /// A chunk of the vocabulary (the LM head's rows; never cut by a tile).
+    Vocab,
     /// Something every tile reads whole (QK-norm weights, LoRA's rank).
     Whole,
 }
@@ -195,12 +200,15 @@ fn projection_extents(p: Projection) -> (Extent, Extent) {
 pub fn activation_extent(port: Port) -> Extent {
     use Port::*;
     match port {
-        Xnorm | XnormBlock | X2norm | X2 | Dffn | Dy | O | XNext | Dx => Extent::Dim,
+        Xnorm | XnormBlock | X2norm | X2 | Dffn | Dy | O | XNext | Dx | Xf | Dxf => Extent::Dim,
+        Logits | Dlogits => Extent::Vocab,
         H1 | H3 | Gate | Dgate | Dh1 | Dh3 => Extent::Hidden,
         Attn | QRope | Da | Dq | QRaw => Extent::Q,
         KRope | V | Dk | Dv | KRaw => Extent::Kv,
         Probs | Dp => Extent::Scores,
-        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => Extent::Whole,
+        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
+            Extent::Whole
+        }
     }
 }
 
@@ -235,7 +243,7 @@ fn positions(kind: KernelKind, port: Port) -> Positions {
     use Port::*;
     let attention = attends(kind);
     match port {
-        Weight(_) | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
+        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
             Positions::None
         }
         Probs | Dp => Positions::ScoreRows,
@@ -346,6 +354,8 @@ pub struct Plan {
     pub shape: Shape,
     /// The device limits planned for.
     pub limits: ane::family::Limits,
+    /// The LM head's vocabulary chunks.
+    pub head: HeadChunks,
     pub kernels: Vec<KernelTiles>,
 }
 
@@ -366,20 +376,40 @@ impl Plan {
 
     /// Device evaluations per layer for one forward and backward pass.
     pub fn evaluations_per_layer(&self) -> usize {
-        self.kernels.iter().map(|k| k.tiles).sum()
+        self.work_per_layer(false).1
     }
 
     /// FLOPs and evaluations on the device per layer for one forward and
     /// backward pass; `recompute` (activation checkpointing) runs the
     /// forward kernels twice.
     pub fn work_per_layer(&self, recompute: bool) -> (f64, usize) {
+        self.work(|k| match (k.is_head(), recompute && k.is_forward()) {
+            (true, _) => 0,
+            (false, true) => 2,
+            (false, false) => 1,
+        })
+    }
+
+    /// FLOPs and evaluations of the LM head on the device for one
+    /// sequence: each chunk's forward once, and with a `gradient` its
+    /// backward once and (over several chunks) its forward again — the
+    /// first pass gathers the softmax statistics, the second forms the
+    /// logits' gradient (see `engine::head_loss`).
+    pub fn head_work(&self, gradient: bool) -> (f64, usize) {
+        let c = self.head.chunks;
+        self.work(|k| match (k, gradient) {
+            (KernelKind::HeadForward, true) if c > 1 => 2 * c,
+            (KernelKind::HeadForward, _) | (KernelKind::HeadBackward, true) => c,
+            _ => 0,
+        })
+    }
+
+    /// Σ over kernels of `runs(kind)` × tiles × one tile's FLOPs, and the
+    /// evaluations; the layer kernels and the head's are counted apart.
+    fn work(&self, runs: impl Fn(KernelKind) -> usize) -> (f64, usize) {
         self.kernels.iter().fold((0.0, 0), |(f, n), k| {
-            let runs = if recompute && k.kind.is_forward() {
-                2
-            } else {
-                1
-            };
-            (f + (runs * k.tiles) as f64 * k.flop, n + runs * k.tiles)
+            let r = runs(k.kind) * k.tiles;
+            (f + r as f64 * k.flop, n + r)
         })
     }
 }
@@ -467,98 +497,184 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
 /// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
 /// per-axis caps, contraction multiples, …) with surfaces within
 /// `o.max_tile_bytes`; failing the size, the passing tiling with the
-/// smallest largest surface; failing
-/// the rules, the fewest tiles that at least fit the axis caps. An error names the kernel, the axes and
-/// the caps when no tiling fits.
+/// smallest largest surface; failing the rules, the fewest tiles that at
+/// least fit the axis caps. The LM head's kernels are planned with its
+/// vocabulary chunks ([`plan_head`]). An error names the kernel, the axes
+/// and the caps when no tiling fits.
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
     let rules = ane::rules::RuleSet::for_limits(o.limits);
     let mut kernels = Vec::new();
-    for kind in KernelKind::ALL {
-        let mut fits_dim = None;
-        let mut passing: Vec<KernelTiles> = vec![];
-        let mut chosen = None;
-        let mut last_problem = String::new();
-        for splits in candidates(kind, full, o) {
-            let shape = tile_shape(kind, full, &splits);
-            if !shape.query_rows_whole() {
-                continue;
-            }
-            let k = build_unfilled(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
-            let findings = ane::rules::check(&k.program, &rules);
-            if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
-                last_problem = f.message.clone();
-                continue;
-            }
-            let l = &k.layout;
-            let tiles = KernelTiles {
-                kind,
-                tiles: splits.iter().map(|s| s.blocks).product(),
-                splits,
-                shape,
-                input: [l.in_channels, l.in_spatial],
-                output: [l.out_channels, l.out_spatial],
-                flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
-            };
-            let small_enough = o
-                .max_tile_bytes
-                .is_none_or(|cap| tiles.largest_surface() <= cap);
-            if findings.is_empty() && small_enough {
-                chosen = Some(tiles);
-                break;
-            }
-            if findings.is_empty() {
-                // Passes every rule but is larger than asked: a fallback
-                // when no tiling meets the cap.
-                passing.push(tiles);
-                continue;
-            }
-            fits_dim.get_or_insert(tiles);
-        }
-        // Failing the cap, the fewest tiles (candidates come fewest
-        // first) within a quarter of the smallest surface that passes:
-        // where what every tile reads whole dominates (a whole sequence's
-        // keys), more tiles would add evaluations and shrink nothing.
-        let smallest = passing.iter().map(KernelTiles::largest_surface).min();
-        let fallback = smallest.and_then(|m| {
-            passing
-                .into_iter()
-                .find(|t| 4 * t.largest_surface() <= 5 * m)
-        });
-        match chosen.or(fallback).or(fits_dim) {
-            Some(t) => kernels.push(t),
-            None => {
-                let axes: Vec<String> = kind
-                    .tile_axes()
-                    .iter()
-                    .map(|a| format!("the {} ({})", a.name(), a.count(full)))
-                    .collect();
-                // Attention reads every key in every tile: the sequence
-                // is bounded by the spatial cap, less what a tile lays
-                // beside the keys (`sdpa_forward`: its weights).
-                let keys = match attends(kind) {
-                    true => format!(
-                        "; attention reads all {} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq",
-                        full.seq
-                    ),
-                    false => String::new(),
-                };
-                return Err(format!(
-                    "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}{keys}",
-                    kind.name(),
-                    o.limits.max_spatial,
-                    o.limits.max_channel,
-                    ane::rules::MAX_DIM_ENV,
-                    axes.join(" and "),
-                    if axes.len() == 1 { "s" } else { "" },
-                ));
-            }
-        }
+    for kind in KernelKind::ALL.into_iter().filter(|k| !k.is_head()) {
+        kernels.push(plan_kernel(kind, full, o, &rules)?.0);
     }
+    let (head, head_kernels) = plan_head(full, o, &rules)?;
+    kernels.extend(head_kernels);
     Ok(Plan {
         shape: *full,
         limits: o.limits,
+        head,
         kernels,
     })
+}
+
+/// How the LM head's vocabulary is cut: `chunks` chunks of `rows` rows
+/// (a multiple of 32, the contraction multiple `head_backward` needs; the
+/// last chunk's rows past the vocabulary are zeros on the device). The
+/// host walks the chunks, keeping softmax statistics per position, so no
+/// more than one chunk's logits exist at once: maderix/ANE PR #26 ran
+/// Qwen3's 151936-token head on the Neural Engine in 16 chunks because it
+/// "exceeds ANE's 65536 max dim".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct HeadChunks {
+    pub rows: usize,
+    pub chunks: usize,
+}
+
+impl HeadChunks {
+    /// `chunks` chunks of at most `rows` rows over `vocab` rows.
+    pub fn of(vocab: usize, rows: usize) -> HeadChunks {
+        HeadChunks {
+            rows,
+            chunks: vocab.div_ceil(rows.max(1)),
+        }
+    }
+
+    /// The vocabulary rows of chunk `c` in a vocabulary of `vocab`.
+    pub fn range(&self, c: usize, vocab: usize) -> std::ops::Range<usize> {
+        (c * self.rows).min(vocab)..((c + 1) * self.rows).min(vocab)
+    }
+}
+
+/// The fewest vocabulary chunks (at least `o.min_tiles`, to exercise
+/// chunking on small vocabularies) for which both head kernels find a
+/// tiling within the rules and `o.max_tile_bytes`, and those tilings;
+/// failing the size at every count, the last count whose tilings pass the
+/// rules. Only the counts whose rows change are tried, from the fewest the
+/// head's weights alone allow under the size cap.
+pub fn plan_head(
+    full: &Shape,
+    o: &KernelOptions,
+    rules: &ane::rules::RuleSet,
+) -> Result<(HeadChunks, Vec<KernelTiles>), String> {
+    const ROW_MULTIPLE: usize = super::COLUMN_GROUP;
+    let v = full.vocab;
+    let rows_of = |chunks: usize| v.div_ceil(chunks).div_ceil(ROW_MULTIPLE) * ROW_MULTIPLE;
+    let most = v.div_ceil(ROW_MULTIPLE).max(1);
+    // A chunk's weights `[rows, D]` in fp16 must fit the cap by themselves.
+    let fewest = o
+        .max_tile_bytes
+        .map_or(1, |cap| (2 * v * full.dim).div_ceil(cap.max(1)))
+        .max(o.min_tiles)
+        .clamp(1, most);
+    let mut fallback = None;
+    let mut last_error = String::new();
+    let mut tried = 0;
+    for chunks in fewest..=most {
+        let rows = rows_of(chunks);
+        if rows == tried {
+            continue;
+        }
+        tried = rows;
+        let shape = Shape { vocab: rows, ..*full };
+        let planned: Result<Vec<_>, String> = [KernelKind::HeadForward, KernelKind::HeadBackward]
+            .into_iter()
+            .map(|kind| plan_kernel(kind, &shape, o, rules))
+            .collect();
+        match planned {
+            Ok(p) if p.iter().all(|(_, within)| *within) => {
+                let tiles = p.into_iter().map(|(t, _)| t).collect();
+                return Ok((HeadChunks::of(v, rows), tiles));
+            }
+            Ok(p) => fallback = Some((HeadChunks::of(v, rows), p.into_iter().map(|(t, _)| t).collect())),
+            Err(e) => last_error = e,
+        }
+    }
+    fallback.ok_or(last_error)
+}
+
+/// One kernel's tiling at `full` (see [`plan`]), and whether its surfaces
+/// are within `o.max_tile_bytes`.
+fn plan_kernel(
+    kind: KernelKind,
+    full: &Shape,
+    o: &KernelOptions,
+    rules: &ane::rules::RuleSet,
+) -> Result<(KernelTiles, bool), String> {
+    let mut fits_dim = None;
+    let mut passing: Vec<KernelTiles> = vec![];
+    let mut last_problem = String::new();
+    for splits in candidates(kind, full, o) {
+        let shape = tile_shape(kind, full, &splits);
+        if !shape.query_rows_whole() {
+            continue;
+        }
+        let k = build_unfilled(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
+        let findings = ane::rules::check(&k.program, rules);
+        if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
+            last_problem = f.message.clone();
+            continue;
+        }
+        let l = &k.layout;
+        let tiles = KernelTiles {
+            kind,
+            tiles: splits.iter().map(|s| s.blocks).product(),
+            splits,
+            shape,
+            input: [l.in_channels, l.in_spatial],
+            output: [l.out_channels, l.out_spatial],
+            flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
+        };
+        let small_enough = o
+            .max_tile_bytes
+            .is_none_or(|cap| tiles.largest_surface() <= cap);
+        if findings.is_empty() && small_enough {
+            return Ok((tiles, true));
+        }
+        if findings.is_empty() {
+            // Passes every rule but is larger than asked: a fallback
+            // when no tiling meets the cap.
+            passing.push(tiles);
+            continue;
+        }
+        fits_dim.get_or_insert(tiles);
+    }
+    // Failing the cap, the fewest tiles (candidates come fewest
+    // first) within a quarter of the smallest surface that passes:
+    // where what every tile reads whole dominates (a whole sequence's
+    // keys), more tiles would add evaluations and shrink nothing.
+    let smallest = passing.iter().map(KernelTiles::largest_surface).min();
+    let fallback = smallest.and_then(|m| {
+        passing
+            .into_iter()
+            .find(|t| 4 * t.largest_surface() <= 5 * m)
+    });
+    if let Some(t) = fallback.or(fits_dim) {
+        return Ok((t, false));
+    }
+    let axes: Vec<String> = kind
+        .tile_axes()
+        .iter()
+        .map(|a| format!("the {} ({})", a.name(), a.count(full)))
+        .collect();
+    // Attention reads every key in every tile: the sequence
+    // is bounded by the spatial cap, less what a tile lays
+    // beside the keys (`sdpa_forward`: its weights).
+    let keys = match attends(kind) {
+        true => format!(
+            "; attention reads all {} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq",
+            full.seq
+        ),
+        false => String::new(),
+    };
+    Err(format!(
+        "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}{keys}",
+        kind.name(),
+        o.limits.max_spatial,
+        o.limits.max_channel,
+        ane::rules::MAX_DIM_ENV,
+        axes.join(" and "),
+        if axes.len() == 1 { "s" } else { "" },
+    ))
 }
 
 /// Block `i` of `n` equal row blocks of a row-major `[rows, cols]` tensor.
