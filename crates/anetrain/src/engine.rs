@@ -234,6 +234,9 @@ pub struct Engine<R: KernelRunner> {
     /// Activation checkpointing: the forward keeps each layer's input
     /// only and the backward recomputes the layer.
     pub grad_checkpoint: bool,
+    /// The LM head's largest |value| by (model version, parameter), for
+    /// [`head_grad_scale`].
+    head_max: Option<((u64, usize), f32)>,
 }
 
 /// Nanoseconds spent in weight-gradient gemms, on any thread (for `bench`
@@ -254,6 +257,7 @@ impl<R: KernelRunner> Engine<R> {
             opts,
             dropout_key: None,
             grad_checkpoint: false,
+            head_max: None,
         }
     }
 }
@@ -628,27 +632,6 @@ impl LayerCtx<'_> {
     }
 }
 
-/// Logits `[S, V]` for a final-normed state `xf [D, S]`.
-pub fn logits(model: &Model, xf: &[f32], seq: usize) -> Vec<f32> {
-    let (d, v) = (model.cfg.hidden_size, model.cfg.vocab_size);
-    let mut out = vec![0f32; seq * v];
-    matmul(
-        MatRef::row_major(xf, 0, d, seq).t(),
-        MatRef::row_major(&model.lm_head(), 0, v, d).t(),
-        MatMut::row_major(&mut out, 0, seq, v),
-        false,
-    );
-    out
-}
-
-/// Vocabulary rows the LM head handles at once: the loss never holds the
-/// `[V, S]` logits in f32, only `[HEAD_CHUNK_ROWS, S]` (16.8 MB at 256
-/// positions), and a head kept in the file's dtype is converted a chunk at
-/// a time. A vocabulary of one chunk is handled in one pass; larger ones
-/// compute each chunk's logits twice (once for the softmax statistics,
-/// once for the gradient), one extra head product per sequence.
-pub const HEAD_CHUNK_ROWS: usize = 16384;
-
 /// Rows of a block [`column_max`] and [`exp_shifted`] hand to one thread.
 const BLOCK_ROWS: usize = 512;
 
@@ -691,158 +674,218 @@ fn exp_shifted(lt: &mut [f32], max: &[f32], seq: usize) -> Vec<f64> {
     sum
 }
 
-/// Loss over one sequence's head, plus (when `grads` is given) the gradient
-/// of `grad_scale · loss_sum` into the LM head and the returned `dxf`.
-pub fn head_loss(
-    model: &Model,
-    xf: &[f32],
-    targets: &[u32],
-    grad_scale: f32,
-    grads: Option<&mut Grads>,
-) -> Result<(f64, Vec<f32>)> {
-    head_loss_from(model, xf, targets, 0, grad_scale, grads)
-}
-
-/// [`head_loss`] counting only the targets `first..` (a masked prompt):
-/// the others add nothing to the loss and get zero gradient.
-pub fn head_loss_from(
-    model: &Model,
-    xf: &[f32],
-    targets: &[u32],
-    first: usize,
-    grad_scale: f32,
-    grads: Option<&mut Grads>,
-) -> Result<(f64, Vec<f32>)> {
-    head_loss_chunked(
-        model,
-        xf,
-        targets,
-        first,
-        grad_scale,
-        grads,
-        HEAD_CHUNK_ROWS,
-    )
-}
-
-/// [`head_loss_from`] over vocabulary chunks of `chunk_rows` rows.
-/// Per position s, with z = head·xf computed chunk by chunk, transposed
-/// (`[Vc, S]`, the layout all three head products multiply fastest in):
-///   loss_s = m_s + ln Σ_v exp(z_vs − m_s) − z_{t_s,s},  m_s, Σ kept running
-///   dz_vs = scale·(exp(z_vs − m_s)/Σ_s − [v = t_s]),  dxf = headᵀ·dz,  dhead = dz·xfᵀ
-pub fn head_loss_chunked(
-    model: &Model,
-    xf: &[f32],
-    targets: &[u32],
-    first: usize,
-    grad_scale: f32,
-    grads: Option<&mut Grads>,
-    chunk_rows: usize,
-) -> Result<(f64, Vec<f32>)> {
-    let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
-    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
-        bail!("target token id {t} is outside the vocabulary ({v} ids)");
+/// The power of two the logits' gradient is sent to the head's backward
+/// kernel in, as `2ᵏ·(softmax − one-hot)` per counted position instead of
+/// `grad_scale·(…)`: with `grad_scale = 1/targets` most probabilities
+/// would be fp16 zeros (below 6e-8), the scaled ones keep 11 bits down to
+/// 2⁻²⁴/2ᵏ. Every output of the product is bounded by
+/// `max|E|·Σ_v|dz_v| ≤ 2ᵏ·2·max|E|`: 2ᵏ is the largest power of two (at
+/// most 2¹⁴, so dz fits fp16) keeping that bound at 16384, half the
+/// matmul output cliff of 32752 (ANEForge docs/numeric-cliffs.md, "Matmul
+/// output saturation": "Scale activations or weights before the matmul
+/// and undo the scale afterwards"). Powers of two scale exactly.
+pub fn head_grad_scale(head_max_abs: f32) -> f32 {
+    let mut k = 1f32 * (1u32 << 14) as f32;
+    while k > 1.0 && 2.0 * k * head_max_abs > 16384.0 {
+        k /= 2.0;
     }
+    k
+}
+
+/// The largest |value| of the LM head, read a block of rows at a time.
+fn head_max_abs(model: &Model) -> f32 {
     let head = model.lm_head_param();
-    let chunks: Vec<std::ops::Range<usize>> = (0..v)
-        .step_by(chunk_rows.max(1))
-        .map(|r| r..(r + chunk_rows).min(v))
-        .collect();
-    // The chunk's logits, in a buffer kept between calls: fresh pages of
-    // that size cost a page fault and a TLB shootdown each.
-    let mut lt = LOGITS.with(|b| std::mem::take(&mut *b.borrow_mut()));
-    let mut rows = Vec::new();
-    let logits = |rows_range: &std::ops::Range<usize>, w: &mut Vec<f32>, lt: &mut Vec<f32>| {
-        let wc = head.rows(rows_range.clone(), w);
-        lt.resize(rows_range.len() * seq, 0.0);
-        matmul(
-            MatRef::row_major(wc, 0, rows_range.len(), d),
-            MatRef::row_major(xf, 0, d, seq),
-            MatMut::row_major(lt, 0, rows_range.len(), seq),
-            false,
-        );
-    };
-    // Pass 1: the softmax statistics, chunk by chunk.
-    let mut max = vec![f32::NEG_INFINITY; seq];
-    let mut sum = vec![0f64; seq];
-    let mut target_logit = vec![0f32; seq];
-    for r in &chunks {
-        logits(r, &mut rows, &mut lt);
-        for (s, &t) in targets.iter().enumerate() {
-            if r.contains(&(t as usize)) {
-                target_logit[s] = lt[(t as usize - r.start) * seq + s];
-            }
-        }
-        let chunk_max = column_max(&lt, seq);
-        for s in 0..seq {
-            if chunk_max[s] > max[s] {
-                sum[s] *= ((max[s] - chunk_max[s]) as f64).exp();
-                max[s] = chunk_max[s];
-            }
-        }
-        let part = exp_shifted(&mut lt, &max, seq);
-        sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
-    }
-    let loss: f64 = (first..seq)
-        .map(|s| max[s] as f64 + sum[s].ln() - target_logit[s] as f64)
-        .sum();
-    let Some(grads) = grads else {
-        LOGITS.with(|b| *b.borrow_mut() = lt);
-        return Ok((loss, vec![]));
-    };
-    // Pass 2: the gradient, chunk by chunk (the one chunk of a small
-    // vocabulary still holds exp(z − m) from pass 1).
-    let scale: Vec<f32> = (0..seq)
-        .map(|s| match s < first {
-            true => 0.0,
-            false => (grad_scale as f64 / sum[s]) as f32,
+    let (rows, mut scratch) = (head.shape[0], Vec::new());
+    (0..rows)
+        .step_by(4096)
+        .map(|r| {
+            let block = head.rows(r..(r + 4096).min(rows), &mut scratch);
+            block.iter().fold(0f32, |m, x| m.max(x.abs()))
         })
-        .collect();
-    let head_id = model.lm_head.unwrap_or(model.embed);
-    let mut dhead = model.lora.is_none().then(|| grads.product_target(head_id));
-    let mut dxf = vec![0f32; d * seq];
-    for (i, r) in chunks.iter().enumerate() {
-        if chunks.len() > 1 {
-            logits(r, &mut rows, &mut lt);
-            exp_shifted(&mut lt, &max, seq);
-        }
-        {
-            use rayon::prelude::*;
-            lt.par_chunks_mut(BLOCK_ROWS * seq).for_each(|b| {
-                for row in b.chunks_mut(seq) {
-                    row.iter_mut().zip(&scale).for_each(|(z, c)| *z *= c);
-                }
-            });
-        }
-        for (s, &t) in targets.iter().enumerate().skip(first) {
-            if r.contains(&(t as usize)) {
-                lt[(t as usize - r.start) * seq + s] -= grad_scale;
-            }
-        }
-        let wc = head.rows(r.clone(), &mut rows);
-        // dxf [D, S] (+)= head_cᵀ [D, Vc] · dz_c [Vc, S]
-        matmul(
-            MatRef::row_major(wc, 0, r.len(), d).t(),
-            MatRef::row_major(&lt, 0, r.len(), seq),
-            MatMut::row_major(&mut dxf, 0, d, seq),
-            i > 0,
-        );
-        // dhead_c [Vc, D] (+)= dz_c [Vc, S] · xfᵀ [S, D]; frozen with LoRA
-        if let Some((dh, accumulate)) = dhead.as_mut() {
-            matmul(
-                MatRef::row_major(&lt, 0, r.len(), seq),
-                MatRef::row_major(xf, 0, d, seq).t(),
-                MatMut::row_major(&mut dh[r.start * d..r.end * d], 0, r.len(), d),
-                *accumulate,
-            );
-        }
-    }
-    LOGITS.with(|b| *b.borrow_mut() = lt);
-    Ok((loss, dxf))
+        .fold(0f32, f32::max)
 }
 
-thread_local! {
-    /// The logits chunk buffer [`head_loss_chunked`] reuses.
-    static LOGITS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+impl<R: KernelRunner> Engine<R> {
+    /// One vocabulary chunk's logits `z_c = E_c·xf`, `[rows, S]`.
+    fn head_chunk(&mut self, model: &Model, xf: &[f32], c: usize, rows: usize) -> Result<Vec<f32>> {
+        let seq = xf.len() / model.cfg.hidden_size;
+        let shape = Shape {
+            vocab: rows,
+            ..Shape::new(&model.cfg, seq)
+        };
+        let acts = kernels::head_forward::Acts { xf };
+        let out = self
+            .runner
+            .run::<kernels::HeadForward>(model, c, &shape, &Default::default(), &acts)?;
+        Ok(out.logits)
+    }
+
+    /// Logits `[S, V]` for a final-normed state `xf [D, S]`, chunk by chunk
+    /// (tests and `anetrain logits`; training never holds them whole).
+    pub fn logits(&mut self, model: &Model, xf: &[f32]) -> Result<Vec<f32>> {
+        let (d, v) = (model.cfg.hidden_size, model.cfg.vocab_size);
+        let seq = xf.len() / d;
+        let chunks = self.runner.head_chunks(model, seq)?;
+        let mut out = vec![0f32; seq * v];
+        for c in 0..chunks.chunks {
+            let r = chunks.range(c, v);
+            let z = self.head_chunk(model, xf, c, r.len())?;
+            for (i, row) in z.chunks(seq).enumerate() {
+                for (s, &x) in row.iter().enumerate() {
+                    out[s * v + r.start + i] = x;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The logits `[V]` at the last position of `xf [D, S]` (generation):
+    /// the head runs on that position alone.
+    pub fn last_logits(&mut self, model: &Model, xf: &[f32]) -> Result<Vec<f32>> {
+        let d = model.cfg.hidden_size;
+        let seq = xf.len() / d;
+        let last: Vec<f32> = (0..d).map(|c| xf[c * seq + seq - 1]).collect();
+        self.logits(model, &last)
+    }
+
+    /// Cross-entropy summed over the targets `first..` of one sequence
+    /// (the others, a masked prompt, add nothing and get zero gradient),
+    /// and with `grads` the gradient of `grad_scale · loss` into the LM
+    /// head (unless LoRA freezes it) and the returned `dxf`. The head runs
+    /// in the runner's vocabulary chunks (on a device, its kernels), the
+    /// statistics on the host in f32/f64; per position s, with z = E·xf
+    /// (`[Vc, S]` a chunk):
+    ///   loss_s = m_s + ln Σ_v exp(z_vs − m_s) − z_{t_s,s},   m_s, Σ kept running
+    ///   dz_vs = scale·(exp(z_vs − m_s)/Σ_s − [v = t_s]),  dxf = Σ_c E_cᵀ·dz_c,  dE_c = dz_c·xfᵀ
+    /// Over several chunks, each chunk's logits are computed twice (once
+    /// for the statistics, once for the gradient): one more head forward
+    /// per sequence, where keeping them would hold the whole `[V, S]`.
+    pub fn head_loss(
+        &mut self,
+        model: &Model,
+        xf: &[f32],
+        targets: &[u32],
+        first: usize,
+        grad_scale: f32,
+        grads: Option<&mut Grads>,
+    ) -> Result<(f64, Vec<f32>)> {
+        let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
+        if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+            bail!("target token id {t} is outside the vocabulary ({v} ids)");
+        }
+        let chunks = self.runner.head_chunks(model, seq)?;
+        let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
+        // Pass 1: the softmax statistics, chunk by chunk.
+        let mut max = vec![f32::NEG_INFINITY; seq];
+        let mut sum = vec![0f64; seq];
+        let mut target_logit = vec![0f32; seq];
+        let mut lt = Vec::new();
+        for (c, r) in ranges.iter().enumerate() {
+            lt = self.head_chunk(model, xf, c, r.len())?;
+            for (s, &t) in targets.iter().enumerate() {
+                if r.contains(&(t as usize)) {
+                    target_logit[s] = lt[(t as usize - r.start) * seq + s];
+                }
+            }
+            let chunk_max = column_max(&lt, seq);
+            for s in 0..seq {
+                if chunk_max[s] > max[s] {
+                    sum[s] *= ((max[s] - chunk_max[s]) as f64).exp();
+                    max[s] = chunk_max[s];
+                }
+            }
+            let part = exp_shifted(&mut lt, &max, seq);
+            sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+        }
+        let loss: f64 = (first..seq)
+            .map(|s| max[s] as f64 + sum[s].ln() - target_logit[s] as f64)
+            .sum();
+        let Some(grads) = grads else {
+            return Ok((loss, vec![]));
+        };
+        // Pass 2: the gradient, chunk by chunk (the one chunk of a small
+        // vocabulary still holds exp(z − m) from pass 1), sent as
+        // 2ᵏ·(p − one-hot) and scaled back by grad_scale/2ᵏ after the product.
+        let k = head_grad_scale(self.head_max_abs(model));
+        let undo = grad_scale / k;
+        let scale: Vec<f32> = (0..seq)
+            .map(|s| match s < first {
+                true => 0.0,
+                false => (k as f64 / sum[s]) as f32,
+            })
+            .collect();
+        let xf_undone: Vec<f32> = xf.iter().map(|x| x * undo).collect();
+        let head_id = model.lm_head.unwrap_or(model.embed);
+        let trains_head = model.lora.is_none();
+        let overlap = self.runner.overlaps_host();
+        let mut dxf = vec![0f32; d * seq];
+        let shape = Shape::new(&model.cfg, seq);
+        for (c, r) in ranges.iter().enumerate() {
+            if ranges.len() > 1 {
+                lt = self.head_chunk(model, xf, c, r.len())?;
+                exp_shifted(&mut lt, &max, seq);
+            }
+            {
+                use rayon::prelude::*;
+                lt.par_chunks_mut(BLOCK_ROWS * seq).for_each(|b| {
+                    for row in b.chunks_mut(seq) {
+                        row.iter_mut().zip(&scale).for_each(|(z, c)| *z *= c);
+                    }
+                });
+            }
+            for (s, &t) in targets.iter().enumerate().skip(first) {
+                if r.contains(&(t as usize)) {
+                    lt[(t as usize - r.start) * seq + s] -= k;
+                }
+            }
+            let dz = &lt;
+            // dE_c [Vc, D] (+)= dz_c [Vc, S] · (undo·xf)ᵀ [S, D], on the
+            // host's worker beside the device; frozen with LoRA.
+            let g = &mut *grads;
+            let x = &xf_undone;
+            let job = move || {
+                if trains_head {
+                    let (dh, accumulate) = g.product_target(head_id);
+                    weight_grad(
+                        (&mut dh[r.start * d..r.end * d], accumulate),
+                        dz,
+                        x,
+                        r.len(),
+                        d,
+                        seq,
+                    );
+                }
+            };
+            let runner = &mut self.runner;
+            let part = overlapped(overlap, job, || {
+                let shape = Shape {
+                    vocab: r.len(),
+                    ..shape
+                };
+                let acts = kernels::head_backward::Acts { dlogits: dz };
+                runner.run::<kernels::HeadBackward>(model, c, &shape, &Default::default(), &acts)
+            })?;
+            // dxf [D, S] += undo · E_cᵀ·dz_c
+            dxf.iter_mut()
+                .zip(&part.dxf)
+                .for_each(|(a, p)| *a += undo * p);
+        }
+        Ok((loss, dxf))
+    }
+
+    /// The head's largest |value|, kept while the model's weights stay
+    /// the same version.
+    fn head_max_abs(&mut self, model: &Model) -> f32 {
+        let key = (model.version, model.lm_head.unwrap_or(model.embed));
+        match self.head_max {
+            Some((k, m)) if k == key => m,
+            _ => {
+                let m = head_max_abs(model);
+                self.head_max = Some((key, m));
+                m
+            }
+        }
+    }
 }
 
 /// Mean cross-entropy over a batch of token rows (each row: inputs
@@ -861,7 +904,8 @@ pub fn loss_and_grads<R: KernelRunner>(
     let mut total = 0f64;
     for row in rows {
         let fwd = engine.forward(model, &row[..row.len() - 1])?;
-        let (loss, dxf) = head_loss(model, &fwd.xf, &row[1..], scale, grads.as_deref_mut())?;
+        let (loss, dxf) =
+            engine.head_loss(model, &fwd.xf, &row[1..], 0, scale, grads.as_deref_mut())?;
         total += loss;
         if let Some(g) = grads.as_deref_mut() {
             engine.backward(model, &fwd, &dxf, g)?;
@@ -887,7 +931,10 @@ pub fn examples_loss<R: KernelRunner>(
     for e in examples {
         let n = e.tokens.len() - 1;
         let fwd = engine.forward(model, &e.tokens[..n])?;
-        total += head_loss_from(model, &fwd.xf, &e.tokens[1..], e.first_target(), 0.0, None)?.0;
+        let targets = &e.tokens[1..];
+        total += engine
+            .head_loss(model, &fwd.xf, targets, e.first_target(), 0.0, None)?
+            .0;
         count += e.n_targets();
     }
     if count == 0 {
@@ -929,8 +976,11 @@ mod tests {
         let run = |chunk: usize| {
             let mut g = zero_grads(&model);
             g.reset();
-            let (loss, dxf) =
-                head_loss_chunked(&model, &xf, &targets, first, 0.5, Some(&mut g), chunk).unwrap();
+            let mut eng = Engine::cpu(&model);
+            eng.runner.head_rows = chunk;
+            let (loss, dxf) = eng
+                .head_loss(&model, &xf, &targets, first, 0.5, Some(&mut g))
+                .unwrap();
             g.finish();
             let id = model.lm_head.unwrap();
             (loss, dxf, g[id].clone())

@@ -368,12 +368,11 @@ pub fn generate_with_engine<R: crate::runner::KernelRunner>(
     if prompt.len() >= max_pos {
         return Ok(vec![]);
     }
-    let d = model.cfg.hidden_size;
+    // The head in the engine's vocabulary chunks (on the device, its
+    // kernels), at the last position only.
     let last_logits = |eng: &mut crate::engine::Engine<R>, seq: &[u32]| -> Result<Vec<f32>> {
         let fwd = eng.forward(model, seq)?;
-        let n = seq.len();
-        let last: Vec<f32> = (0..d).map(|c| fwd.xf[c * n + n - 1]).collect();
-        Ok(w_x(&model.lm_head(), &last, model.cfg.vocab_size, d, 1))
+        eng.last_logits(model, &fwd.xf)
     };
     let mut seq = prompt.to_vec();
     let first = last_logits(&mut eng, &seq)?;

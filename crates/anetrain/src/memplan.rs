@@ -27,7 +27,7 @@ use crate::backend::Backend;
 use crate::choice::Choice;
 
 use crate::config::ModelConfig;
-use crate::engine::HEAD_CHUNK_ROWS;
+use crate::runner::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelOptions, Shape};
 use crate::lora::LoraConfig;
 use crate::model::{Projection, StoredDtype};
@@ -218,8 +218,21 @@ impl MemoryPlan {
         // CPU twin and the device path both hold in f32.
         let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
         let backward = scores + layer_act_bytes(cfg, false) * s;
-        // The head: a logits chunk, its head rows converted, dxf.
-        let chunk = (HEAD_CHUNK_ROWS as u64).min(v);
+        // The device's plan, when the kernels run on one.
+        let plan = match (r.device, r.opts) {
+            (Some(_), Some(opts)) => {
+                let compiled = crate::runner::compiled_length(r.seq);
+                Some(tiling::plan(&Shape::new(cfg, compiled), opts)?)
+            }
+            _ => None,
+        };
+        // The head: a logits chunk (the device's chunks or the CPU
+        // engine's), its head rows converted, xf scaled, dxf and a chunk's
+        // part of it.
+        let chunk = plan
+            .as_ref()
+            .map_or(HEAD_CHUNK_ROWS as u64, |p| p.head.rows as u64)
+            .min(v);
         let head_rows = match r.base {
             BaseWeights::Mapped(_) => chunk * d * 4,
             BaseWeights::F32 => 0,
@@ -231,7 +244,7 @@ impl MemoryPlan {
         });
         transient.push(Part {
             name: "LM head",
-            bytes: chunk * s * 4 + head_rows + 2 * d * s * 4,
+            bytes: chunk * s * 4 + head_rows + 3 * d * s * 4,
             detail: format!("logits in chunks of {chunk} rows"),
         });
         // The CPU engine: frozen matrices converted for the kernel using
@@ -242,14 +255,11 @@ impl MemoryPlan {
             BaseWeights::F32 => 0,
         };
         let mut device_part = None;
-        if let (Some(mode), Some(opts)) = (r.device, r.opts) {
-            let compiled = crate::runner::compiled_length(r.seq);
-            let shape = Shape::new(cfg, compiled);
-            let plan = tiling::plan(&shape, opts)?;
+        if let (Some(mode), Some(plan)) = (r.device, &plan) {
             let layers = cfg.num_hidden_layers;
             let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
             for k in &plan.kernels {
-                let (n, host) = mode.buffers_of(k, layers);
+                let (n, host) = mode.buffers_of(k, plan.units(k.kind, layers));
                 device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
                 host_bytes += (host * k.surface_bytes().0) as u64;
             }
@@ -264,7 +274,7 @@ impl MemoryPlan {
                 bytes: device_bytes + host_bytes,
                 detail: match mode {
                     DeviceBuffers::Persistent => format!(
-                        "persistent: every layer's kernel tiles, {}",
+                        "persistent: every layer's kernel tiles and the head's chunks, {}",
                         size(device_bytes)
                     ),
                     DeviceBuffers::Streamed => format!(

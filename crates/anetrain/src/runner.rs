@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use ane::Device;
 use anyhow::{anyhow, bail, Result};
 
-use crate::kernels::tiling::{self, Plan};
+use crate::kernels::tiling::{self, HeadChunks, Plan};
 use crate::kernels::{
     build, Activations, Kernel, KernelKind, KernelLayout, KernelOptions, KernelProgram,
     LayerWeights, Outputs, Port, Shape,
@@ -31,9 +31,12 @@ use crate::model::{Model, Projection};
 /// 1/(1−p); `None` where there is no dropout).
 pub type Dropout = [Option<Vec<f32>>; 7];
 
-/// Runs one kernel for one layer. Activations come in `acts`; the runner
-/// supplies the layer's weights itself.
+/// Runs one kernel for one layer, or a head kernel for one vocabulary
+/// chunk. Activations come in `acts`; the runner supplies the weights
+/// itself.
 pub trait KernelRunner {
+    /// Runs `K` for `layer` (for the head kernels, the vocabulary chunk
+    /// of that index: see [`KernelRunner::head_chunks`]).
     fn run<K: Kernel>(
         &mut self,
         model: &Model,
@@ -42,6 +45,11 @@ pub trait KernelRunner {
         dropout: &Dropout,
         acts: &K::Acts<'_>,
     ) -> Result<K::Out>;
+
+    /// How the LM head's vocabulary is cut for sequences of `seq` tokens:
+    /// the head kernels run chunk by chunk, the host keeping softmax
+    /// statistics between them.
+    fn head_chunks(&mut self, model: &Model, seq: usize) -> Result<HeadChunks>;
 
     /// Whether kernels run off the host CPU, so the engine computes weight
     /// gradients on a worker thread while they run.
@@ -127,11 +135,21 @@ pub fn layer_weights<'a>(
     w
 }
 
+/// Vocabulary rows of one LM head chunk on the CPU engine: the loss never
+/// holds the `[V, S]` logits in f32, only `[HEAD_CHUNK_ROWS, S]` (16.8 MB
+/// at 256 positions), and a head kept in the file's dtype is converted a
+/// chunk at a time.
+pub const HEAD_CHUNK_ROWS: usize = 16384;
+
 /// The CPU engine's kernels: the native twins.
 pub struct CpuKernels {
     pub opts: KernelOptions,
     /// Frozen projections converted from the file's dtype.
     pub scratch: WeightScratch,
+    /// A head chunk converted from the file's dtype.
+    head: Vec<f32>,
+    /// Rows of a head chunk ([`HEAD_CHUNK_ROWS`] unless set for tests).
+    pub head_rows: usize,
 }
 
 impl CpuKernels {
@@ -139,6 +157,8 @@ impl CpuKernels {
         CpuKernels {
             opts,
             scratch: WeightScratch::default(),
+            head: Vec::new(),
+            head_rows: HEAD_CHUNK_ROWS,
         }
     }
 }
@@ -152,12 +172,24 @@ impl KernelRunner for CpuKernels {
         dropout: &Dropout,
         acts: &K::Acts<'_>,
     ) -> Result<K::Out> {
+        if K::KIND.is_head() {
+            let range = self.head_chunks(model, shape.seq)?.range(layer, model.cfg.vocab_size);
+            let w = LayerWeights {
+                head: model.lm_head_param().rows(range, &mut self.head),
+                ..LayerWeights::default()
+            };
+            return Ok(K::cpu(shape, &self.opts, &w, acts));
+        }
         self.scratch.prepare(model, layer, &projections_of::<K>());
         let mut w = layer_weights(model, layer, &self.scratch);
         for (m, d) in w.dropout.iter_mut().zip(dropout) {
             *m = d.as_deref();
         }
         Ok(K::cpu(shape, &self.opts, &w, acts))
+    }
+
+    fn head_chunks(&mut self, model: &Model, _seq: usize) -> Result<HeadChunks> {
+        Ok(HeadChunks::of(model.cfg.vocab_size, self.head_rows))
     }
 }
 
@@ -250,11 +282,11 @@ impl crate::choice::Choice for DeviceBuffers {
 }
 
 impl DeviceBuffers {
-    /// Device input buffers of kernel tiles `k` in a model of `layers`
-    /// layers, and (streamed) the host's staging copies beside them.
-    pub fn buffers_of(self, k: &tiling::KernelTiles, layers: usize) -> (usize, usize) {
+    /// Device input buffers of kernel tiles `k` run for `units` layers (or
+    /// head chunks), and (streamed) the host's staging copies beside them.
+    pub fn buffers_of(self, k: &tiling::KernelTiles, units: usize) -> (usize, usize) {
         match self {
-            DeviceBuffers::Persistent => (layers * k.tiles, 0),
+            DeviceBuffers::Persistent => (units * k.tiles, 0),
             DeviceBuffers::Streamed => (1, 1),
         }
     }
@@ -339,7 +371,7 @@ fn kind_index(kind: KernelKind) -> usize {
 fn weight_regions(
     k: &KernelProgram,
     tiles: &tiling::KernelTiles,
-    full: &Shape,
+    (full, head): (&Shape, HeadChunks),
     model: &Model,
     unit: Unit,
     adapters_only: bool,
@@ -348,6 +380,18 @@ fn weight_regions(
     let l = &k.layout;
     let (layer, t) = (unit.layer, unit.tile);
     let has = |port: Port| l.inputs.iter().any(|r| r.port == port);
+    if k.kind.is_head() {
+        if !adapters_only {
+            // The chunk's rows, the last chunk's past the vocabulary zeros
+            // (their logits are cropped, their gradients zero).
+            let mut rows = Vec::new();
+            let range = head.range(layer, model.cfg.vocab_size);
+            model.lm_head_param().rows_into(range, &mut rows);
+            rows.resize(head.rows * full.dim, 0.0);
+            sink(Port::Head, l.region_values(Port::Head, &rows))?;
+        }
+        return Ok(());
+    }
     for &(p, _) in k.kind.projections() {
         if !adapters_only && has(Port::Weight(p)) {
             let param = &model.params[p.base(&model.layers[layer])];
@@ -464,7 +508,7 @@ impl<D: Device> NeuralKernels<D> {
                 .map_err(|e| anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name()))?;
             let new = |device: &mut D, elems| device.buffer(elems).map_err(|e| anyhow!("{e}"));
             outputs.push(new(&mut self.device, k.layout.output_elems())?);
-            let (n, _) = self.buffers.buffers_of(plan.of(kind), layers);
+            let (n, _) = self.buffers.buffers_of(plan.of(kind), plan.units(kind, layers));
             inputs.push(
                 (0..n)
                     .map(|_| new(&mut self.device, k.layout.input_elems()))
@@ -499,7 +543,8 @@ impl<D: Device> NeuralKernels<D> {
 
 /// The unit kernel `kind` will run after `u` in a step: the next tile, else
 /// the first tile of the next layer — up the layers in the forward, down in
-/// the backward (and in a forward recomputed inside it).
+/// the backward (and in a forward recomputed inside it); the head walks
+/// its chunks upwards, and every pass over them starts again at the first.
 fn next_unit(
     kind: KernelKind,
     u: Unit,
@@ -512,6 +557,10 @@ fn next_unit(
             layer: u.layer,
             tile: u.tile + 1,
         });
+    }
+    if kind.is_head() {
+        let layer = (u.layer + 1) % layers;
+        return (layer != u.layer).then_some(Unit { layer, tile: 0 });
     }
     let layer = match kind.is_forward() && !recomputing {
         true => (u.layer + 1 < layers).then_some(u.layer + 1),
@@ -563,6 +612,12 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         self.recomputing = on;
     }
 
+    fn head_chunks(&mut self, model: &Model, seq: usize) -> Result<HeadChunks> {
+        let sp = self.padded(seq)?;
+        self.build_set(model, sp)?;
+        Ok(self.sets[&sp].plan.head)
+    }
+
     fn run<K: Kernel>(
         &mut self,
         model: &Model,
@@ -577,13 +632,19 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let kind = K::KIND;
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
-        let (seq, layers, recomputing) = (shape.seq, model.cfg.num_hidden_layers, self.recomputing);
+        let (seq, recomputing) = (shape.seq, self.recomputing);
         let ki = kind_index(kind);
-        let ntiles = self
+        let (ntiles, layers) = self
             .sets
             .get(&sp)
-            .map(|s| s.plan.of(kind).tiles)
-            .unwrap_or(1);
+            .map(|s| {
+                let layers = s.plan.units(kind, model.cfg.num_hidden_layers);
+                (s.plan.of(kind).tiles, layers)
+            })
+            .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
+        if layer >= layers {
+            bail!("{}: no unit {layer} (there are {layers})", kind.name());
+        }
         let index = |u: Unit| self.buffer_index(u, ntiles);
         let indices: Vec<usize> = (0..layers * ntiles)
             .map(|i| {
@@ -598,7 +659,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             .sets
             .get_mut(&sp)
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        let full = set.plan.shape;
+        let (full, head) = (set.plan.shape, set.plan.head);
         let (k, prog) = &set.kernels[ki];
         let l = &k.layout;
         let tiles = set.plan.of(kind);
@@ -628,7 +689,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                         weight_regions(
                             k,
                             tiles,
-                            &full,
+                            (&full, head),
                             model,
                             unit,
                             adapters_only,
@@ -645,7 +706,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                     // input's columns), given to a whole-sequence program.
                     continue;
                 }
-                let padded = pad(port, data, seq, sp);
+                let mut padded = pad(port, data, seq, sp);
+                if port == Port::Dlogits {
+                    // The last chunk's rows past the vocabulary: zeros.
+                    padded.resize(head.rows * sp, 0.0);
+                }
                 let part = match tiles.tiles {
                     1 => padded,
                     _ => tiling::tile_activation(tiles, port, &padded, sp, t),
@@ -683,7 +748,8 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                     s.spawn(move || {
                         let adapters_only = over.is_some_and(|h| h.adapters_behind(nwant));
                         let mut regions = Vec::new();
-                        weight_regions(k, tiles, &full, model, n, adapters_only, &mut |port, v| {
+                        let f = (&full, head);
+                        weight_regions(k, tiles, f, model, n, adapters_only, &mut |port, v| {
                             let mut h = vec![half::f16::ZERO; v.len()];
                             half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &v);
                             regions.push((port, h));
@@ -719,7 +785,18 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 }
             }
         }
-        K::Out::from_lookup(&mut |port| results.remove(&port).map(|v| crop(port, &v, seq, sp)))
+        // A head chunk's logits: its rows within the vocabulary.
+        let rows = |port: Port, mut v: Vec<f32>| {
+            if port == Port::Logits {
+                v.truncate(shape.vocab * seq);
+            }
+            v
+        };
+        K::Out::from_lookup(&mut |port| {
+            results
+                .remove(&port)
+                .map(|v| rows(port, crop(port, &v, seq, sp)))
+        })
             .ok_or_else(|| {
                 anyhow!(
                     "{}: an output block is missing from its layout",

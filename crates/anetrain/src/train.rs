@@ -1128,7 +1128,7 @@ impl Run<'_> {
             let grad_scale = loss_scale as f32 / n_targets;
             let first = example.first_target();
             let (loss, dxf) =
-                engine::head_loss_from(model, &fwd.xf, &w[1..], first, grad_scale, Some(grads))?;
+                eng.head_loss(model, &fwd.xf, &w[1..], first, grad_scale, Some(grads))?;
             let c = Instant::now();
             eng.backward(model, &fwd, &dxf, grads)?;
             eng.dropout_key = None;

@@ -1,13 +1,15 @@
 //! Where a training step's arithmetic runs on the Neural Engine path:
 //!
 //!   device  = Σ over kernels of tiles × one tile's matrix products (counted
-//!             from its MIL), per layer, forward kernels twice when
-//!             checkpointing
-//!   host    = the LM head and its input gradient (critical path: the
-//!             backward cannot start before them), and the weight gradients
-//!             beside the device (on the host's worker thread)
+//!             from its MIL): per layer, forward kernels twice when
+//!             checkpointing; and the LM head's chunks, per sequence
+//!   host    = the softmax statistics and logits' gradient between the
+//!             head's chunks (critical path: the backward cannot start
+//!             before them), and the weight gradients beside the device
+//!             (on the host's worker thread), the head's among them when
+//!             it trains
 //!
-//! Elementwise work (norms, RoPE, softmax, the loss) and LoRA's rank-r
+//! Other elementwise work (norms, RoPE, residuals) and LoRA's rank-r
 //! adapter products on the host are not counted: they are small beside
 //! the products counted here.
 
@@ -17,6 +19,12 @@ use serde::Serialize;
 use crate::config::ModelConfig;
 use crate::kernels::{tiling, KernelOptions, Shape};
 
+/// The host's arithmetic per logit in `Engine::head_loss` with a
+/// gradient: the running maximum (1), exp(z − m) and its sum (3), both
+/// again over several chunks for the gradient (3), and the scale by
+/// 2ᵏ/Σ (1).
+pub const HOST_FLOP_PER_LOGIT: f64 = 8.0;
+
 /// One training step's work by place (FLOPs).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepWork {
@@ -24,8 +32,10 @@ pub struct StepWork {
     pub device_flop: f64,
     /// Device evaluations (one per tile a kernel runs).
     pub device_evaluations: usize,
-    /// Host products on the critical path: the LM head's logits and its
-    /// input gradient.
+    /// Host work on the critical path: the loss's softmax over the head's
+    /// logits and their gradient ([`HOST_FLOP_PER_LOGIT`] a logit), and
+    /// the sum of the chunks' input gradients. No products: the head's
+    /// run on the device.
     pub host_flop: f64,
     /// Host weight gradients, overlapped with the device: every
     /// projection's and the LM head's when they train (full fine-tuning).
@@ -49,18 +59,22 @@ impl StepWork {
         let compiled = crate::runner::compiled_length(seq);
         let plan = tiling::plan(&Shape::new(cfg, compiled), opts).map_err(anyhow::Error::msg)?;
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
+        let (head_flop, head_evaluations) = plan.head_work(true);
         let layers = cfg.num_hidden_layers;
         let (d, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
         let tokens = (seq * batch) as f64;
-        let head = 2.0 * v * d * tokens;
+        // dE = dz·xfᵀ, one product over the head.
+        let head_gradient = 2.0 * v * d * tokens;
         let weight_gradients = match full {
-            true => crate::bench::projection_flops(cfg, seq * batch) / 3.0,
+            true => crate::bench::projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
             false => 0.0,
         };
+        let softmax = HOST_FLOP_PER_LOGIT * v * tokens;
+        let dxf_sums = 2.0 * (plan.head.chunks as f64) * d * tokens;
         Ok(StepWork {
-            device_flop: flop * (layers * batch) as f64,
-            device_evaluations: evaluations * layers * batch,
-            host_flop: 2.0 * head,
+            device_flop: (flop * layers as f64 + head_flop) * batch as f64,
+            device_evaluations: (evaluations * layers + head_evaluations) * batch,
+            host_flop: softmax + dxf_sums,
             host_weight_gradient_flop: weight_gradients,
             compiled_seq: compiled,
         })
@@ -70,7 +84,7 @@ impl StepWork {
     pub fn describe(&self) -> String {
         let g = |f: f64| format!("{:.1} GFLOP", f / 1e9);
         format!(
-            "per training step: device {} in {} evaluations; host {} on the critical path (LM head), {} of weight gradients beside the device; host/device {:.1}%",
+            "per training step: device {} in {} evaluations (the LM head's chunks among them); host {} on the critical path (the loss's softmax between the head's chunks), {} of weight gradients beside the device; host/device {:.2}%",
             g(self.device_flop),
             self.device_evaluations,
             g(self.host_flop),
@@ -85,25 +99,38 @@ mod tests {
     use super::*;
 
     /// Untiled and tiled, the device does the same products: tiles split
-    /// them, sequence blocks of per-position kernels too; a checkpointed
-    /// step adds exactly the forward kernels' work once more.
+    /// them, sequence blocks of per-position kernels too, but for the
+    /// head's forward run again over several chunks; a checkpointed step
+    /// adds exactly the forward kernels' work once more.
     #[test]
     fn device_work_is_the_products_whatever_the_tiling() {
         let cfg = ModelConfig::preset("tiny").unwrap();
+        let (v, d) = (cfg.vocab_size as f64, cfg.hidden_size as f64);
+        let head = 2.0 * v * d * 64.0;
         let o = KernelOptions::hf(&cfg);
         let plain = StepWork::plan(&cfg, 64, 1, &o, true, false).unwrap();
         let mut forced = o.clone();
         forced.min_tiles = 2;
         let tiled = StepWork::plan(&cfg, 64, 1, &forced, true, false).unwrap();
         assert!(tiled.device_evaluations > plain.device_evaluations);
-        let rel = (tiled.device_flop - plain.device_flop).abs() / plain.device_flop;
+        let rel = (tiled.device_flop - plain.device_flop - head).abs() / plain.device_flop;
         assert!(rel < 1e-9, "{} vs {}", tiled.device_flop, plain.device_flop);
         let ckpt = StepWork::plan(&cfg, 64, 1, &o, true, true).unwrap();
         assert!(ckpt.device_flop > plain.device_flop);
-        // Weight gradients: one of the three passes over the projections.
-        let head = 2.0 * (cfg.vocab_size * cfg.hidden_size * 64) as f64;
-        assert_eq!(plain.host_flop, 2.0 * head);
-        let wg = crate::bench::projection_flops(&cfg, 64) / 3.0;
+        // The head on the device: its one chunk's forward and backward.
+        let o_cpu = KernelOptions {
+            max_tile_bytes: None,
+            ..o.clone()
+        };
+        let layers_only = tiling::plan(&Shape::new(&cfg, 64), &o_cpu).unwrap();
+        let layer_flop = layers_only.work_per_layer(false).0 * cfg.num_hidden_layers as f64;
+        let rel = (plain.device_flop - layer_flop - 2.0 * head).abs() / plain.device_flop;
+        assert!(rel < 1e-9, "{} vs {}", plain.device_flop, layer_flop + 2.0 * head);
+        // The host: the softmax and one chunk's dxf, no products.
+        assert_eq!(plain.host_flop, 8.0 * v * 64.0 + 2.0 * d * 64.0);
+        // Weight gradients: one of the three passes over the projections,
+        // and the head's.
+        let wg = crate::bench::projection_flops(&cfg, 64) / 3.0 + head;
         assert_eq!(plain.host_weight_gradient_flop, wg);
     }
 }

@@ -31,7 +31,7 @@ fn logits_err<R: KernelRunner>(kind: &str, eng: &mut Engine<R>, model: &Model) -
     for (b, row) in tokens(&dir).iter().enumerate() {
         let n = row.len() - 1;
         let fwd = eng.forward(model, &row[..n]).unwrap();
-        let got = engine::logits(model, &fwd.xf, n);
+        let got = eng.logits(model, &fwd.xf).unwrap();
         let w = &want[b * n * v..(b + 1) * n * v];
         worst = worst.max(max_diff(&got, w) / max_abs(w));
     }
@@ -134,15 +134,16 @@ fn adapters_run_through_the_simulated_neural_engine() {
         let want = {
             let mut cpu = Engine::cpu(&m2);
             let f = cpu.forward(&m2, &rows[0][..n]).unwrap();
-            engine::logits(&m2, &f.xf, n)
+            cpu.logits(&m2, &f.xf).unwrap()
         };
         let f = eng.forward(&m2, &rows[0][..n]).unwrap();
-        let got = engine::logits(&m2, &f.xf, n);
+        let got = eng.logits(&m2, &f.xf).unwrap();
         let rel = max_diff(&got, &want) / max_abs(&want);
         assert!(rel <= 3e-2, "{kind}: after restaging, rel err {rel:e}");
         let stale = {
-            let f = Engine::cpu(&model).forward(&model, &rows[0][..n]).unwrap();
-            engine::logits(&model, &f.xf, n)
+            let mut cpu = Engine::cpu(&model);
+            let f = cpu.forward(&model, &rows[0][..n]).unwrap();
+            cpu.logits(&model, &f.xf).unwrap()
         };
         assert!(
             max_diff(&got, &stale) > 10.0 * max_diff(&got, &want),
@@ -170,14 +171,14 @@ fn adapters_save_load_and_merge() {
     let rows = tokens(&fixture("qwen3"));
     let n = rows[0].len() - 1;
     let a = {
-        let f = Engine::cpu(&model).forward(&model, &rows[0][..n]).unwrap();
-        engine::logits(&model, &f.xf, n)
+        let mut cpu = Engine::cpu(&model);
+        let f = cpu.forward(&model, &rows[0][..n]).unwrap();
+        cpu.logits(&model, &f.xf).unwrap()
     };
     let b = {
-        let f = Engine::cpu(&merged)
-            .forward(&merged, &rows[0][..n])
-            .unwrap();
-        engine::logits(&merged, &f.xf, n)
+        let mut cpu = Engine::cpu(&merged);
+        let f = cpu.forward(&merged, &rows[0][..n]).unwrap();
+        cpu.logits(&merged, &f.xf).unwrap()
     };
     let rel = max_diff(&a, &b) / max_abs(&a);
     assert!(rel <= 1e-5, "merged vs adapted rel err {rel:e}");

@@ -33,7 +33,7 @@ fn logits_loss_and_gradients_match_transformers() {
         for (b, row) in rows.iter().enumerate() {
             let n = row.len() - 1;
             let fwd = eng.forward(&model, &row[..n]).unwrap();
-            let got = engine::logits(&model, &fwd.xf, n);
+            let got = eng.logits(&model, &fwd.xf).unwrap();
             let w = &want[b * n * v..(b + 1) * n * v];
             let rel = max_diff(&got, w) / max_abs(w);
             eprintln!("{kind} row {b}: logits rel err {rel:.2e}");
@@ -189,7 +189,7 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         let row = &tokens(&dir)[0];
         let mut eng = Engine::cpu(&model);
         let fwd = eng.forward(&model, row).unwrap();
-        let full = engine::logits(&model, &fwd.xf, row.len());
+        let full = eng.logits(&model, &fwd.xf).unwrap();
         let mut dec = Decoder::new(&model);
         let v = model.cfg.vocab_size;
         for (p, &t) in row.iter().enumerate() {

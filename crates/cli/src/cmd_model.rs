@@ -299,9 +299,9 @@ fn eval_rows<R: KernelRunner>(
         let n = row.len() - 1;
         let fwd = eng.forward(model, &row[..n])?;
         if keep {
-            all.extend_from_slice(&engine::logits(model, &fwd.xf, n));
+            all.extend_from_slice(&eng.logits(model, &fwd.xf)?);
         }
-        total += engine::head_loss(model, &fwd.xf, &row[1..], 0.0, None)?.0;
+        total += eng.head_loss(model, &fwd.xf, &row[1..], 0, 0.0, None)?.0;
         count += n;
     }
     Ok((total, count, all))

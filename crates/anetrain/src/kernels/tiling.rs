@@ -368,6 +368,15 @@ impl Plan {
             .expect("a plan covers every kernel")
     }
 
+    /// How many units `kind` runs for in a model of `layers` layers: the
+    /// layers, or for the head kernels the vocabulary chunks.
+    pub fn units(&self, kind: KernelKind, layers: usize) -> usize {
+        match kind.is_head() {
+            true => self.head.chunks,
+            false => layers,
+        }
+    }
+
     /// Distinct programs to compile for one sequence length (one per
     /// kernel: tiles share theirs).
     pub fn programs(&self) -> usize {
@@ -938,6 +947,8 @@ mod tests {
         let cfg = ModelConfig::preset("tiny").unwrap();
         let p = plan(&Shape::new(&cfg, 64), &KernelOptions::hf(&cfg)).unwrap();
         assert!(p.kernels.iter().all(|k| k.tiles == 1), "{p:?}");
-        assert_eq!(p.programs(), 10);
+        // Ten layer kernels and the head's two, its vocabulary one chunk.
+        assert_eq!(p.programs(), 12);
+        assert_eq!(p.head, HeadChunks { rows: 512, chunks: 1 });
     }
 }
