@@ -490,7 +490,11 @@ mod tests {
         let cfg = ModelConfig::preset("tiny").unwrap();
         let softmax = crate::work::HOST_FLOP_PER_LOGIT * (cfg.vocab_size * 32) as f64;
         let dxf = 2.0 * (cfg.hidden_size * 32) as f64;
-        assert_eq!(sim["host_gflop"].as_f64(), Some((softmax + dxf) / 1e9), "{sim}");
+        assert_eq!(
+            sim["host_gflop"].as_f64(),
+            Some((softmax + dxf) / 1e9),
+            "{sim}"
+        );
         let device = sim["device_gflop"].as_f64().unwrap();
         assert!(device > 0.0, "{sim}");
         let host = sim["host_gflop"].as_f64().unwrap();

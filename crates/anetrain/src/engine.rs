@@ -714,9 +714,13 @@ impl<R: KernelRunner> Engine<R> {
             ..Shape::new(&model.cfg, seq)
         };
         let acts = kernels::head_forward::Acts { xf };
-        let out = self
-            .runner
-            .run::<kernels::HeadForward>(model, c, &shape, &Default::default(), &acts)?;
+        let out = self.runner.run::<kernels::HeadForward>(
+            model,
+            c,
+            &shape,
+            &Default::default(),
+            &acts,
+        )?;
         Ok(out.logits)
     }
 
@@ -815,8 +819,10 @@ impl<R: KernelRunner> Engine<R> {
             })
             .collect();
         let xf_undone: Vec<f32> = xf.iter().map(|x| x * undo).collect();
+        // The head's gradient buffer, written (or accumulated into, after
+        // an earlier sequence) chunk by chunk; frozen with LoRA.
         let head_id = model.lm_head.unwrap_or(model.embed);
-        let trains_head = model.lora.is_none();
+        let mut dhead = model.lora.is_none().then(|| grads.product_target(head_id));
         let overlap = self.runner.overlaps_host();
         let mut dxf = vec![0f32; d * seq];
         let shape = Shape::new(&model.cfg, seq);
@@ -840,20 +846,14 @@ impl<R: KernelRunner> Engine<R> {
             }
             let dz = &lt;
             // dE_c [Vc, D] (+)= dz_c [Vc, S] · (undo·xf)ᵀ [S, D], on the
-            // host's worker beside the device; frozen with LoRA.
-            let g = &mut *grads;
+            // host's worker beside the device.
             let x = &xf_undone;
+            let dh = dhead
+                .as_mut()
+                .map(|(dh, accumulate)| (&mut dh[r.start * d..r.end * d], *accumulate));
             let job = move || {
-                if trains_head {
-                    let (dh, accumulate) = g.product_target(head_id);
-                    weight_grad(
-                        (&mut dh[r.start * d..r.end * d], accumulate),
-                        dz,
-                        x,
-                        r.len(),
-                        d,
-                        seq,
-                    );
+                if let Some(target) = dh {
+                    weight_grad(target, dz, x, r.len(), d, seq);
                 }
             };
             let runner = &mut self.runner;

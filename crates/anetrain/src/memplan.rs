@@ -27,11 +27,11 @@ use crate::backend::Backend;
 use crate::choice::Choice;
 
 use crate::config::ModelConfig;
-use crate::runner::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelOptions, Shape};
 use crate::lora::LoraConfig;
 use crate::model::{Projection, StoredDtype};
 use crate::runner::DeviceBuffers;
+use crate::runner::HEAD_CHUNK_ROWS;
 
 /// How the run holds the base weights.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]

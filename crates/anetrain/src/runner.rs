@@ -173,7 +173,9 @@ impl KernelRunner for CpuKernels {
         acts: &K::Acts<'_>,
     ) -> Result<K::Out> {
         if K::KIND.is_head() {
-            let range = self.head_chunks(model, shape.seq)?.range(layer, model.cfg.vocab_size);
+            let range = self
+                .head_chunks(model, shape.seq)?
+                .range(layer, model.cfg.vocab_size);
             let w = LayerWeights {
                 head: model.lm_head_param().rows(range, &mut self.head),
                 ..LayerWeights::default()
@@ -508,7 +510,9 @@ impl<D: Device> NeuralKernels<D> {
                 .map_err(|e| anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name()))?;
             let new = |device: &mut D, elems| device.buffer(elems).map_err(|e| anyhow!("{e}"));
             outputs.push(new(&mut self.device, k.layout.output_elems())?);
-            let (n, _) = self.buffers.buffers_of(plan.of(kind), plan.units(kind, layers));
+            let (n, _) = self
+                .buffers
+                .buffers_of(plan.of(kind), plan.units(kind, layers));
             inputs.push(
                 (0..n)
                     .map(|_| new(&mut self.device, k.layout.input_elems()))
@@ -797,12 +801,12 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 .remove(&port)
                 .map(|v| rows(port, crop(port, &v, seq, sp)))
         })
-            .ok_or_else(|| {
-                anyhow!(
-                    "{}: an output block is missing from its layout",
-                    kind.name()
-                )
-            })
+        .ok_or_else(|| {
+            anyhow!(
+                "{}: an output block is missing from its layout",
+                kind.name()
+            )
+        })
     }
 }
 

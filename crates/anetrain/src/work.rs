@@ -125,7 +125,12 @@ mod tests {
         let layers_only = tiling::plan(&Shape::new(&cfg, 64), &o_cpu).unwrap();
         let layer_flop = layers_only.work_per_layer(false).0 * cfg.num_hidden_layers as f64;
         let rel = (plain.device_flop - layer_flop - 2.0 * head).abs() / plain.device_flop;
-        assert!(rel < 1e-9, "{} vs {}", plain.device_flop, layer_flop + 2.0 * head);
+        assert!(
+            rel < 1e-9,
+            "{} vs {}",
+            plain.device_flop,
+            layer_flop + 2.0 * head
+        );
         // The host: the softmax and one chunk's dxf, no products.
         assert_eq!(plain.host_flop, 8.0 * v * 64.0 + 2.0 * d * 64.0);
         // Weight gradients: one of the three passes over the projections,

@@ -44,8 +44,9 @@ fn ane_sim_logits_match_transformers_in_fp16() {
             eprintln!("{kind} row {b}: ane-sim logits rel err {r:.2e}");
             assert!(r <= 3e-2, "{kind}: {r}");
         }
-        // 10 kernels compiled once for the padded length 32.
-        assert_eq!(ane::Device::compiles(&eng.runner.device), 10);
+        // 12 kernels (ten per layer, the head's two) compiled once for the
+        // padded length 32.
+        assert_eq!(ane::Device::compiles(&eng.runner.device), 12);
     }
 }
 
@@ -171,8 +172,8 @@ fn many_lengths_stay_within_the_compile_budget() {
         let fc = cpu.forward(&model, &row).unwrap();
         assert!(rel(&fs.xf, &fc.xf) < 3e-2, "length {n}");
     }
-    // 32, 64, 128: ten programs each; only the last set is loaded.
-    assert_eq!(ane::Device::compiles(&sim.runner.device), 30);
+    // 32, 64, 128: twelve programs each; only the last set is loaded.
+    assert_eq!(ane::Device::compiles(&sim.runner.device), 36);
     assert_eq!(sim.runner.compiled_lengths(), [128]);
 }
 
@@ -205,15 +206,19 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         let r = rel(&eng.logits(&model, &fwd.xf).unwrap(), &want[..n * v]);
         assert!(r <= 3e-2, "{kind}: tiled logits rel err {r}");
         let plan = eng.runner.plan().unwrap().clone();
+        // Every layer kernel in tiles; the head in vocabulary chunks.
         assert!(
-            plan.kernels.iter().all(|k| k.tiles >= 2),
+            plan.kernels
+                .iter()
+                .all(|k| k.tiles >= 2 || k.kind.is_head()),
             "{kind}: {plan:?}"
         );
+        assert!(plan.head.chunks >= 2, "{kind}: {:?}", plan.head);
         assert!(
             plan.kernels.iter().any(|k| k.splits.len() == 2),
             "{kind}: no grid"
         );
-        assert_eq!(ane::Device::compiles(&eng.runner.device), 10);
+        assert_eq!(ane::Device::compiles(&eng.runner.device), 12);
 
         let rows = vec![(0..20).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let mut cpu = Engine::cpu(&model);
@@ -226,6 +231,68 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
             assert!(r < 5e-2, "{kind}: {}: tiled gradient rel err {r}", p.name);
         }
     }
+}
+
+/// The LM head on the device, in vocabulary chunks (one, and several with
+/// the last padded: 96 = 64 + 32 rows): the loss and the head's input
+/// gradient within 1e-2 of the CPU engine's for the same final state, on
+/// both fixtures; and on a 4000-token vocabulary in 4 chunks, where most
+/// probabilities (≈ 1/4000, times 1/targets) would be fp16 zeros without
+/// the gradient's power-of-two scale.
+#[test]
+fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
+    let check = |what: &str, model: &Model, row: &[u32], min_tiles: usize| {
+        let n = row.len() - 1;
+        let mut cpu = Engine::cpu(model);
+        let xf = cpu.forward(model, &row[..n]).unwrap().xf;
+        let scale = 1.0 / n as f32;
+        let mut gc = zero_grads(model);
+        let (lc, dc) = cpu
+            .head_loss(model, &xf, &row[1..], 2, scale, Some(&mut gc))
+            .unwrap();
+        let mut opts = anetrain::kernels::KernelOptions::for_model(model);
+        opts.min_tiles = min_tiles;
+        let runner = anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone());
+        let mut sim = Engine::with_runner(runner, opts);
+        // Twice: a second step's gradient overwrites the first's, chunk by
+        // chunk.
+        let mut gs = zero_grads(model);
+        for _ in 0..2 {
+            gs.reset();
+            sim.head_loss(model, &xf, &row[1..], 2, scale, Some(&mut gs))
+                .unwrap();
+            gs.finish();
+        }
+        gs.reset();
+        let (ls, ds) = sim
+            .head_loss(model, &xf, &row[1..], 2, scale, Some(&mut gs))
+            .unwrap();
+        let chunks = sim.runner.plan().unwrap().head.chunks;
+        let r = rel(&ds, &dc);
+        eprintln!("{what}: {chunks} chunks, loss {lc} vs {ls}, dxf rel err {r:.2e}");
+        assert!((lc - ls).abs() <= 1e-2 * lc, "{what}: loss {lc} vs {ls}");
+        assert!(r <= 1e-2, "{what}: dxf rel err {r}");
+        // The head's weight gradient comes from the host beside the device.
+        gc.finish();
+        gs.finish();
+        let id = model.lm_head.unwrap_or(model.embed);
+        let r = rel(&gs[id], &gc[id]);
+        assert!(r <= 1e-2, "{what}: head gradient rel err {r}");
+        chunks
+    };
+    for kind in ["qwen3", "llama"] {
+        let model = Model::load(&fixture(kind).join("model")).unwrap();
+        let row: Vec<u32> = (0..25).map(|i| (i * 37 % 90) as u32).collect();
+        assert_eq!(check(kind, &model, &row, 1), 1);
+        assert_eq!(check(kind, &model, &row, 2), 2);
+    }
+    let mut cfg = anetrain::config::ModelConfig::preset("tiny").unwrap();
+    cfg.vocab_size = 4000;
+    cfg.num_hidden_layers = 1;
+    cfg.tie_word_embeddings = false;
+    let model = Model::init(&cfg, 7).unwrap();
+    let row: Vec<u32> = (0..60).map(|i| (i * 613 % 4000) as u32).collect();
+    assert_eq!(check("vocabulary 4000", &model, &row, 4), 4);
 }
 
 /// Sequence tiles (`KernelOptions::min_seq_tiles`, the in-process form of

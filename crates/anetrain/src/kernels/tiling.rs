@@ -556,9 +556,7 @@ impl HeadChunks {
 
 /// The fewest vocabulary chunks (at least `o.min_tiles`, to exercise
 /// chunking on small vocabularies) for which both head kernels find a
-/// tiling within the rules and `o.max_tile_bytes`, and those tilings;
-/// failing the size at every count, the last count whose tilings pass the
-/// rules. Only the counts whose rows change are tried, from the fewest the
+/// tiling within the rules and `o.max_tile_bytes`, and those tilings. Only the counts whose rows change are tried, from the fewest the
 /// head's weights alone allow under the size cap.
 pub fn plan_head(
     full: &Shape,
@@ -575,7 +573,9 @@ pub fn plan_head(
         .map_or(1, |cap| (2 * v * full.dim).div_ceil(cap.max(1)))
         .max(o.min_tiles)
         .clamp(1, most);
-    let mut fallback = None;
+    // Failing the cap at every count: the fewest chunks whose tilings pass
+    // the rules, else the fewest that fit the axis caps.
+    let (mut over_cap, mut fits_dim) = (None, None);
     let mut last_error = String::new();
     let mut tried = 0;
     for chunks in fewest..=most {
@@ -584,31 +584,57 @@ pub fn plan_head(
             continue;
         }
         tried = rows;
-        let shape = Shape { vocab: rows, ..*full };
+        let shape = Shape {
+            vocab: rows,
+            ..*full
+        };
         let planned: Result<Vec<_>, String> = [KernelKind::HeadForward, KernelKind::HeadBackward]
             .into_iter()
             .map(|kind| plan_kernel(kind, &shape, o, rules))
             .collect();
-        match planned {
-            Ok(p) if p.iter().all(|(_, within)| *within) => {
-                let tiles = p.into_iter().map(|(t, _)| t).collect();
-                return Ok((HeadChunks::of(v, rows), tiles));
+        let planned = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                last_error = e;
+                continue;
             }
-            Ok(p) => fallback = Some((HeadChunks::of(v, rows), p.into_iter().map(|(t, _)| t).collect())),
-            Err(e) => last_error = e,
+        };
+        let worst = planned
+            .iter()
+            .map(|(_, fit)| *fit)
+            .max()
+            .unwrap_or(Fit::Within);
+        let found = (
+            HeadChunks::of(v, rows),
+            planned.into_iter().map(|(t, _)| t).collect(),
+        );
+        match worst {
+            Fit::Within => return Ok(found),
+            Fit::OverCap => _ = over_cap.get_or_insert(found),
+            Fit::AxisCaps => _ = fits_dim.get_or_insert(found),
         }
     }
-    fallback.ok_or(last_error)
+    over_cap.or(fits_dim).ok_or(last_error)
 }
 
-/// One kernel's tiling at `full` (see [`plan`]), and whether its surfaces
-/// are within `o.max_tile_bytes`.
+/// How well a kernel's chosen tiling fits the device (best first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Fit {
+    /// Every rule passes and the surfaces are within the tile cap.
+    Within,
+    /// Every rule passes; a surface is over the cap.
+    OverCap,
+    /// Only the axis caps hold.
+    AxisCaps,
+}
+
+/// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
 fn plan_kernel(
     kind: KernelKind,
     full: &Shape,
     o: &KernelOptions,
     rules: &ane::rules::RuleSet,
-) -> Result<(KernelTiles, bool), String> {
+) -> Result<(KernelTiles, Fit), String> {
     let mut fits_dim = None;
     let mut passing: Vec<KernelTiles> = vec![];
     let mut last_problem = String::new();
@@ -637,7 +663,7 @@ fn plan_kernel(
             .max_tile_bytes
             .is_none_or(|cap| tiles.largest_surface() <= cap);
         if findings.is_empty() && small_enough {
-            return Ok((tiles, true));
+            return Ok((tiles, Fit::Within));
         }
         if findings.is_empty() {
             // Passes every rule but is larger than asked: a fallback
@@ -657,8 +683,11 @@ fn plan_kernel(
             .into_iter()
             .find(|t| 4 * t.largest_surface() <= 5 * m)
     });
-    if let Some(t) = fallback.or(fits_dim) {
-        return Ok((t, false));
+    if let Some(t) = fallback {
+        return Ok((t, Fit::OverCap));
+    }
+    if let Some(t) = fits_dim {
+        return Ok((t, Fit::AxisCaps));
     }
     let axes: Vec<String> = kind
         .tile_axes()
@@ -949,6 +978,12 @@ mod tests {
         assert!(p.kernels.iter().all(|k| k.tiles == 1), "{p:?}");
         // Ten layer kernels and the head's two, its vocabulary one chunk.
         assert_eq!(p.programs(), 12);
-        assert_eq!(p.head, HeadChunks { rows: 512, chunks: 1 });
+        assert_eq!(
+            p.head,
+            HeadChunks {
+                rows: 512,
+                chunks: 1
+            }
+        );
     }
 }
