@@ -554,9 +554,10 @@ impl HeadChunks {
     }
 }
 
-/// The fewest vocabulary chunks (at least `o.min_tiles`, to exercise
-/// chunking on small vocabularies) for which both head kernels find a
-/// tiling within the rules and `o.max_tile_bytes`, and those tilings. Only the counts whose rows change are tried, from the fewest the
+/// The vocabulary chunks (at least `o.min_tiles`, to exercise chunking on
+/// small vocabularies) for which both head kernels find a tiling within
+/// the rules and `o.max_tile_bytes` in the fewest evaluations per
+/// sequence (a chunk's sequence tiles count too), and those tilings. Only the counts whose rows change are tried, from the fewest the
 /// head's weights alone allow under the size cap.
 pub fn plan_head(
     full: &Shape,
@@ -576,9 +577,18 @@ pub fn plan_head(
     // Failing the cap at every count: the fewest chunks whose tilings pass
     // the rules, else the fewest that fit the axis caps.
     let (mut over_cap, mut fits_dim) = (None, None);
+    let mut best: Option<(usize, (HeadChunks, Vec<KernelTiles>))> = None;
     let mut last_error = String::new();
     let mut tried = 0;
     for chunks in fewest..=most {
+        // Past twice the fewest chunks that fit, more chunks only add
+        // evaluations.
+        if best
+            .as_ref()
+            .is_some_and(|(_, (h, _))| chunks > 2 * h.chunks)
+        {
+            break;
+        }
         let rows = rows_of(chunks);
         if rows == tried {
             continue;
@@ -604,17 +614,27 @@ pub fn plan_head(
             .map(|(_, fit)| *fit)
             .max()
             .unwrap_or(Fit::Within);
-        let found = (
+        let found: (HeadChunks, Vec<KernelTiles>) = (
             HeadChunks::of(v, rows),
             planned.into_iter().map(|(t, _)| t).collect(),
         );
         match worst {
-            Fit::Within => return Ok(found),
+            Fit::Within => {
+                // Evaluations per sequence with a gradient: each chunk's
+                // forward twice and its backward (see `Plan::head_work`).
+                let e = found.0.chunks * (2 * found.1[0].tiles + found.1[1].tiles);
+                if best.as_ref().is_none_or(|(b, _)| e < *b) {
+                    best = Some((e, found));
+                }
+            }
             Fit::OverCap => _ = over_cap.get_or_insert(found),
             Fit::AxisCaps => _ = fits_dim.get_or_insert(found),
         }
     }
-    over_cap.or(fits_dim).ok_or(last_error)
+    best.map(|(_, f)| f)
+        .or(over_cap)
+        .or(fits_dim)
+        .ok_or(last_error)
 }
 
 /// How well a kernel's chosen tiling fits the device (best first).
