@@ -2,9 +2,10 @@
 """Prints docs/benchmarks.md's table of where a training step's arithmetic
 goes on the Neural Engine path, from the plan (`anetrain kernels plan
 --json`), for Qwen3 shapes at several sequence lengths: FLOPs on the device
-(every tile program's matrix products), device evaluations, the host's
-critical path (the LM head and its input gradient), full fine-tuning's
-weight gradients beside the device, and the largest surface a tile uses.
+(every tile program's matrix products, the LM head's chunks included),
+device evaluations, the host's critical path (the loss's softmax between
+the head's chunks), full fine-tuning's weight gradients beside the device
+(the head's among them), and the largest surface a tile uses.
 LoRA rank 16 on all seven projections; batch 1.
 
     cargo build --release && python3 scripts/work_table.py
@@ -34,8 +35,8 @@ def plan(model, seq, lora):
 def main():
     if not BIN.is_file():
         sys.exit(f"{BIN} not found: run `cargo build --release` first")
-    print("| model | seq | device GFLOP | device evaluations | host GFLOP (critical path) | host / device | full fine-tuning: weight gradients GFLOP | largest tile surface |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | seq | device GFLOP | device evaluations | LM head chunks | host GFLOP (critical path) | host / device | full fine-tuning: weight gradients GFLOP | largest tile surface |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, model in MODELS:
         for seq in SEQS:
             p = plan(model, seq, True)
@@ -44,7 +45,8 @@ def main():
             largest = max(2 * max(k["input"][0] * k["input"][1], k["output"][0] * k["output"][1])
                           for k in p["plan"]["kernels"])
             print(f"| {name} | {seq} | {w['device_flop'] / 1e9:,.0f} | {w['device_evaluations']:,} | "
-                  f"{w['host_flop'] / 1e9:,.0f} | {100 * w['host_flop'] / w['device_flop']:.1f}% | "
+                  f"{p['plan']['head']['chunks']} × {p['plan']['head']['rows']} | "
+                  f"{w['host_flop'] / 1e9:,.1f} | {100 * w['host_flop'] / w['device_flop']:.2f}% | "
                   f"{full['host_weight_gradient_flop'] / 1e9:,.0f} | {largest / 2**20:.1f} MiB |")
 
 
