@@ -685,7 +685,7 @@ fn exp_shifted(lt: &mut [f32], max: &[f32], seq: usize) -> Vec<f64> {
 /// output saturation": "Scale activations or weights before the matmul
 /// and undo the scale afterwards"). Powers of two scale exactly.
 pub fn head_grad_scale(head_max_abs: f32) -> f32 {
-    let mut k = 1f32 * (1u32 << 14) as f32;
+    let mut k = 16384f32; // 2¹⁴
     while k > 1.0 && 2.0 * k * head_max_abs > 16384.0 {
         k /= 2.0;
     }
