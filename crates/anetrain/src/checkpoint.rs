@@ -13,7 +13,9 @@
 //! Saving writes the two step files (each: temp file, fsync, rename), then
 //! commits by replacing `state.json` the same way, then links the new weights
 //! to the top level and deletes the previous step's files. A kill at any
-//! instant leaves `state.json` naming a complete pair whose checksums verify.
+//! instant leaves `state.json` naming a complete pair whose checksums verify;
+//! a resume re-links the top level to that pair, in case the kill came
+//! between the commit and the links.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -190,6 +192,24 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
         &state_path(out),
         serde_json::to_string_pretty(&state)?.as_bytes(),
     )?;
+    publish_latest(out, model, &state)?;
+    if let Some(prev) = previous {
+        for f in [prev.model_file, prev.optim_file] {
+            if f != state.model_file && f != state.optim_file {
+                let _ = std::fs::remove_file(dir.join(f));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Makes the top level of `out` (the Hugging Face layout) show the
+/// committed checkpoint `state`: its weights or adapter, and their config.
+/// `save` calls it after the commit point; a resume calls it again, so a run
+/// killed between the commit and these links still ends with its newest
+/// weights at the top level.
+pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result<()> {
+    let dir = trainer_dir(out);
     match &model.lora {
         Some(lora) => {
             publish(
@@ -215,13 +235,6 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
                 &out.join("config.json"),
                 crate::model::hf_config_json(&model.cfg).as_bytes(),
             )?;
-        }
-    }
-    if let Some(prev) = previous {
-        for f in [prev.model_file, prev.optim_file] {
-            if f != state.model_file && f != state.optim_file {
-                let _ = std::fs::remove_file(dir.join(f));
-            }
         }
     }
     Ok(())
@@ -350,6 +363,31 @@ mod tests {
             content_hash(b"abc"),
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
+    }
+
+    #[test]
+    fn a_resume_relinks_the_top_level_after_a_kill_between_commit_and_links() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let top = dir.path().join("model.safetensors");
+        let older = Model::init(&cfg, 1).unwrap();
+        let opt = AdamW::new(&older, AdamWConfig::default());
+        save(dir.path(), &older, &opt, state(&cfg)).unwrap();
+        let older_bytes = std::fs::read(&top).unwrap();
+        let newer = Model::init(&cfg, 2).unwrap();
+        let mut s = state(&cfg);
+        s.step = 4;
+        save(dir.path(), &newer, &opt, s).unwrap();
+        // The kill: step 4 is committed, the top level still shows step 3.
+        // (Removed first: the top-level file is a hard link into trainer/.)
+        std::fs::remove_file(&top).unwrap();
+        std::fs::write(&top, &older_bytes).unwrap();
+        let (loaded, _, committed) = load(dir.path(), None).unwrap();
+        assert_eq!(committed.step, 4);
+        publish_latest(dir.path(), &loaded, &committed).unwrap();
+        let published = std::fs::read(&top).unwrap();
+        let step4 = std::fs::read(trainer_dir(dir.path()).join(&committed.model_file)).unwrap();
+        assert!(published == step4 && published != older_bytes);
     }
 
     #[test]

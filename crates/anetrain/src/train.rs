@@ -764,6 +764,9 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             None => None,
         };
         let (model, opt, mut state) = checkpoint::load(&out, base)?;
+        // A run killed after its last commit but before the top-level links
+        // were updated shows older weights there until this.
+        checkpoint::publish_latest(&out, &model, &state)?;
         if r.steps <= state.step {
             bail!(
                 "the run in '{}' has done {} steps already; pass a larger --steps to continue it",
