@@ -122,7 +122,7 @@ pub fn products_only(model: &Model, grads: &mut Grads, tokens: usize) -> (f64, f
     let mut out = vec![0f32; widest * tokens];
     let (v, d) = (model.cfg.vocab_size, model.cfg.hidden_size);
     let mut logits = vec![0f32; v * tokens];
-    let head_id = model.lm_head.unwrap_or(model.embed);
+    let head_id = model.lm_head_id();
     let head_values = model.lm_head();
     let mut flops = 0.0;
     let mut mm = |a: MatRef<'_>, b: MatRef<'_>, dst: &mut [f32], accumulate: bool| {

@@ -709,10 +709,7 @@ impl<R: KernelRunner> Engine<R> {
     /// One vocabulary chunk's logits `z_c = E_c·xf`, `[rows, S]`.
     fn head_chunk(&mut self, model: &Model, xf: &[f32], c: usize, rows: usize) -> Result<Vec<f32>> {
         let seq = xf.len() / model.cfg.hidden_size;
-        let shape = Shape {
-            vocab: rows,
-            ..Shape::new(&model.cfg, seq)
-        };
+        let shape = Shape::new(&model.cfg, seq).head_chunk(rows);
         let acts = kernels::head_forward::Acts { xf };
         let out = self.runner.run::<kernels::HeadForward>(
             model,
@@ -821,7 +818,7 @@ impl<R: KernelRunner> Engine<R> {
         let xf_undone: Vec<f32> = xf.iter().map(|x| x * undo).collect();
         // The head's gradient buffer, written (or accumulated into, after
         // an earlier sequence) chunk by chunk; frozen with LoRA.
-        let head_id = model.lm_head.unwrap_or(model.embed);
+        let head_id = model.lm_head_id();
         let mut dhead = model.lora.is_none().then(|| grads.product_target(head_id));
         let overlap = self.runner.overlaps_host();
         let mut dxf = vec![0f32; d * seq];
@@ -858,10 +855,7 @@ impl<R: KernelRunner> Engine<R> {
             };
             let runner = &mut self.runner;
             let part = overlapped(overlap, job, || {
-                let shape = Shape {
-                    vocab: r.len(),
-                    ..shape
-                };
+                let shape = shape.head_chunk(r.len());
                 let acts = kernels::head_backward::Acts { dlogits: dz };
                 runner.run::<kernels::HeadBackward>(model, c, &shape, &Default::default(), &acts)
             })?;
@@ -876,7 +870,7 @@ impl<R: KernelRunner> Engine<R> {
     /// The head's largest |value|, kept while the model's weights stay
     /// the same version.
     fn head_max_abs(&mut self, model: &Model) -> f32 {
-        let key = (model.version, model.lm_head.unwrap_or(model.embed));
+        let key = (model.version, model.lm_head_id());
         match self.head_max {
             Some((k, m)) if k == key => m,
             _ => {

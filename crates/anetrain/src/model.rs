@@ -118,8 +118,13 @@ impl Model {
     }
 
     /// The output projection's parameter (the embedding when tied).
+    /// The LM head's parameter index: its own, or the tied embedding's.
+    pub fn lm_head_id(&self) -> usize {
+        self.lm_head.unwrap_or(self.embed)
+    }
+
     pub fn lm_head_param(&self) -> &Param {
-        &self.params[self.lm_head.unwrap_or(self.embed)]
+        &self.params[self.lm_head_id()]
     }
 
     /// The output projection in f32 (converted whole when the model keeps

@@ -443,6 +443,14 @@ impl Shape {
         }
     }
 
+    /// The shape of one LM-head chunk of `rows` vocabulary rows.
+    pub fn head_chunk(self, rows: usize) -> Shape {
+        Shape {
+            vocab: rows,
+            ..self
+        }
+    }
+
     pub fn q_dim(&self) -> usize {
         self.heads * self.head_dim
     }

@@ -594,10 +594,7 @@ pub fn plan_head(
             continue;
         }
         tried = rows;
-        let shape = Shape {
-            vocab: rows,
-            ..*full
-        };
+        let shape = full.head_chunk(rows);
         let planned: Result<Vec<_>, String> = [KernelKind::HeadForward, KernelKind::HeadBackward]
             .into_iter()
             .map(|kind| plan_kernel(kind, &shape, o, rules))
