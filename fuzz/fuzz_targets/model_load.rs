@@ -7,10 +7,10 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     let split = data.iter().position(|&b| b == 0).unwrap_or(data.len());
     if let Ok(text) = std::str::from_utf8(&data[..split]) {
-        if let Ok(cfg) = anetrain::config::ModelConfig::from_json(text) {
+        if let Ok(cfg) = anetrain::model::config::ModelConfig::from_json(text) {
             let _ = cfg.num_params();
         }
     }
     let rest = data.get(split + 1..).unwrap_or(&[]);
-    let _ = anetrain::tensor_file::parse(rest);
+    let _ = anetrain::model::tensor_file::parse(rest);
 });

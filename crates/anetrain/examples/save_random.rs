@@ -5,7 +5,7 @@ fn main() -> anyhow::Result<()> {
     if args.len() < 3 {
         anyhow::bail!("usage: save_random PRESET OUT_DIR [SEED]");
     }
-    let cfg = anetrain::config::ModelConfig::resolve(&args[1])?;
+    let cfg = anetrain::model::config::ModelConfig::resolve(&args[1])?;
     let seed = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(0);
     let model = anetrain::model::Model::init(&cfg, seed)?;
     model.save(std::path::Path::new(&args[2]))?;

@@ -1,39 +1,38 @@
 //! anetrain: training Llama and Qwen3 models on the Apple Neural Engine.
 //!
-//! Data flows one way: [`config`] → [`kernels`] (one module per kernel:
-//! layout + MIL + CPU twin) → [`runner`] (CPU twins, or the programs on a
-//! Neural Engine device) → [`engine`] → [`train`], which reports
-//! [`train::Event`]s and prints nothing. [`params`] and [`model`] hold the
-//! parameters and their Hugging Face I/O, [`lora`] the adapters. The
-//! command line is the `anetrain-cli` crate.
+//! The folders follow the data flow, each importing only the ones before
+//! it (docs/architecture.md has the picture and the rules):
+//!
+//! * [`util`] — small helpers that know nothing of models.
+//! * [`model`] — configs, parameters, LoRA adapters and Hugging Face
+//!   directories.
+//! * [`data`] — tokenizers, chat templates, corpora, token files, records.
+//! * [`kernels`] — one module per Neural Engine kernel: layout, MIL and CPU
+//!   twin; tiling.
+//! * [`device`] — who runs the kernels: the CPU twins or the programs on a
+//!   Neural Engine device.
+//! * [`engine`] — the transformer's forward and backward over a runner, the
+//!   LM head and its loss, weight gradients, generation.
+//! * [`plan`] — what a run will need: memory and work.
+//! * [`train`] — the training step, the optimizer, runs and checkpoints;
+//!   reports [`train::Event`]s and prints nothing.
+//! * [`tools`] — bench, doctor, conversion and export.
+//!
+//! The command line is the `anetrain-cli` crate.
 
-pub mod backend;
-pub mod bench;
-pub mod chat;
-pub mod checkpoint;
-pub mod choice;
-pub mod config;
-pub mod convert;
-pub mod corpus;
+pub mod util;
+
 pub mod data;
-pub mod doctor;
-pub mod engine;
-pub mod fsutil;
-pub mod generate;
-pub mod gguf;
-pub mod grads;
-pub mod kernels;
-pub mod lora;
-pub mod mem;
-pub mod memplan;
 pub mod model;
-pub mod optim;
-pub mod params;
-pub mod records;
-pub mod rng;
-pub mod runner;
-mod simd;
-pub mod tensor_file;
-pub mod tokenizer;
+
+pub mod kernels;
+
+pub mod device;
+
+pub mod engine;
+
+pub mod plan;
+
 pub mod train;
-pub mod work;
+
+pub mod tools;

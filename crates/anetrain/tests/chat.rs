@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use anetrain::chat::{self, ChatTemplate};
-use anetrain::records::{self, Keys};
-use anetrain::tokenizer::Tokenizer;
+use anetrain::data::chat::{self, ChatTemplate};
+use anetrain::data::records::{self, Keys};
+use anetrain::data::tokenizer::Tokenizer;
 use serde_json::Value;
 
 fn chat_dir() -> PathBuf {

@@ -7,10 +7,10 @@
 
 use ane::family::Family;
 use ane::SimDevice;
-use anetrain::config::{Arch, ModelConfig};
 use anetrain::kernels::check::{check_on_device, FP16_TOL};
 use anetrain::kernels::tiling;
 use anetrain::kernels::{KernelKind, KernelOptions, Shape};
+use anetrain::model::config::{Arch, ModelConfig};
 
 /// Residual values beyond the M1's width-slice clamp of 4094.
 const OUTLIER: f32 = 6000.0;

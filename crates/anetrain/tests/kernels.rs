@@ -6,14 +6,14 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use anetrain::config::{Arch, ModelConfig};
 use anetrain::kernels::check::{check_kernel, pack_all, run_mil};
 use anetrain::kernels::maths;
 use anetrain::kernels::{
     build, run_cpu, KernelKind, KernelOptions, LoraKernel, Port, Rope, Shape, Tensors,
 };
+use anetrain::model::config::{Arch, ModelConfig};
 use anetrain::model::Projection;
-use anetrain::rng::Rng;
+use anetrain::util::rng::Rng;
 use mil::Precision;
 
 /// The port named `name`.
@@ -273,7 +273,7 @@ fn generated_programs_pass_the_ane_rules() {
 #[test]
 fn every_preset_at_every_engine_length_passes_the_default_rules() {
     let rules = ane::rules::RuleSet::default();
-    for name in anetrain::config::PRESETS {
+    for name in anetrain::model::config::PRESETS {
         let cfg = ModelConfig::preset(name).unwrap();
         let plain = KernelOptions::hf(&cfg);
         let mut lora = plain.clone();

@@ -8,11 +8,11 @@ mod common;
 
 use common::{fixture, floats, max_abs, max_diff, tokens};
 
+use anetrain::device::KernelRunner;
 use anetrain::engine::{self, zero_grads, Engine};
-use anetrain::lora::Lora;
+use anetrain::model::lora::Lora;
 use anetrain::model::Model;
-use anetrain::optim::{AdamW, AdamWConfig};
-use anetrain::runner::KernelRunner;
+use anetrain::train::optim::{AdamW, AdamWConfig};
 
 /// The fixture's base model with its starting adapter attached.
 fn adapted(kind: &str) -> Model {
@@ -66,7 +66,8 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
             ((loss - want_loss) / want_loss).abs() <= 1e-5,
             "{kind}: loss {loss} vs {want_loss}"
         );
-        let want_g = anetrain::tensor_file::read(&dir.join("lora/grads.safetensors")).unwrap();
+        let want_g =
+            anetrain::model::tensor_file::read(&dir.join("lora/grads.safetensors")).unwrap();
         assert_eq!(want_g.len(), lora.params.len());
         let mut worst = 0f32;
         for (p, g) in lora.params.iter().zip(&grads) {
@@ -102,7 +103,8 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
         let base_before = m2.params.clone();
         let mut opt = AdamW::new(&m2, cfg);
         opt.update(&mut m2, &peft_grads.into(), j["lr"].as_f64().unwrap());
-        let after = anetrain::tensor_file::read(&dir.join("lora/adamw.safetensors")).unwrap();
+        let after =
+            anetrain::model::tensor_file::read(&dir.join("lora/adamw.safetensors")).unwrap();
         for p in &m2.lora.as_ref().unwrap().params {
             let d = max_diff(&p.data, &after[&p.name].data);
             assert!(

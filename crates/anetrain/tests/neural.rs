@@ -6,10 +6,10 @@ mod common;
 
 use common::{fixture, rel};
 
+use anetrain::device::{CpuKernels, Dropout, KernelRunner};
 use anetrain::engine::{self, zero_grads, Engine};
 use anetrain::kernels::{Kernel, Shape};
 use anetrain::model::Model;
-use anetrain::runner::{CpuKernels, Dropout, KernelRunner};
 
 /// A fixture's model, token rows (flat), expected logits (flat) and row count.
 fn fixture_logits(kind: &str) -> (Model, Vec<i64>, Vec<f32>, usize) {
@@ -181,11 +181,11 @@ fn many_lengths_stay_within_the_compile_budget() {
 /// blocks of every axis a kernel may split (`KernelOptions::min_tiles`, the
 /// in-process form of `ANETRAIN_ANE_MIN_TILES`), so one-axis tiles and
 /// two-axis grids, concatenated and summed results all run.
-fn tiled(model: &Model) -> Engine<anetrain::runner::NeuralKernels<ane::SimDevice>> {
+fn tiled(model: &Model) -> Engine<anetrain::device::NeuralKernels<ane::SimDevice>> {
     let mut opts = anetrain::kernels::KernelOptions::for_model(model);
     opts.min_tiles = 2;
     Engine::with_runner(
-        anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+        anetrain::device::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
         opts,
     )
 }
@@ -252,7 +252,7 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
             .unwrap();
         let mut opts = anetrain::kernels::KernelOptions::for_model(model);
         opts.min_tiles = min_tiles;
-        let runner = anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone());
+        let runner = anetrain::device::NeuralKernels::new(ane::SimDevice::new(), opts.clone());
         let mut sim = Engine::with_runner(runner, opts);
         // Twice: a second step's gradient overwrites the first's, chunk by
         // chunk.
@@ -286,7 +286,7 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
         assert_eq!(check(kind, &model, &row, 1), 1);
         assert_eq!(check(kind, &model, &row, 2), 2);
     }
-    let mut cfg = anetrain::config::ModelConfig::preset("tiny").unwrap();
+    let mut cfg = anetrain::model::config::ModelConfig::preset("tiny").unwrap();
     cfg.vocab_size = 4000;
     cfg.num_hidden_layers = 1;
     cfg.tie_word_embeddings = false;
@@ -309,7 +309,7 @@ fn sequence_tiles_give_the_untiled_bits() {
         let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
         opts.min_seq_tiles = 2;
         let mut tiled = Engine::with_runner(
-            anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+            anetrain::device::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
             opts,
         );
         let mut plain = Engine::neural(&model, ane::SimDevice::new());
@@ -353,7 +353,7 @@ fn sequence_tiles_give_the_untiled_bits() {
 /// gradients track the CPU engine as untiled ones do.
 #[test]
 fn tiled_lora_adapters_track_the_cpu_engine() {
-    use anetrain::lora::{Lora, LoraConfig};
+    use anetrain::model::lora::{Lora, LoraConfig};
     let mut model = Model::load(&fixture("qwen3").join("model")).unwrap();
     let cfg = LoraConfig {
         rank: 4,
@@ -364,7 +364,7 @@ fn tiled_lora_adapters_track_the_cpu_engine() {
     };
     let mut lora = Lora::init(&model.cfg, cfg, 3).unwrap();
     // B starts at zero; give it values so the adapters act.
-    let mut rng = anetrain::rng::Rng::new(9);
+    let mut rng = anetrain::util::rng::Rng::new(9);
     for p in &mut lora.params {
         p.data = rng.normals(p.data.len(), 0.05);
     }
@@ -396,7 +396,7 @@ fn a_long_sequence_runs_in_query_blocks_and_matches_the_cpu_loss() {
     let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
     opts.min_seq_tiles = 4;
     let mut sim = Engine::with_runner(
-        anetrain::runner::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
+        anetrain::device::NeuralKernels::new(ane::SimDevice::new(), opts.clone()),
         opts,
     );
     let mut cpu = Engine::cpu(&model);

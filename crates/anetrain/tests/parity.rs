@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anetrain::engine::{self, zero_grads, Engine};
 use anetrain::model::Model;
-use anetrain::optim::{AdamW, AdamWConfig};
+use anetrain::train::optim::{AdamW, AdamWConfig};
 
 fn json(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("fixture.json")).unwrap()).unwrap()
@@ -47,7 +47,7 @@ fn logits_loss_and_gradients_match_transformers() {
             ((loss - want_loss) / want_loss).abs() <= 1e-5,
             "{kind}: loss {loss} vs {want_loss}"
         );
-        let want_g = anetrain::tensor_file::read(&dir.join("grads.safetensors")).unwrap();
+        let want_g = anetrain::model::tensor_file::read(&dir.join("grads.safetensors")).unwrap();
         for (p, g) in model.params.iter().zip(&grads) {
             // tied: transformers reports the embedding gradient once
             let w = &want_g[&p.name].data;
@@ -75,7 +75,7 @@ fn logits_loss_and_gradients_match_transformers() {
         let mut m2 = model.clone();
         let mut opt = AdamW::new(&m2, cfg);
         opt.update(&mut m2, &hf_grads.into(), j["lr"].as_f64().unwrap());
-        let after = anetrain::tensor_file::read(&dir.join("adamw.safetensors")).unwrap();
+        let after = anetrain::model::tensor_file::read(&dir.join("adamw.safetensors")).unwrap();
         for p in &m2.params {
             let d = max_diff(&p.data, &after[&p.name].data);
             assert!(
@@ -161,7 +161,8 @@ fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
 
 #[test]
 fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
-    use anetrain::generate::{generate, Decoder, GenerateOptions, Sampling};
+    use anetrain::engine::generate::{generate, Decoder, GenerateOptions};
+    use anetrain::model::generation::Sampling;
     for kind in ["qwen3", "llama"] {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
@@ -255,7 +256,7 @@ fn llama2c_checkpoints_convert_to_the_same_model() {
     // llama2c.bin is the llama fixture exported by scripts/make_fixtures.py
     // in llama2.c's format (interleaved RoPE rows, separate classifier).
     let dir = fixture("llama");
-    let converted = anetrain::convert::load_llama2c(&dir.join("llama2c.bin")).unwrap();
+    let converted = anetrain::tools::convert::load_llama2c(&dir.join("llama2c.bin")).unwrap();
     let hf = Model::load(&dir.join("model")).unwrap();
     assert_eq!(converted.cfg.vocab_size, hf.cfg.vocab_size);
     assert!(!converted.cfg.tie_word_embeddings);
@@ -269,7 +270,7 @@ fn llama2c_checkpoints_convert_to_the_same_model() {
     }
     let e = format!(
         "{:#}",
-        anetrain::convert::load_llama2c(&dir.join("tokens.npy")).unwrap_err()
+        anetrain::tools::convert::load_llama2c(&dir.join("tokens.npy")).unwrap_err()
     );
     assert!(e.contains("tokens.npy"), "{e}");
 }

@@ -10,10 +10,10 @@ use std::sync::Mutex;
 
 use ane::rules::RuleSet;
 use ane::{AneDevice, Device, SimDevice};
-use anetrain::config::{Arch, ModelConfig};
 use anetrain::kernels::{build, KernelKind, KernelOptions, LoraKernel, Shape};
+use anetrain::model::config::{Arch, ModelConfig};
 use anetrain::model::Projection;
-use anetrain::rng::Rng;
+use anetrain::util::rng::Rng;
 
 static TURN: Mutex<()> = Mutex::new(());
 

@@ -6,9 +6,9 @@
 use ane::family::{Family, Limits};
 use std::path::Path;
 
-use anetrain::config::ModelConfig;
 use anetrain::kernels::tiling::{self, Axis};
 use anetrain::kernels::{build, KernelKind, KernelOptions, LoraKernel, Shape};
+use anetrain::model::config::ModelConfig;
 use anetrain::model::Projection;
 
 fn config(name: &str) -> ModelConfig {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use anetrain::doctor::{self, DoctorRequest};
+use anetrain::tools::doctor::{self, DoctorRequest};
 use anyhow::{bail, Context, Result};
 
 pub fn run(model: &str, seq: usize, steps: u64, evals: usize, report: Option<&Path>) -> Result<()> {
@@ -26,7 +26,7 @@ pub fn run(model: &str, seq: usize, steps: u64, evals: usize, report: Option<&Pa
     let r = doctor::run(&request, &mut |line: &str| eprintln!("  {line}"))?;
     if let Some(p) = report {
         let json = serde_json::to_string_pretty(&r).context("serialising the report")?;
-        anetrain::fsutil::write_atomic(p, json.as_bytes())?;
+        anetrain::util::fsutil::write_atomic(p, json.as_bytes())?;
         eprintln!("report written to {}", p.display());
     }
     println!("{}", r.markdown());

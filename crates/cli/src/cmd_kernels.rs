@@ -3,12 +3,12 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anetrain::backend::Backend;
-use anetrain::choice::Choice;
-use anetrain::config::ModelConfig;
+use anetrain::device::backend::Backend;
 use anetrain::kernels::{self, check, tiling, KernelKind, KernelOptions, Shape};
-use anetrain::lora::LoraConfig;
-use anetrain::memplan::{MemoryOptions, RunPlan};
+use anetrain::model::config::ModelConfig;
+use anetrain::model::lora::LoraConfig;
+use anetrain::plan::memory::{MemoryOptions, RunPlan};
+use anetrain::util::choice::Choice;
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -143,7 +143,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     opts.lora = lora.as_ref().map(kernels::LoraKernel::of);
     let memory = RunPlan::new(model, seq, lora.as_ref(), a.backend, &a.memory)?;
     let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
-    let work = anetrain::work::StepWork::plan(
+    let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
         1,
@@ -244,7 +244,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         println!(
             "{} the limit of {}{}",
             if fits { "within" } else { "OVER" },
-            anetrain::memplan::size(limit),
+            anetrain::plan::memory::size(limit),
             if a.memory.max_memory.is_some() {
                 " (--max-memory)"
             } else {

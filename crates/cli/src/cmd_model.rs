@@ -3,17 +3,16 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use anetrain::backend::{self, Backend};
-use anetrain::data::{self, TokenDtype};
+use anetrain::data::records;
+use anetrain::data::tokenizer::Tokenizer;
+use anetrain::data::tokens::{self, TokenDtype};
+use anetrain::device::backend::{self, Backend};
+use anetrain::device::KernelRunner;
+use anetrain::engine::generate::{generate, generate_with_engine, GenerateOptions};
 use anetrain::engine::{self, Engine};
-use anetrain::generate::{
-    generate, generate_with_engine, GenerateOptions, GenerationConfig, Sampling,
-};
-use anetrain::lora::Lora;
+use anetrain::model::generation::{GenerationConfig, Sampling};
+use anetrain::model::lora::Lora;
 use anetrain::model::Model;
-use anetrain::records;
-use anetrain::runner::KernelRunner;
-use anetrain::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -45,7 +44,7 @@ pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
     if tok.is_file() {
         Tokenizer::load(&tok)?.save_to_dir(out, merged.cfg.max_position_embeddings)?;
     }
-    anetrain::generate::copy_generation_config(model, out)?;
+    anetrain::model::generation::copy_generation_config(model, out)?;
     eprintln!(
         "merged '{}' into '{}' -> {}",
         adapter.display(),
@@ -61,7 +60,7 @@ pub fn export_gguf(
     model: &Path,
     adapter: Option<&Path>,
     out: &Path,
-    ty: anetrain::gguf::ExportType,
+    ty: anetrain::tools::gguf::ExportType,
     force: bool,
 ) -> Result<()> {
     if out.is_dir() {
@@ -101,7 +100,7 @@ pub fn export_gguf(
         ty,
         out.display()
     );
-    let w = anetrain::gguf::export(&merged, &tok, gen.as_ref(), ty, &name, out)?;
+    let w = anetrain::tools::gguf::export(&merged, &tok, gen.as_ref(), ty, &name, out)?;
     println!(
         "wrote {} ({} tensors, {} metadata keys, {:.1} MB); run it with `llama-cli -m {} -cnv`",
         out.display(),
@@ -163,7 +162,7 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?;
     let rf = records::read_file(&file, &tok, &a.keys, a.mask_prompt)?;
     for e in &rf.examples {
-        data::check_ids(
+        tokens::check_ids(
             &e.tokens,
             model.cfg.vocab_size,
             &format!("'{}'", file.display()),
@@ -191,7 +190,7 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
     let (loss, count) = match a.backend {
         Backend::Cpu => engine::examples_loss(&mut Engine::cpu(model), model, ex)?,
         Backend::AneSim => {
-            let device = anetrain::backend::open_sim()?;
+            let device = anetrain::device::backend::open_sim()?;
             engine::examples_loss(&mut Engine::neural(model, device), model, ex)?
         }
         Backend::Ane => {
@@ -218,19 +217,19 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let vocab = model.cfg.vocab_size;
     let (rows, two_d) = match (&a.tokens, &a.data) {
         (Some(t), None) => {
-            let rows = data::read_npy_rows(t, vocab)?;
+            let rows = tokens::read_npy_rows(t, vocab)?;
             let two_d = npy::read(t).map_err(anyhow::Error::msg)?.shape.len() == 2;
             (rows, two_d)
         }
         (None, Some(d)) => {
-            let tok = if data::is_text(d) {
+            let tok = if tokens::is_text(d) {
                 Some(Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?)
             } else {
                 None
             };
-            let ids = data::load_tokens(d, a.token_dtype, tok.as_ref(), vocab)?;
+            let ids = tokens::load_tokens(d, a.token_dtype, tok.as_ref(), vocab)?;
             let seq = a.seq.unwrap_or(model.cfg.max_position_embeddings.min(256));
-            let mut w = data::windows(&ids, seq);
+            let mut w = tokens::windows(&ids, seq);
             if w.is_empty() {
                 bail!(
                     "'{}' holds {} tokens, fewer than one window of --seq {seq} + 1",
@@ -256,7 +255,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let (total, count, all_logits) = match a.backend {
         Backend::Cpu => eval_rows(Engine::cpu(&model), &model, &rows, keep)?,
         Backend::AneSim => eval_rows(
-            Engine::neural(&model, anetrain::backend::open_sim()?),
+            Engine::neural(&model, anetrain::device::backend::open_sim()?),
             &model,
             &rows,
             keep,
@@ -369,7 +368,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    data::check_ids(&prompt, model.cfg.vocab_size, "the prompt")
+    tokens::check_ids(&prompt, model.cfg.vocab_size, "the prompt")
         .context("the tokenizer does not match the model")?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -429,7 +428,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
             generate_with_engine(eng, &model, &prompt, &options, emit)?;
         }
         _ => {
-            let mut eng = Engine::neural(&model, anetrain::backend::open_sim()?);
+            let mut eng = Engine::neural(&model, anetrain::device::backend::open_sim()?);
             eng.runner.set_fixed_seq(total);
             generate_with_engine(eng, &model, &prompt, &options, emit)?;
         }

@@ -2,13 +2,13 @@
 
 use std::path::PathBuf;
 
-use anetrain::backend::Backend;
-use anetrain::config::ModelConfig;
-use anetrain::data::TokenDtype;
-use anetrain::lora::LoraConfig;
+use anetrain::data::tokens::TokenDtype;
+use anetrain::device::backend::Backend;
+use anetrain::device::DeviceBuffers;
+use anetrain::model::config::ModelConfig;
+use anetrain::model::lora::LoraConfig;
 use anetrain::model::Projection;
-use anetrain::optim::AdamWConfig;
-use anetrain::runner::DeviceBuffers;
+use anetrain::train::optim::AdamWConfig;
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
 use anyhow::Result;
 
@@ -28,8 +28,8 @@ pub struct RecordArgs {
 }
 
 impl RecordArgs {
-    pub fn keys(&self) -> anetrain::records::Keys {
-        anetrain::records::Keys {
+    pub fn keys(&self) -> anetrain::data::records::Keys {
+        anetrain::data::records::Keys {
             prompt: self.prompt_key.clone(),
             completion: self.completion_key.clone(),
         }
@@ -209,7 +209,7 @@ impl MemoryArgs {
 }
 
 fn max_memory(v: &str) -> Result<u64, String> {
-    anetrain::memplan::parse_bytes(v)
+    anetrain::plan::memory::parse_bytes(v)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {

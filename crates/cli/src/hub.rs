@@ -100,7 +100,7 @@ fn offline() -> bool {
 /// like a Hub id: the command's own error then names it); otherwise the
 /// snapshot directory of the Hub model it names, downloaded if needed.
 pub fn resolve(spec: &str, need: Need) -> Result<String> {
-    if anetrain::config::ModelConfig::preset(spec).is_some() || Path::new(spec).exists() {
+    if anetrain::model::config::ModelConfig::preset(spec).is_some() || Path::new(spec).exists() {
         return Ok(spec.to_string());
     }
     let Some(id) = HubId::parse(spec) else {

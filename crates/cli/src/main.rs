@@ -15,8 +15,8 @@ mod hub;
 mod plot;
 mod progress;
 
-use anetrain::choice::Choice;
-use anetrain::fsutil;
+use anetrain::util::choice::Choice;
+use anetrain::util::fsutil;
 
 /// A parser for the values of a library [`Choice`], listing them (with
 /// their descriptions) in `--help`.
@@ -87,8 +87,8 @@ enum Command {
         #[arg(long, value_name = "FILE.npy")]
         logits_out: Option<PathBuf>,
         /// Entry width of raw token files.
-        #[arg(long, value_parser = crate::choice::<anetrain::data::TokenDtype>(), default_value = "u16")]
-        token_dtype: anetrain::data::TokenDtype,
+        #[arg(long, value_parser = crate::choice::<anetrain::data::tokens::TokenDtype>(), default_value = "u16")]
+        token_dtype: anetrain::data::tokens::TokenDtype,
         /// tokenizer.json for text data (or a Hub id: its tokenizer)
         /// [default: the model's].
         #[arg(long)]
@@ -100,8 +100,8 @@ enum Command {
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
         /// Engine [default: ane where available, else cpu].
-        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
-        backend: Option<anetrain::backend::Backend>,
+        #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>())]
+        backend: Option<anetrain::device::backend::Backend>,
     },
     /// Generate text from a prompt, streaming tokens to stdout.
     #[command(allow_negative_numbers = true)]
@@ -144,8 +144,8 @@ enum Command {
         /// Engine [default: ane where available, else cpu]. The CPU engine
         /// decodes with a KV cache; the Neural Engine paths rerun the
         /// compiled kernels over the whole (padded) sequence per token.
-        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
-        backend: Option<anetrain::backend::Backend>,
+        #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>())]
+        backend: Option<anetrain::device::backend::Backend>,
     },
     /// Time training steps (forward, backward, AdamW) as `train` runs them;
     /// prints one JSON line last (median/min step time, tokens/s, GFLOP/s,
@@ -169,8 +169,8 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         warmup: usize,
         /// Engine [default: ane where available, else cpu].
-        #[arg(long, value_parser = crate::choice::<anetrain::backend::Backend>())]
-        backend: Option<anetrain::backend::Backend>,
+        #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>())]
+        backend: Option<anetrain::device::backend::Backend>,
         /// Time LoRA training with adapters of this rank on every projection
         /// (base frozen) instead of full training.
         #[arg(long, value_name = "R")]
@@ -225,8 +225,8 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
         /// Entry width (u16 holds ids below 65536).
-        #[arg(long, value_parser = crate::choice::<anetrain::data::TokenDtype>(), default_value = "u16")]
-        token_dtype: anetrain::data::TokenDtype,
+        #[arg(long, value_parser = crate::choice::<anetrain::data::tokens::TokenDtype>(), default_value = "u16")]
+        token_dtype: anetrain::data::tokens::TokenDtype,
     },
     /// Draw a run's train/val loss and learning rate as a PNG.
     Plot {
@@ -355,8 +355,8 @@ enum KernelsCommand {
         #[arg(long, value_name = "R")]
         lora_rank: Option<usize>,
         /// The engine whose memory plan to show.
-        #[arg(long, value_parser = choice::<anetrain::backend::Backend>(), default_value = "ane")]
-        backend: anetrain::backend::Backend,
+        #[arg(long, value_parser = choice::<anetrain::device::backend::Backend>(), default_value = "ane")]
+        backend: anetrain::device::backend::Backend,
         #[command(flatten)]
         memory: cmd_train::MemoryArgs,
         /// Print the plan (tiles and memory) as JSON.
@@ -507,7 +507,7 @@ fn info() {
     }
     println!(
         "default backend: {}",
-        anetrain::backend::Backend::platform_default().name()
+        anetrain::device::backend::Backend::platform_default().name()
     );
 }
 
@@ -575,10 +575,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             out,
             tokenizer,
         } => {
-            let model = anetrain::convert::load_llama2c(&input)?;
+            let model = anetrain::tools::convert::load_llama2c(&input)?;
             model.save(&out)?;
             if let Some(t) = tokenizer {
-                anetrain::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&t)?)?
+                anetrain::data::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&t)?)?
                     .save_to_dir(&out, model.cfg.max_position_embeddings)?;
             }
             println!(
@@ -597,7 +597,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 },
         } => {
             let files: Vec<&std::path::Path> = input.iter().map(PathBuf::as_path).collect();
-            let tok = anetrain::corpus::train_tokenizer_on_files(&files, vocab_size)?;
+            let tok = anetrain::data::corpus::train_tokenizer_on_files(&files, vocab_size)?;
             tok.save(&out)?;
             println!(
                 "wrote a tokenizer of {} tokens to {}",
@@ -611,8 +611,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             output,
             token_dtype,
         } => {
-            let tok = anetrain::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&tokenizer)?)?;
-            let n = anetrain::data::tokenize_file(&tok, &input, &output, token_dtype)?;
+            let tok =
+                anetrain::data::tokenizer::Tokenizer::load(&hub::resolve_tokenizer(&tokenizer)?)?;
+            let n = anetrain::data::tokens::tokenize_file(&tok, &input, &output, token_dtype)?;
             println!("wrote {n} tokens to {}", output.display());
         }
         Command::Bench {
@@ -625,7 +626,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             lora_rank,
             memory,
         } => {
-            let args = anetrain::bench::BenchArgs {
+            let args = anetrain::tools::bench::BenchArgs {
                 lora_rank,
                 memory: memory.options(),
                 model: hub::resolve(&model, hub::Need::Model)?,
@@ -633,9 +634,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 batch,
                 steps,
                 warmup,
-                backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
+                backend: backend
+                    .unwrap_or_else(anetrain::device::backend::Backend::platform_default),
             };
-            let r = anetrain::bench::bench(&args, &mut |line| eprintln!("{line}"))?;
+            let r = anetrain::tools::bench::bench(&args, &mut |line| eprintln!("{line}"))?;
             println!("{r}");
         }
         Command::Merge {
@@ -660,7 +662,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             &hub::resolve_path(&model, hub::Need::Model)?,
             adapter.as_deref(),
             &out,
-            anetrain::gguf::ExportType::parse(&ty)?,
+            anetrain::tools::gguf::ExportType::parse(&ty)?,
             force,
         )?,
         Command::Plot { run, out } => {
@@ -684,7 +686,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             records,
         } => cmd_model::eval(cmd_model::EvalArgs {
             adapter,
-            backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
+            backend: backend.unwrap_or_else(anetrain::device::backend::Backend::platform_default),
             model: hub::resolve_path(&model, hub::Need::Model)?,
             data,
             tokens,
@@ -711,7 +713,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             chat,
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
             adapter,
-            backend: backend.unwrap_or_else(anetrain::backend::Backend::platform_default),
+            backend: backend.unwrap_or_else(anetrain::device::backend::Backend::platform_default),
             model: hub::resolve_path(&model, hub::Need::Model)?,
             prompt,
             max_tokens,
@@ -800,7 +802,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
-    anetrain::mem::keep_freed_memory();
+    anetrain::util::mem::keep_freed_memory();
     // A panic is a bug in anetrain, never the user's fault: report it in one
     // line, without a backtrace, and exit with a distinct status.
     std::panic::set_hook(Box::new(|info| {

@@ -331,7 +331,7 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         false => name,
     };
     c.text(LEFT + 470, 14, &format!("run: {shown}"), BLACK, 2);
-    anetrain::fsutil::write_atomic(out, &encode_png(&c.px)?)
+    anetrain::util::fsutil::write_atomic(out, &encode_png(&c.px)?)
 }
 
 /// The raster as an 8-bit RGB PNG.

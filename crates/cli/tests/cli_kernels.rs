@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use common::{bin, tmp};
 
-use anetrain::config::ModelConfig;
 use anetrain::kernels::{build, KernelKind, KernelOptions, Shape};
+use anetrain::model::config::ModelConfig;
 
 #[test]
 fn kernels_check_passes_for_qwen3_0_6b_at_seq_256() {

@@ -77,7 +77,8 @@ fn generation_config_ends_generation_and_sets_the_sampling_defaults() {
     assert_eq!(generate(&model, &["--temperature", "0"]).trim_end(), "Once");
     // One id: the first greedy token's id ends it as well.
     let first = {
-        let tok = anetrain::tokenizer::Tokenizer::load(&model.join("tokenizer.json")).unwrap();
+        let tok =
+            anetrain::data::tokenizer::Tokenizer::load(&model.join("tokenizer.json")).unwrap();
         let full = tok.encode(greedy.trim_end()).unwrap();
         let prompt = tok.encode("Once").unwrap();
         full[prompt.len()]

@@ -6,7 +6,7 @@ use mil::{DType, Executable, Precision, Tensor};
 
 use super::layout::Encoding;
 use super::{build, run_cpu, KernelKind, KernelOptions, KernelProgram, Port, Shape, Tensors};
-use crate::rng::Rng;
+use crate::util::rng::Rng;
 
 /// Worst relative error (max |mil − cpu| / max |cpu|, per output block).
 /// fp32 mode is compared with the twin computing with the program's own

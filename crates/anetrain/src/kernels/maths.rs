@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use super::io::LayerWeights;
 use super::{KernelOptions, Product, Rope, Shape};
 use crate::model::Projection;
-use crate::simd::{exp, vectorized};
+use crate::util::simd::{exp, vectorized};
 
 /// `W [m, k] · X [k, n]` → `[m, n]`.
 pub fn w_x(w: &[f32], x: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
@@ -264,7 +264,7 @@ pub fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p
     }
     for i in 0..seq {
         let (live, masked) = p[i * seq..(i + 1) * seq].split_at_mut(i + 1);
-        crate::simd::softmax_scaled(live, scale);
+        crate::util::simd::softmax_scaled(live, scale);
         masked.fill(0.0);
     }
 }
@@ -293,7 +293,7 @@ pub fn masked_head_probs(
         row.iter_mut()
             .zip(m)
             .for_each(|(x, &m)| *x = *x * scale + m);
-        crate::simd::softmax_scaled(row, 1.0);
+        crate::util::simd::softmax_scaled(row, 1.0);
     }
 }
 

@@ -48,7 +48,7 @@ pub mod wo_forward;
 
 use serde::Serialize;
 
-use crate::config::ModelConfig;
+use crate::model::config::ModelConfig;
 use crate::model::Projection;
 pub use ffn_backward_w13::FfnBackwardW13;
 pub use ffn_backward_w2::FfnBackwardW2;
@@ -234,7 +234,7 @@ pub struct LoraKernel {
 
 impl LoraKernel {
     /// What the kernels need of adapters configured as `cfg`.
-    pub fn of(cfg: &crate::lora::LoraConfig) -> LoraKernel {
+    pub fn of(cfg: &crate::model::lora::LoraConfig) -> LoraKernel {
         LoraKernel {
             rank: cfg.rank,
             scale: cfg.scale(),

@@ -59,7 +59,7 @@ fn count_from_env(var: &str) -> usize {
 
 /// The narrowest block of positions a sequence tile holds, and the
 /// multiple every block is of: the runner's padding granularity
-/// ([`crate::runner::SEQ_MULTIPLE`]: surfaces at least 32 wide, sequence
+/// ([`crate::device::SEQ_MULTIPLE`]: surfaces at least 32 wide, sequence
 /// strides multiples of 16).
 pub const SEQ_BLOCK_MULTIPLE: usize = 32;
 
@@ -797,7 +797,7 @@ pub fn projection_block(
     full: &Shape,
     t: usize,
     p: Projection,
-    param: &crate::params::Param,
+    param: &crate::model::params::Param,
 ) -> Vec<f32> {
     let (oe, ie) = projection_extents(p);
     let (rows, cols) = full.projection(p);
@@ -933,7 +933,7 @@ pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::ModelConfig;
+    use crate::model::config::ModelConfig;
 
     #[test]
     fn blocks_cut_rows_and_columns() {

@@ -11,8 +11,8 @@ use tokenizers::models::TrainerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::AddedToken;
 
-use crate::rng::Rng;
-use crate::tokenizer::Tokenizer;
+use crate::data::tokenizer::Tokenizer;
+use crate::util::rng::Rng;
 
 /// Separates stories in the token stream.
 pub const END_OF_TEXT: &str = "<|endoftext|>";

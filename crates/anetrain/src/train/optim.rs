@@ -4,9 +4,9 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::grads::Grads;
+use crate::engine::grads::Grads;
 use crate::model::Model;
-use crate::simd::vectorized;
+use crate::util::simd::vectorized;
 
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct AdamWConfig {
@@ -45,12 +45,12 @@ impl AdamW {
             m: model
                 .trainable()
                 .iter()
-                .map(|p| crate::mem::zeroed_huge(p.data.len()))
+                .map(|p| crate::util::mem::zeroed_huge(p.data.len()))
                 .collect(),
             v: model
                 .trainable()
                 .iter()
-                .map(|p| crate::mem::zeroed_huge(p.data.len()))
+                .map(|p| crate::util::mem::zeroed_huge(p.data.len()))
                 .collect(),
         }
     }

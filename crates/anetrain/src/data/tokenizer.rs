@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::chat::{self, ChatTemplate};
+use crate::data::chat::{self, ChatTemplate};
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -228,9 +228,9 @@ impl Tokenizer {
             Some(text) => text.clone(),
             None => self.hf_config_json(model_max_length),
         };
-        crate::fsutil::write_atomic(&dir.join("tokenizer_config.json"), config.as_bytes())?;
+        crate::util::fsutil::write_atomic(&dir.join("tokenizer_config.json"), config.as_bytes())?;
         if let Some(source) = self.chat.as_ref().and_then(|c| c.jinja_file_source()) {
-            crate::fsutil::write_atomic(&dir.join("chat_template.jinja"), source.as_bytes())?;
+            crate::util::fsutil::write_atomic(&dir.join("chat_template.jinja"), source.as_bytes())?;
         }
         Ok(())
     }
@@ -240,6 +240,6 @@ impl Tokenizer {
             .inner
             .to_string(true)
             .map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
-        crate::fsutil::write_atomic(path, json.as_bytes())
+        crate::util::fsutil::write_atomic(path, json.as_bytes())
     }
 }

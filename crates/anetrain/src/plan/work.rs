@@ -16,8 +16,8 @@
 use anyhow::Result;
 use serde::Serialize;
 
-use crate::config::ModelConfig;
 use crate::kernels::{tiling, KernelOptions, Shape};
+use crate::model::config::ModelConfig;
 
 /// The host's arithmetic per logit in `Engine::head_loss` with a
 /// gradient: the running maximum (1), exp(z − m) and its sum (3), both
@@ -56,7 +56,7 @@ impl StepWork {
         full: bool,
         grad_checkpoint: bool,
     ) -> Result<StepWork> {
-        let compiled = crate::runner::compiled_length(seq);
+        let compiled = crate::device::compiled_length(seq);
         let plan = tiling::plan(&Shape::new(cfg, compiled), opts).map_err(anyhow::Error::msg)?;
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
         let (head_flop, head_evaluations) = plan.head_work(true);
@@ -66,7 +66,7 @@ impl StepWork {
         // dE = dz·xfᵀ, one product over the head.
         let head_gradient = 2.0 * v * d * tokens;
         let weight_gradients = match full {
-            true => crate::bench::projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
+            true => crate::tools::bench::projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
             false => 0.0,
         };
         let softmax = HOST_FLOP_PER_LOGIT * v * tokens;
@@ -135,7 +135,7 @@ mod tests {
         assert_eq!(plain.host_flop, 8.0 * v * 64.0 + 2.0 * d * 64.0);
         // Weight gradients: one of the three passes over the projections,
         // and the head's.
-        let wg = crate::bench::projection_flops(&cfg, 64) / 3.0 + head;
+        let wg = crate::tools::bench::projection_flops(&cfg, 64) / 3.0 + head;
         assert_eq!(plain.host_weight_gradient_flop, wg);
     }
 }

@@ -268,7 +268,7 @@ pub enum DeviceBuffers {
     Streamed,
 }
 
-impl crate::choice::Choice for DeviceBuffers {
+impl crate::util::choice::Choice for DeviceBuffers {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (
             DeviceBuffers::Persistent,

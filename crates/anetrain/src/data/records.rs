@@ -24,7 +24,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::tokenizer::Tokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 /// The field names of prompt/completion records.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -394,7 +394,7 @@ impl Fitted {
 /// position alone and resumes exactly.
 pub fn epoch_order(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
     let mut rng =
-        crate::rng::Rng::new(seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed_da7a);
+        crate::util::rng::Rng::new(seed ^ epoch.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed_da7a);
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         order.swap(i, rng.below(i + 1));

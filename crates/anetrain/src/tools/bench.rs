@@ -6,16 +6,16 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde_json::json;
 
-use crate::backend::{self, Backend};
-use crate::config::ModelConfig;
+use crate::device::backend::{self, Backend};
+use crate::device::KernelRunner;
 use crate::engine::{self, zero_grads, Engine, Grads};
-use crate::lora::{Lora, LoraConfig};
-use crate::memplan::RunPlan;
+use crate::model::config::ModelConfig;
+use crate::model::lora::{Lora, LoraConfig};
 use crate::model::Model;
 use crate::model::Projection;
-use crate::optim::{self, AdamW, AdamWConfig};
-use crate::rng::Rng;
-use crate::runner::KernelRunner;
+use crate::plan::memory::RunPlan;
+use crate::train::optim::{self, AdamW, AdamWConfig};
+use crate::util::rng::Rng;
 
 /// FLOPs of one training step (forward + backward = 3× forward), counting
 /// every matmul including the LM head and full (unmasked) attention.
@@ -184,7 +184,7 @@ pub struct BenchArgs {
     /// LoRA rank (every projection adapted, base frozen), if any.
     pub lora_rank: Option<usize>,
     /// Checkpointing and device buffers, as `train` takes them.
-    pub memory: crate::memplan::MemoryOptions,
+    pub memory: crate::plan::memory::MemoryOptions,
 }
 
 /// Jiffies the hypervisor gave to other guests ("steal") and all jiffies,
@@ -257,7 +257,7 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
             progress,
         ),
         Backend::AneSim => {
-            let device = crate::backend::open_sim()?;
+            let device = crate::device::backend::open_sim()?;
             let make = |m: &Model| {
                 Engine::neural(m, device)
                     .buffers(plan.buffers)
@@ -378,7 +378,7 @@ fn run<R: KernelRunner>(
     // Where the arithmetic goes on the device path (none on the CPU).
     let work = match a.backend {
         Backend::Cpu => None,
-        _ => Some(crate::work::StepWork::plan(
+        _ => Some(crate::plan::work::StepWork::plan(
             &model.cfg,
             a.seq,
             a.batch,
@@ -488,7 +488,7 @@ mod tests {
         )
         .unwrap();
         let cfg = ModelConfig::preset("tiny").unwrap();
-        let softmax = crate::work::HOST_FLOP_PER_LOGIT * (cfg.vocab_size * 32) as f64;
+        let softmax = crate::plan::work::HOST_FLOP_PER_LOGIT * (cfg.vocab_size * 32) as f64;
         let dxf = 2.0 * (cfg.hidden_size * 32) as f64;
         assert_eq!(
             sim["host_gflop"].as_f64(),

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::{Arch, ModelConfig};
+use crate::model::config::{Arch, ModelConfig};
 use crate::model::Model;
 
 /// Moves rows of a `[heads·HD, cols]` matrix from interleaved to half-split order.

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-use crate::tokenizer::Tokenizer;
+use crate::data::tokenizer::Tokenizer;
 
 /// Width of a raw token file's entries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -15,7 +15,7 @@ pub enum TokenDtype {
     U32,
 }
 
-impl crate::choice::Choice for TokenDtype {
+impl crate::util::choice::Choice for TokenDtype {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (TokenDtype::U16, "u16", "2-byte little-endian token ids"),
         (TokenDtype::U32, "u32", "4-byte little-endian token ids"),
@@ -281,7 +281,7 @@ pub fn tokenize_file(
             TokenDtype::U32 => bytes.extend_from_slice(&t.to_le_bytes()),
         }
     }
-    crate::fsutil::write_atomic(output, &bytes)?;
+    crate::util::fsutil::write_atomic(output, &bytes)?;
     Ok(ids.len())
 }
 
@@ -291,8 +291,8 @@ mod tests {
 
     #[test]
     fn tokenize_file_roundtrips_through_the_token_reader() {
-        let texts = crate::corpus::stories(50, 2);
-        let tok = crate::corpus::train_tokenizer(&texts, 300).unwrap();
+        let texts = crate::data::corpus::stories(50, 2);
+        let tok = crate::data::corpus::train_tokenizer(&texts, 300).unwrap();
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path();
         let input = dir.join("in.txt");

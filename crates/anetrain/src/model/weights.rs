@@ -7,12 +7,12 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-use crate::config::{Arch, ModelConfig};
-use crate::fsutil::write_atomic;
-use crate::lora::Lora;
-pub use crate::params::{LayerIds, Param, Projection, Stored, StoredDtype};
-use crate::rng::Rng;
-use crate::tensor_file;
+use crate::model::config::{Arch, ModelConfig};
+use crate::model::lora::Lora;
+pub use crate::model::params::{LayerIds, Param, Projection, Stored, StoredDtype};
+use crate::model::tensor_file;
+use crate::util::fsutil::write_atomic;
+use crate::util::rng::Rng;
 
 /// Parameters in a fixed order: embedding, layers, final norm, lm_head.
 #[derive(Clone, Debug)]

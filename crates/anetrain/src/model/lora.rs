@@ -16,11 +16,11 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::config::ModelConfig;
-use crate::fsutil::write_atomic;
-use crate::params::{Param, Projection};
-use crate::rng::Rng;
-use crate::tensor_file;
+use crate::model::config::ModelConfig;
+use crate::model::params::{Param, Projection};
+use crate::model::tensor_file;
+use crate::util::fsutil::write_atomic;
+use crate::util::rng::Rng;
 
 /// Adapter hyper-parameters (PEFT's `r`, `lora_alpha`, `lora_dropout`,
 /// `target_modules`, `use_rslora`).

@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
 
-use crate::params::{Stored, StoredDtype};
+use crate::model::params::{Stored, StoredDtype};
 
 /// One tensor decoded to f32.
 #[derive(Clone, Debug, PartialEq)]

@@ -22,7 +22,7 @@ pub fn zero_grads(model: &Model) -> Grads {
     let bufs: Vec<Vec<f32>> = model
         .trainable()
         .iter()
-        .map(|p| crate::mem::zeroed_huge(p.data.len()))
+        .map(|p| crate::util::mem::zeroed_huge(p.data.len()))
         .collect();
     Grads::from(bufs)
 }

@@ -23,11 +23,11 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::config::ModelConfig;
-use crate::fsutil::{write_atomic, write_atomic_with};
+use crate::model::config::ModelConfig;
+use crate::model::tensor_file;
 use crate::model::Model;
-use crate::optim::{AdamW, AdamWConfig};
-use crate::tensor_file;
+use crate::train::optim::{AdamW, AdamWConfig};
+use crate::util::fsutil::{write_atomic, write_atomic_with};
 
 /// Everything besides tensors needed to continue a run bit for bit.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -47,7 +47,7 @@ pub struct TrainerState {
     pub total_steps: u64,
     pub config: ModelConfig,
     /// Loss-scaler state (fp16 backends).
-    pub scaler: crate::optim::LossScaler,
+    pub scaler: crate::train::optim::LossScaler,
     pub adamw: AdamWConfig,
     /// The run's settings, which a resume must repeat (see `train`).
     pub settings: serde_json::Value,
@@ -335,7 +335,7 @@ pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerSta
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::optim::LossScaler;
+    use crate::train::optim::LossScaler;
 
     fn state(cfg: &ModelConfig) -> TrainerState {
         TrainerState {

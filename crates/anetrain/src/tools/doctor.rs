@@ -18,12 +18,12 @@ use std::time::Instant;
 use ane::{Device, SimDevice};
 use serde::Serialize;
 
-use crate::backend::Backend;
-use crate::config::ModelConfig;
+use crate::device::backend::Backend;
 use crate::kernels::check::{pack_all, random_inputs};
 use crate::kernels::{build, KernelKind, KernelOptions, Shape};
-use crate::rng::Rng;
+use crate::model::config::ModelConfig;
 use crate::train::{self, Event, Sample, TrainRequest, TrainSettings};
+use crate::util::rng::Rng;
 
 /// Largest relative difference (against the largest entry of each output)
 /// accepted between the device and the simulator for one kernel: both
@@ -265,7 +265,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         model: req.model.clone(),
         backend,
         data: None,
-        token_dtype: crate::data::TokenDtype::U16,
+        token_dtype: crate::data::tokens::TokenDtype::U16,
         seq: req.seq,
         batch: 1,
         accum: 1,

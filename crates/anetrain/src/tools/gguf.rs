@@ -41,10 +41,10 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde_json::Value as Json;
 
-use crate::config::Arch;
-use crate::generate::GenerationConfig;
+use crate::data::tokenizer::Tokenizer;
+use crate::model::config::Arch;
+use crate::model::generation::GenerationConfig;
 use crate::model::Model;
-use crate::tokenizer::Tokenizer;
 
 /// GGUF files start with these bytes, then the version.
 const MAGIC: &[u8; 4] = b"GGUF";
@@ -274,7 +274,7 @@ pub fn export(
         head.extend_from_slice(&(*off as u64).to_le_bytes());
     }
     head.resize(head.len().next_multiple_of(ALIGNMENT), 0);
-    crate::fsutil::write_atomic_with(out, |w| {
+    crate::util::fsutil::write_atomic_with(out, |w| {
         w.write_all(&head)?;
         let mut at = 0usize;
         for (t, off) in tensors.iter().zip(&offsets) {

@@ -9,14 +9,17 @@
 //!   x2n = rmsnorm(x2)·w_ffn;  x' = x2 + α·W2(silu(W1 x2n)·W3 x2n)
 //! and backward runs the same list in reverse, each piece beside its maths.
 
+pub mod generate;
+pub mod grads;
+
 use anyhow::{bail, Result};
 use linalg::{matmul, MatMut, MatRef};
 
-pub use crate::grads::{zero_grads, Grads};
+use crate::device::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
+pub use crate::engine::grads::{zero_grads, Grads};
 use crate::kernels::{self, maths, KernelOptions, Shape};
 use crate::model::{LayerIds, Model, Projection};
-use crate::rng::Rng;
-use crate::runner::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
+use crate::util::rng::Rng;
 
 /// Runs `job` (weight gradients) on a worker thread beside `kernel` (device
 /// work) when `overlap` is set, else one after the other; both have
@@ -278,7 +281,7 @@ impl<D: ane::Device> Engine<NeuralKernels<D>> {
     }
 
     /// With device buffers kept as `mode` says.
-    pub fn buffers(mut self, mode: crate::runner::DeviceBuffers) -> Self {
+    pub fn buffers(mut self, mode: crate::device::DeviceBuffers) -> Self {
         self.runner = self.runner.with_buffers(mode);
         self
     }
@@ -662,7 +665,7 @@ fn exp_shifted(lt: &mut [f32], max: &[f32], seq: usize) -> Vec<f64> {
         .map(|b| {
             let mut sum = vec![0f64; seq];
             for row in b.chunks_mut(seq) {
-                crate::simd::exp_shifted_accumulate(row, max, &mut sum);
+                crate::util::simd::exp_shifted_accumulate(row, max, &mut sum);
             }
             sum
         })
@@ -912,13 +915,13 @@ pub fn loss_and_grads<R: KernelRunner>(
 }
 
 /// Mean cross-entropy over the counted targets of `examples` (see
-/// [`crate::records::Example`]): summed over the batch, divided by the
+/// [`crate::data::records::Example`]): summed over the batch, divided by the
 /// count, as PyTorch's `cross_entropy` with `ignore_index` on the
 /// uncounted positions. Returns the loss and the count.
 pub fn examples_loss<R: KernelRunner>(
     engine: &mut Engine<R>,
     model: &Model,
-    examples: &[crate::records::Example],
+    examples: &[crate::data::records::Example],
 ) -> Result<(f64, usize)> {
     let mut total = 0f64;
     let mut count = 0usize;
@@ -946,7 +949,7 @@ mod tests {
     /// its input and head gradients do not depend on the chunk size.
     #[test]
     fn chunked_head_loss_matches_the_whole_vocabulary() {
-        let mut cfg = crate::config::ModelConfig::preset("tiny").unwrap();
+        let mut cfg = crate::model::config::ModelConfig::preset("tiny").unwrap();
         cfg.vocab_size = 700;
         cfg.tie_word_embeddings = false;
         let model = Model::init(&cfg, 3).unwrap();

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use crate::config::ModelConfig;
+use crate::model::config::ModelConfig;
 
 /// One parameter tensor.
 #[derive(Clone, Debug, PartialEq)]
@@ -301,7 +301,7 @@ impl Projection {
     }
 }
 
-impl crate::choice::Choice for Projection {
+impl crate::util::choice::Choice for Projection {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (Projection::Q, "q", "self_attn.q_proj"),
         (Projection::K, "k", "self_attn.k_proj"),

@@ -3,6 +3,9 @@
 //! metrics, and checkpoints with exact resume. Progress is reported as
 //! [`Event`]s; the caller decides how to show them and when to stop.
 
+pub mod checkpoint;
+pub mod optim;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,22 +14,22 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::backend::{self, Backend};
-use crate::checkpoint::{self, TrainerState};
-use crate::choice::Choice;
-use crate::config::ModelConfig;
-use crate::corpus;
-use crate::data::{self, TokenDtype};
+use crate::data::corpus;
+use crate::data::records::{self, Example};
+use crate::data::tokenizer::Tokenizer;
+use crate::data::tokens::{self, TokenDtype};
+use crate::device::backend::{self, Backend};
+use crate::device::KernelRunner;
 use crate::engine::{self, zero_grads, Engine};
-use crate::fsutil::write_atomic;
-use crate::lora::{Lora, LoraConfig};
-use crate::memplan::RunPlan;
+use crate::model::config::ModelConfig;
+use crate::model::lora::{Lora, LoraConfig};
 use crate::model::Model;
-use crate::optim::{self, AdamW, AdamWConfig, LossScaler};
-use crate::records::{self, Example};
-use crate::rng::Rng;
-use crate::runner::KernelRunner;
-use crate::tokenizer::Tokenizer;
+use crate::plan::memory::RunPlan;
+use crate::util::choice::Choice;
+use crate::util::fsutil::write_atomic;
+use crate::util::rng::Rng;
+use checkpoint::TrainerState;
+use optim::{AdamW, AdamWConfig, LossScaler};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Sample {
@@ -36,7 +39,7 @@ pub enum Sample {
     Sequential,
 }
 
-impl crate::choice::Choice for Sample {
+impl crate::util::choice::Choice for Sample {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (
             Sample::Random,
@@ -114,7 +117,7 @@ pub struct TrainRequest {
     pub memory: MemoryOptions,
 }
 
-pub use crate::memplan::MemoryOptions;
+pub use crate::plan::memory::MemoryOptions;
 
 /// What a run reports as it goes.
 #[derive(Clone, Debug, PartialEq)]
@@ -168,7 +171,7 @@ struct Corpus {
 /// one example each.
 enum Source {
     Stream {
-        tokens: data::Tokens,
+        tokens: tokens::Tokens,
         /// Tokens `..train_end` train; the rest is the validation split.
         train_end: usize,
         val: Vec<u32>,
@@ -207,7 +210,7 @@ fn load_records(
         let f = records::read_file(file, tok, &s.keys, s.mask_prompt)?;
         templated |= f.format != records::Format::Text && tok.chat.is_some();
         for e in &f.examples {
-            data::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
+            tokens::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
         }
         let fitted = records::fit(f.examples, s.seq);
         if let Some(w) = fitted.warning(file, s.seq) {
@@ -250,7 +253,7 @@ fn end_of_turn_warning(tok: &Tokenizer, model_dir: &Path) -> Result<Option<Strin
     };
     let mut ends: Vec<u32> = vec![];
     let gen = match model_dir.is_dir() {
-        true => crate::generate::GenerationConfig::load(model_dir)?,
+        true => crate::model::generation::GenerationConfig::load(model_dir)?,
         false => None,
     };
     ends.extend(gen.iter().flat_map(|g| g.eos_token_ids.iter().copied()));
@@ -289,7 +292,7 @@ fn load_corpus(
                 None => corpus::train_tokenizer(&texts, cfg.vocab_size)?,
             };
             let ids = corpus::encode_all(&tok, &texts)?;
-            (data::Tokens::Owned(ids), Some(tok))
+            (tokens::Tokens::Owned(ids), Some(tok))
         }
         Some(path) if records::is_records(path) => {
             let tok = tokenizer.with_context(|| {
@@ -310,7 +313,7 @@ fn load_corpus(
         Some(path) => {
             let preset = ModelConfig::preset(&s.model).is_some();
             let mut tokenizer = tokenizer;
-            if fresh && preset && tokenizer.is_none() && data::is_text(path) {
+            if fresh && preset && tokenizer.is_none() && tokens::is_text(path) {
                 // Text for a preset trained from scratch, and no tokenizer:
                 // train one on the text (saved in the run directory).
                 let tok = corpus::train_tokenizer_on_files(&[path.as_path()], cfg.vocab_size)?;
@@ -327,12 +330,12 @@ fn load_corpus(
                     cfg.vocab_size = t.vocab_size();
                 }
             }
-            let ids = data::open_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
+            let ids = tokens::open_tokens(path, s.token_dtype, tokenizer.as_ref(), cfg.vocab_size)?;
             (ids, tokenizer)
         }
     };
-    if let data::Tokens::Owned(ids) = &tokens {
-        data::check_ids(ids, cfg.vocab_size, "training data")?;
+    if let tokens::Tokens::Owned(ids) = &tokens {
+        tokens::check_ids(ids, cfg.vocab_size, "training data")?;
     }
     let n = tokens.len();
     let n_val = if s.val_frac > 0.0 {
@@ -389,7 +392,7 @@ fn next_examples(
 
 /// Draws the next window of `seq + 1` tokens from the first `n_train`.
 fn next_window(
-    tokens: &data::Tokens,
+    tokens: &tokens::Tokens,
     n_train: usize,
     seq: usize,
     sample: Sample,
@@ -522,7 +525,7 @@ fn val_loss<R: KernelRunner>(
     n: usize,
 ) -> Result<Option<f64>> {
     let examples: Vec<Example> = match source {
-        Source::Stream { val, .. } => data::windows(val, seq)
+        Source::Stream { val, .. } => tokens::windows(val, seq)
             .into_iter()
             .take(n)
             .map(|tokens| Example { tokens, offset: 0 })
@@ -847,7 +850,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             t.save_to_dir(&out, model.cfg.max_position_embeddings)?;
         }
         // And the base's generation config: where its generation ends.
-        crate::generate::copy_generation_config(Path::new(&s.model), &out)?;
+        crate::model::generation::copy_generation_config(Path::new(&s.model), &out)?;
         (model, opt, state, corpus)
     };
 
@@ -870,7 +873,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
             run.go(e, &mut model, &mut opt, &mut state)
         }
         (Backend::AneSim, _) => {
-            let e = Engine::neural(&model, crate::backend::open_sim()?)
+            let e = Engine::neural(&model, crate::device::backend::open_sim()?)
                 .buffers(buffers)
                 .checkpointing(ckpt);
             run.go(e, &mut model, &mut opt, &mut state)
@@ -967,7 +970,7 @@ impl Run<'_> {
         let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
         let (train_tokens, val_tokens) = self.corpus.source.sizes();
-        if let Some(line) = crate::backend::chip_family_line(s.backend)? {
+        if let Some(line) = crate::device::backend::chip_family_line(s.backend)? {
             (self.report)(&Event::Note(line));
         }
         (self.report)(&Event::Started {
@@ -1085,7 +1088,7 @@ impl Run<'_> {
         opt: &mut AdamW,
         state: &mut TrainerState,
         rng: &mut Rng,
-        grads: &mut crate::grads::Grads,
+        grads: &mut crate::engine::grads::Grads,
     ) -> Result<Option<StepStats>> {
         let (r, s, corpus) = (self.r, self.s, self.corpus);
         let step = state.step;

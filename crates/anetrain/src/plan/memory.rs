@@ -23,15 +23,15 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::backend::Backend;
-use crate::choice::Choice;
+use crate::device::backend::Backend;
+use crate::util::choice::Choice;
 
-use crate::config::ModelConfig;
+use crate::device::DeviceBuffers;
+use crate::device::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelOptions, Shape};
-use crate::lora::LoraConfig;
+use crate::model::config::ModelConfig;
+use crate::model::lora::LoraConfig;
 use crate::model::{Projection, StoredDtype};
-use crate::runner::DeviceBuffers;
-use crate::runner::HEAD_CHUNK_ROWS;
 
 /// How the run holds the base weights.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -221,7 +221,7 @@ impl MemoryPlan {
         // The device's plan, when the kernels run on one.
         let plan = match (r.device, r.opts) {
             (Some(_), Some(opts)) => {
-                let compiled = crate::runner::compiled_length(r.seq);
+                let compiled = crate::device::compiled_length(r.seq);
                 Some(tiling::plan(&Shape::new(cfg, compiled), opts)?)
             }
             _ => None,
@@ -395,7 +395,7 @@ pub fn file_dtype(model: &Path) -> anyhow::Result<StoredDtype> {
         return Ok(StoredDtype::BF16);
     }
     for f in &crate::model::safetensor_files(model)? {
-        if let Some((_, (_, s))) = crate::tensor_file::map(f)?
+        if let Some((_, (_, s))) = crate::model::tensor_file::map(f)?
             .into_iter()
             .find(|(_, (shape, _))| shape.len() == 2)
         {

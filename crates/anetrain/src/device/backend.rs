@@ -13,7 +13,7 @@ pub enum Backend {
     Ane,
 }
 
-impl crate::choice::Choice for Backend {
+impl crate::util::choice::Choice for Backend {
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (Backend::Cpu, "cpu", "Native f32 kernels on the CPU"),
         (

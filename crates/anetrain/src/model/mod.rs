@@ -1,0 +1,11 @@
+//! The model as data: its configuration, parameters in Hugging Face names
+//! and shapes, LoRA adapters, and Hugging Face directories on disk.
+
+pub mod config;
+pub mod generation;
+pub mod lora;
+pub mod params;
+pub mod tensor_file;
+mod weights;
+
+pub use weights::*;

@@ -1,0 +1,5 @@
+//! What a run will need before it starts: memory ([`memory`]) and the
+//! arithmetic of a step, on the device and on the host ([`work`]).
+
+pub mod memory;
+pub mod work;

@@ -1,0 +1,7 @@
+//! Commands built on the library that nothing in it depends on: speed
+//! benchmarks, the device doctor, llama2.c conversion and GGUF export.
+
+pub mod bench;
+pub mod convert;
+pub mod doctor;
+pub mod gguf;
