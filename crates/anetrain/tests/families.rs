@@ -5,6 +5,8 @@
 //! within fp16 tolerance of its CPU twin under every family, outliers
 //! above the 4094 clamp included.
 
+mod common;
+
 use ane::family::Family;
 use ane::SimDevice;
 use anetrain::kernels::check::{check_on_device, FP16_TOL};
@@ -168,7 +170,7 @@ fn programs_differing_only_in_a_constant_differ_in_text() {
 /// tolerances as with `concat`.
 #[test]
 fn kernels_without_concat_compute_the_same() {
-    use anetrain::engine::{self, zero_grads, Engine};
+    use anetrain::engine::{zero_grads, Engine};
     let no_concat = ane::family::Limits {
         concat: false,
         ..Family::M4.limits()
@@ -205,8 +207,8 @@ fn kernels_without_concat_compute_the_same() {
     let mut cpu = Engine::cpu(&model);
     let mut sim = Engine::neural(&model, SimDevice::new().with_limits(no_concat));
     let (mut gc, mut gs) = (zero_grads(&model), zero_grads(&model));
-    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
-    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
+    let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+    let (ls, _) = common::batch_loss(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
     assert!((lc - ls).abs() < 2e-2, "loss {lc} vs {ls}");
     for (p, (a, b)) in model.params.iter().zip(gc.iter().zip(&gs)) {
         let scale = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);

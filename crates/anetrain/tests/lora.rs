@@ -9,10 +9,11 @@ mod common;
 use common::{fixture, floats, max_abs, max_diff, tokens};
 
 use anetrain::device::KernelRunner;
-use anetrain::engine::{self, zero_grads, Engine};
+use anetrain::engine::{zero_grads, Engine};
 use anetrain::model::lora::Lora;
 use anetrain::model::Model;
 use anetrain::train::optim::{AdamW, AdamWConfig};
+use anetrain::train::step;
 
 /// The fixture's base model with its starting adapter attached.
 fn adapted(kind: &str) -> Model {
@@ -30,7 +31,7 @@ fn logits_err<R: KernelRunner>(kind: &str, eng: &mut Engine<R>, model: &Model) -
     let mut worst = 0f32;
     for (b, row) in tokens(&dir).iter().enumerate() {
         let n = row.len() - 1;
-        let fwd = eng.forward(model, &row[..n]).unwrap();
+        let fwd = eng.forward(model, &row[..n], None).unwrap();
         let got = eng.logits(model, &fwd.xf).unwrap();
         let w = &want[b * n * v..(b + 1) * n * v];
         worst = worst.max(max_diff(&got, w) / max_abs(w));
@@ -60,7 +61,7 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
             "gradients only for adapters"
         );
         let rows = tokens(&dir);
-        let (loss, _) = engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
+        let (loss, _) = common::batch_loss(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
         let want_loss = j["loss"].as_f64().unwrap();
         assert!(
             ((loss - want_loss) / want_loss).abs() <= 1e-5,
@@ -102,7 +103,17 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
         let mut m2 = model.clone();
         let base_before = m2.params.clone();
         let mut opt = AdamW::new(&m2, cfg);
-        opt.update(&mut m2, &peft_grads.into(), j["lr"].as_f64().unwrap());
+        // The trainer's update (no clipping, no loss scale).
+        let u = step::apply_update(
+            &mut m2,
+            &mut opt,
+            &peft_grads.into(),
+            0.0,
+            1.0,
+            0.0,
+            j["lr"].as_f64().unwrap(),
+        );
+        assert!(u.finite);
         let after =
             anetrain::model::tensor_file::read(&dir.join("lora/adamw.safetensors")).unwrap();
         for p in &m2.lora.as_ref().unwrap().params {
@@ -135,16 +146,16 @@ fn adapters_run_through_the_simulated_neural_engine() {
         let n = rows[0].len() - 1;
         let want = {
             let mut cpu = Engine::cpu(&m2);
-            let f = cpu.forward(&m2, &rows[0][..n]).unwrap();
+            let f = cpu.forward(&m2, &rows[0][..n], None).unwrap();
             cpu.logits(&m2, &f.xf).unwrap()
         };
-        let f = eng.forward(&m2, &rows[0][..n]).unwrap();
+        let f = eng.forward(&m2, &rows[0][..n], None).unwrap();
         let got = eng.logits(&m2, &f.xf).unwrap();
         let rel = max_diff(&got, &want) / max_abs(&want);
         assert!(rel <= 3e-2, "{kind}: after restaging, rel err {rel:e}");
         let stale = {
             let mut cpu = Engine::cpu(&model);
-            let f = cpu.forward(&model, &rows[0][..n]).unwrap();
+            let f = cpu.forward(&model, &rows[0][..n], None).unwrap();
             cpu.logits(&model, &f.xf).unwrap()
         };
         assert!(
@@ -174,12 +185,12 @@ fn adapters_save_load_and_merge() {
     let n = rows[0].len() - 1;
     let a = {
         let mut cpu = Engine::cpu(&model);
-        let f = cpu.forward(&model, &rows[0][..n]).unwrap();
+        let f = cpu.forward(&model, &rows[0][..n], None).unwrap();
         cpu.logits(&model, &f.xf).unwrap()
     };
     let b = {
         let mut cpu = Engine::cpu(&merged);
-        let f = cpu.forward(&merged, &rows[0][..n]).unwrap();
+        let f = cpu.forward(&merged, &rows[0][..n], None).unwrap();
         cpu.logits(&merged, &f.xf).unwrap()
     };
     let rel = max_diff(&a, &b) / max_abs(&a);
@@ -195,4 +206,57 @@ fn adapters_save_load_and_merge() {
     .unwrap();
     let err = Lora::load(&model.cfg, &tmp).unwrap_err().to_string();
     assert!(err.contains("DoRA"), "{err}");
+}
+
+/// The library's `generate` on a memory-mapped base with an adapter reads
+/// both: the cached decoder's logits equal the engine's full forward (which
+/// applies the adapter) at every position, and differ from the base's.
+/// (The decoder used to panic on a mapped base and to drop the adapter.)
+#[test]
+fn decoding_reads_a_mapped_base_and_applies_its_adapter() {
+    use anetrain::engine::generate::{generate, Decoder, GenerateOptions};
+    use anetrain::model::generation::Sampling;
+    for kind in ["qwen3", "llama"] {
+        let dir = fixture(kind);
+        let mut model = Model::load_frozen(&dir.join("model")).unwrap();
+        assert!(
+            model.params.iter().any(|p| p.stored.is_some()),
+            "{kind}: not mapped"
+        );
+        let base = {
+            let mut eng = Engine::cpu(&model);
+            let row = &tokens(&dir)[0];
+            let fwd = eng.forward(&model, row, None).unwrap();
+            eng.logits(&model, &fwd.xf).unwrap()
+        };
+        model.lora = Some(Lora::load(&model.cfg, &dir.join("lora/adapter")).unwrap());
+        let row = &tokens(&dir)[0];
+        let mut eng = Engine::cpu(&model);
+        let fwd = eng.forward(&model, row, None).unwrap();
+        let full = eng.logits(&model, &fwd.xf).unwrap();
+        assert!(
+            max_diff(&full, &base) > 1e-3 * max_abs(&base),
+            "{kind}: the adapter changes nothing, so this test could not fail"
+        );
+        let mut dec = Decoder::new(&model);
+        let v = model.cfg.vocab_size;
+        for (p, &t) in row.iter().enumerate() {
+            let l = dec.step(t).unwrap();
+            let want = &full[p * v..(p + 1) * v];
+            let rel = max_diff(&l, want) / max_abs(want);
+            assert!(rel < 1e-5, "{kind} position {p}: {rel:e}");
+        }
+        let o = GenerateOptions {
+            max_new: 3,
+            sampling: Sampling {
+                top_k: 0,
+                temperature: 0.0,
+                top_p: 1.0,
+            },
+            seed: 0,
+            stop: &[],
+        };
+        let out = generate(&model, &row[..4], &o, |_| Ok(())).unwrap();
+        assert_eq!(out.len(), 3, "{kind}");
+    }
 }

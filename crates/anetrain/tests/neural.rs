@@ -7,7 +7,7 @@ mod common;
 use common::{fixture, rel};
 
 use anetrain::device::{CpuKernels, Dropout, KernelRunner};
-use anetrain::engine::{self, zero_grads, Engine};
+use anetrain::engine::{zero_grads, Engine};
 use anetrain::kernels::{Kernel, Shape};
 use anetrain::model::Model;
 
@@ -38,7 +38,7 @@ fn ane_sim_logits_match_transformers_in_fp16() {
                 .iter()
                 .map(|&x| x as u32)
                 .collect();
-            let fwd = eng.forward(&model, &row).unwrap();
+            let fwd = eng.forward(&model, &row, None).unwrap();
             let got = eng.logits(&model, &fwd.xf).unwrap();
             let r = rel(&got, &want[b * n * v..(b + 1) * n * v]);
             eprintln!("{kind} row {b}: ane-sim logits rel err {r:.2e}");
@@ -60,8 +60,8 @@ fn ane_sim_gradients_track_the_cpu_engine_and_restage_after_updates() {
     let mut sim = Engine::neural(&model, ane::SimDevice::new());
     let mut gc = zero_grads(&model);
     let mut gs = zero_grads(&model);
-    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
-    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
+    let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+    let (ls, _) = common::batch_loss(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
     assert!((lc - ls).abs() < 2e-2, "loss {lc} vs {ls}");
     for (p, (a, b)) in model.params.iter().zip(gc.iter().zip(&gs)) {
         let r = rel(b, a);
@@ -72,8 +72,8 @@ fn ane_sim_gradients_track_the_cpu_engine_and_restage_after_updates() {
         p.data.iter_mut().for_each(|x| *x *= 0.9);
     }
     model.version += 1;
-    let fc = cpu.forward(&model, &rows[0][..19]).unwrap();
-    let fs = sim.forward(&model, &rows[0][..19]).unwrap();
+    let fc = cpu.forward(&model, &rows[0][..19], None).unwrap();
+    let fs = sim.forward(&model, &rows[0][..19], None).unwrap();
     assert!(rel(&fs.xf, &fc.xf) < 3e-2);
 }
 
@@ -121,8 +121,8 @@ fn overlapped_weight_gradients_are_bit_identical() {
         );
         let mut ga = zero_grads(&model);
         let mut gb = zero_grads(&model);
-        engine::loss_and_grads(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
-        engine::loss_and_grads(&mut off, &model, &rows, Some(&mut gb)).unwrap();
+        common::batch_loss(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
+        common::batch_loss(&mut off, &model, &rows, Some(&mut gb)).unwrap();
         assert_eq!(ga, gb, "{kind}");
         // Kernels stayed on the calling thread (a device is driven from one).
         assert_eq!(off.runner.1.len(), 1);
@@ -139,12 +139,12 @@ fn a_device_that_flushes_subnormals_gives_the_same_gradients_with_padding() {
     let rows = vec![(0..20).map(|i| (i * 53 % 128) as u32).collect::<Vec<u32>>()];
     let mut cpu = Engine::cpu(&model);
     let mut gc = zero_grads(&model);
-    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+    let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
     for flush in [false, true] {
         let device = ane::SimDevice::new().with_flush_subnormals(flush);
         let mut sim = Engine::neural(&model, device);
         let mut gs = zero_grads(&model);
-        let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
+        let (ls, _) = common::batch_loss(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
         assert!((lc - ls).abs() < 2e-2, "flush {flush}: loss {lc} vs {ls}");
         for (p, (a, b)) in model.params.iter().zip(gc.iter().zip(&gs)) {
             assert!(
@@ -168,8 +168,8 @@ fn many_lengths_stay_within_the_compile_budget() {
     let mut sim = Engine::neural(&model, ane::SimDevice::new());
     for n in [5usize, 20, 40, 17, 100, 3, 64, 33] {
         let row: Vec<u32> = (0..n).map(|i| (i * 31 % 128) as u32).collect();
-        let fs = sim.forward(&model, &row).unwrap();
-        let fc = cpu.forward(&model, &row).unwrap();
+        let fs = sim.forward(&model, &row, None).unwrap();
+        let fc = cpu.forward(&model, &row, None).unwrap();
         assert!(rel(&fs.xf, &fc.xf) < 3e-2, "length {n}");
     }
     // 32, 64, 128: twelve programs each; only the last set is loaded.
@@ -202,7 +202,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         let v = model.cfg.vocab_size;
         let mut eng = tiled(&model);
         let row: Vec<u32> = t[..n].iter().map(|&x| x as u32).collect();
-        let fwd = eng.forward(&model, &row).unwrap();
+        let fwd = eng.forward(&model, &row, None).unwrap();
         let r = rel(&eng.logits(&model, &fwd.xf).unwrap(), &want[..n * v]);
         assert!(r <= 3e-2, "{kind}: tiled logits rel err {r}");
         let plan = eng.runner.plan().unwrap().clone();
@@ -223,8 +223,8 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         let rows = vec![(0..20).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let mut cpu = Engine::cpu(&model);
         let (mut gc, mut gs) = (zero_grads(&model), zero_grads(&model));
-        let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
-        let (ls, _) = engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut gs)).unwrap();
+        let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+        let (ls, _) = common::batch_loss(&mut eng, &model, &rows, Some(&mut gs)).unwrap();
         assert!((lc - ls).abs() < 2e-2, "{kind}: loss {lc} vs {ls}");
         for (p, (a, b)) in model.params.iter().zip(gc.iter().zip(&gs)) {
             let r = rel(b, a);
@@ -244,7 +244,7 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
     let check = |what: &str, model: &Model, row: &[u32], min_tiles: usize| {
         let n = row.len() - 1;
         let mut cpu = Engine::cpu(model);
-        let xf = cpu.forward(model, &row[..n]).unwrap().xf;
+        let xf = cpu.forward(model, &row[..n], None).unwrap().xf;
         let scale = 1.0 / n as f32;
         let mut gc = zero_grads(model);
         let (lc, dc) = cpu
@@ -316,8 +316,8 @@ fn sequence_tiles_give_the_untiled_bits() {
         // 60 positions, padded to 64: two blocks of 32.
         let rows = vec![(0..60).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let (mut gt, mut gp) = (zero_grads(&model), zero_grads(&model));
-        let (lt, _) = engine::loss_and_grads(&mut tiled, &model, &rows, Some(&mut gt)).unwrap();
-        let (lp, _) = engine::loss_and_grads(&mut plain, &model, &rows, Some(&mut gp)).unwrap();
+        let (lt, _) = common::batch_loss(&mut tiled, &model, &rows, Some(&mut gt)).unwrap();
+        let (lp, _) = common::batch_loss(&mut plain, &model, &rows, Some(&mut gp)).unwrap();
         let plan = tiled.runner.plan().unwrap().clone();
         for k in &plan.kernels {
             let seq_split = k
@@ -335,7 +335,7 @@ fn sequence_tiles_give_the_untiled_bits() {
         // results: the gradients move by rounding, not more.
         let mut cpu = Engine::cpu(&model);
         let mut gc = zero_grads(&model);
-        engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+        common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
         for (p, ((a, b), c)) in model.params.iter().zip(gt.iter().zip(&gp).zip(&gc)) {
             let (r, rc) = (rel(a, b), rel(a, c));
             assert!(
@@ -373,8 +373,8 @@ fn tiled_lora_adapters_track_the_cpu_engine() {
     let mut cpu = Engine::cpu(&model);
     let mut sim = tiled(&model);
     let (mut gc, mut gs) = (zero_grads(&model), zero_grads(&model));
-    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
-    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
+    let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
+    let (ls, _) = common::batch_loss(&mut sim, &model, &rows, Some(&mut gs)).unwrap();
     assert!((lc - ls).abs() < 2e-2, "loss {lc} vs {ls}");
     let names = &model.lora.as_ref().unwrap().params;
     for (p, (a, b)) in names.iter().zip(gc.iter().zip(&gs)) {
@@ -400,8 +400,8 @@ fn a_long_sequence_runs_in_query_blocks_and_matches_the_cpu_loss() {
         opts,
     );
     let mut cpu = Engine::cpu(&model);
-    let (ls, _) = engine::loss_and_grads(&mut sim, &model, &rows, None).unwrap();
-    let (lc, _) = engine::loss_and_grads(&mut cpu, &model, &rows, None).unwrap();
+    let (ls, _) = common::batch_loss(&mut sim, &model, &rows, None).unwrap();
+    let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, None).unwrap();
     let plan = sim.runner.plan().unwrap().clone();
     let forward = plan.of(anetrain::kernels::KernelKind::SdpaForward);
     assert!(

@@ -9,9 +9,10 @@ use common::{fixture, max_abs, max_diff, tokens};
 
 use std::path::Path;
 
-use anetrain::engine::{self, zero_grads, Engine};
+use anetrain::engine::{zero_grads, Engine};
 use anetrain::model::Model;
 use anetrain::train::optim::{AdamW, AdamWConfig};
+use anetrain::train::step;
 
 fn json(dir: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(dir.join("fixture.json")).unwrap()).unwrap()
@@ -32,7 +33,7 @@ fn logits_loss_and_gradients_match_transformers() {
         let v = model.cfg.vocab_size;
         for (b, row) in rows.iter().enumerate() {
             let n = row.len() - 1;
-            let fwd = eng.forward(&model, &row[..n]).unwrap();
+            let fwd = eng.forward(&model, &row[..n], None).unwrap();
             let got = eng.logits(&model, &fwd.xf).unwrap();
             let w = &want[b * n * v..(b + 1) * n * v];
             let rel = max_diff(&got, w) / max_abs(w);
@@ -41,7 +42,7 @@ fn logits_loss_and_gradients_match_transformers() {
         }
         // loss and gradients
         let mut grads = zero_grads(&model);
-        let (loss, _) = engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
+        let (loss, _) = common::batch_loss(&mut eng, &model, &rows, Some(&mut grads)).unwrap();
         let want_loss = json(&dir)["loss"].as_f64().unwrap();
         assert!(
             ((loss - want_loss) / want_loss).abs() <= 1e-5,
@@ -74,7 +75,17 @@ fn logits_loss_and_gradients_match_transformers() {
             .collect();
         let mut m2 = model.clone();
         let mut opt = AdamW::new(&m2, cfg);
-        opt.update(&mut m2, &hf_grads.into(), j["lr"].as_f64().unwrap());
+        // The trainer's update (no clipping, no loss scale).
+        let u = step::apply_update(
+            &mut m2,
+            &mut opt,
+            &hf_grads.into(),
+            0.0,
+            1.0,
+            0.0,
+            j["lr"].as_f64().unwrap(),
+        );
+        assert!(u.finite);
         let after = anetrain::model::tensor_file::read(&dir.join("adamw.safetensors")).unwrap();
         for p in &m2.params {
             let d = max_diff(&p.data, &after[&p.name].data);
@@ -103,11 +114,11 @@ fn reused_gradient_buffers_match_fresh_ones() {
             .collect();
         let mut eng = Engine::cpu(&model);
         let mut fresh = zero_grads(&model);
-        engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut fresh)).unwrap();
+        common::batch_loss(&mut eng, &model, &rows, Some(&mut fresh)).unwrap();
         let mut reused = zero_grads(&model);
-        engine::loss_and_grads(&mut eng, &model, &other, Some(&mut reused)).unwrap();
+        common::batch_loss(&mut eng, &model, &other, Some(&mut reused)).unwrap();
         reused.reset();
-        engine::loss_and_grads(&mut eng, &model, &rows, Some(&mut reused)).unwrap();
+        common::batch_loss(&mut eng, &model, &rows, Some(&mut reused)).unwrap();
         for (p, (a, b)) in model.params.iter().zip(fresh.iter().zip(&reused)) {
             let d = max_diff(a, b);
             assert!(
@@ -189,7 +200,7 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         // The cached decoder's logits equal the full forward's at every position.
         let row = &tokens(&dir)[0];
         let mut eng = Engine::cpu(&model);
-        let fwd = eng.forward(&model, row).unwrap();
+        let fwd = eng.forward(&model, row, None).unwrap();
         let full = eng.logits(&model, &fwd.xf).unwrap();
         let mut dec = Decoder::new(&model);
         let v = model.cfg.vocab_size;

@@ -9,10 +9,11 @@ use anetrain::data::tokens::{self, TokenDtype};
 use anetrain::device::backend::{self, Backend};
 use anetrain::device::KernelRunner;
 use anetrain::engine::generate::{generate, generate_with_engine, GenerateOptions};
-use anetrain::engine::{self, Engine};
+use anetrain::engine::Engine;
 use anetrain::model::generation::{GenerationConfig, Sampling};
 use anetrain::model::lora::Lora;
 use anetrain::model::Model;
+use anetrain::train::step::eval_loss;
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -187,16 +188,15 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
         );
     }
     let ex = &fitted.examples;
-    let (loss, count) = match a.backend {
-        Backend::Cpu => engine::examples_loss(&mut Engine::cpu(model), model, ex)?,
+    let loss = match a.backend {
+        Backend::Cpu => eval_loss(&mut Engine::cpu(model), model, ex)?,
         Backend::AneSim => {
             let device = anetrain::device::backend::open_sim()?;
-            engine::examples_loss(&mut Engine::neural(model, device), model, ex)?
+            eval_loss(&mut Engine::neural(model, device), model, ex)?
         }
-        Backend::Ane => {
-            engine::examples_loss(&mut Engine::neural(model, backend::open_ane()?), model, ex)?
-        }
+        Backend::Ane => eval_loss(&mut Engine::neural(model, backend::open_ane()?), model, ex)?,
     };
+    let (loss, count) = (loss.loss, loss.targets);
     println!(
         "{}",
         serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp(), "records": ex.len()})
@@ -296,7 +296,7 @@ fn eval_rows<R: KernelRunner>(
     let mut all = Vec::new();
     for row in rows {
         let n = row.len() - 1;
-        let fwd = eng.forward(model, &row[..n])?;
+        let fwd = eng.forward(model, &row[..n], None)?;
         if keep {
             all.extend_from_slice(&eng.logits(model, &fwd.xf)?);
         }

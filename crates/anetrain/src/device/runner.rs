@@ -12,7 +12,7 @@
 //! attention is causal and every other op is per position, so real
 //! positions never see the padding, and zero upstream gradients keep the
 //! padding out of every backward result. Lengths are padded to a
-//! power-of-two multiple of 32 ([`SEQ_MULTIPLE`], and a bounded number of
+//! power-of-two multiple of 32 ([`COLUMN_GROUP`], and a bounded number of
 //! compiled sets: see `NeuralKernels::padded`).
 
 use std::collections::BTreeMap;
@@ -22,8 +22,8 @@ use anyhow::{anyhow, bail, Result};
 
 use crate::kernels::tiling::{self, HeadChunks, Plan};
 use crate::kernels::{
-    build, Activations, Kernel, KernelKind, KernelLayout, KernelOptions, KernelProgram,
-    LayerWeights, Outputs, Port, Shape,
+    build, compiled_length, Activations, Kernel, KernelKind, KernelLayout, KernelOptions,
+    KernelProgram, LayerWeights, Outputs, Port, Shape, COLUMN_GROUP,
 };
 use crate::model::{Model, Projection};
 
@@ -193,20 +193,6 @@ impl KernelRunner for CpuKernels {
     fn head_chunks(&mut self, model: &Model, _seq: usize) -> Result<HeadChunks> {
         Ok(HeadChunks::of(model.cfg.vocab_size, self.head_rows))
     }
-}
-
-/// Padding granularity of the sequence axis: surfaces at least 32 wide
-/// (apple-neural-engine-field-guide README.md, "The SP=32 Constraint"),
-/// sequence strides multiples of 16 (Orion core/ane_runtime.m), and
-/// products contracting over the sequence multiples of 32 (maderix/ANE
-/// PR #47).
-pub const SEQ_MULTIPLE: usize = 32;
-
-/// The length a kernel set is compiled for to run `seq` positions: a
-/// power-of-two multiple of [`SEQ_MULTIPLE`], so rows of many lengths
-/// share a few sets.
-pub fn compiled_length(seq: usize) -> usize {
-    seq.div_ceil(SEQ_MULTIPLE).next_power_of_two() * SEQ_MULTIPLE
 }
 
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
@@ -458,7 +444,7 @@ impl<D: Device> NeuralKernels<D> {
 
     /// See [`NeuralKernels::with_fixed_seq`].
     pub fn set_fixed_seq(&mut self, seq: usize) {
-        self.fixed_seq = Some(seq.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE);
+        self.fixed_seq = Some(seq.div_ceil(COLUMN_GROUP) * COLUMN_GROUP);
     }
 
     /// The compiled length a sequence of `seq` tokens runs at: the fixed

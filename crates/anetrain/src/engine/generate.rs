@@ -2,6 +2,8 @@
 //! the same maths as the engine (the S = 1 case of the `[C, S]` functions),
 //! with greedy, temperature and nucleus (top-p) sampling.
 
+use std::borrow::Cow;
+
 use anyhow::{bail, Result};
 
 use crate::kernels::maths::{apply_rope, head_rms_norm, w_x};
@@ -12,7 +14,9 @@ use crate::util::rng::Rng;
 
 /// Decoding state: cached keys and values per layer (position-major).
 pub struct Decoder<'a> {
-    model: &'a Model,
+    /// The model as plain f32 tensors: borrowed, or (a mapped base, an
+    /// adapter) its [`Model::merged`] copy.
+    model: Cow<'a, Model>,
     opts: KernelOptions,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
@@ -22,8 +26,12 @@ pub struct Decoder<'a> {
 impl<'a> Decoder<'a> {
     pub fn new(model: &'a Model) -> Decoder<'a> {
         let n = model.cfg.num_hidden_layers;
+        let plain = model.lora.is_none() && model.params.iter().all(|p| p.stored.is_none());
         Decoder {
-            model,
+            model: match plain {
+                true => Cow::Borrowed(model),
+                false => Cow::Owned(model.merged()),
+            },
             opts: KernelOptions::hf(&model.cfg),
             keys: vec![vec![]; n],
             values: vec![vec![]; n],
@@ -37,7 +45,7 @@ impl<'a> Decoder<'a> {
 
     /// Feeds one token; returns the next-token logits `[V]`.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let m = self.model;
+        let m: &Model = &self.model;
         let c = &m.cfg;
         let (d, hd, q, kv, hid) = (
             c.hidden_size,
@@ -263,7 +271,7 @@ pub fn generate_with_engine<R: crate::device::KernelRunner>(
     // The head in the engine's vocabulary chunks (on the device, its
     // kernels), at the last position only.
     let last_logits = |eng: &mut crate::engine::Engine<R>, seq: &[u32]| -> Result<Vec<f32>> {
-        let fwd = eng.forward(model, seq)?;
+        let fwd = eng.forward(model, seq, None)?;
         eng.last_logits(model, &fwd.xf)
     };
     let mut seq = prompt.to_vec();

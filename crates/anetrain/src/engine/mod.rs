@@ -231,9 +231,6 @@ fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
 pub struct Engine<R: KernelRunner> {
     pub runner: R,
     pub opts: KernelOptions,
-    /// Training with LoRA dropout: the key the next forward draws its
-    /// masks from (`None`: no dropout, as in evaluation).
-    pub dropout_key: Option<u64>,
     /// Activation checkpointing: the forward keeps each layer's input
     /// only and the backward recomputes the layer.
     pub grad_checkpoint: bool,
@@ -258,7 +255,6 @@ impl<R: KernelRunner> Engine<R> {
         Engine {
             runner,
             opts,
-            dropout_key: None,
             grad_checkpoint: false,
             head_max: None,
         }
@@ -295,7 +291,14 @@ impl<R: KernelRunner> Engine<R> {
     }
 
     /// Forward over `tokens` (one sequence), keeping what backward needs.
-    pub fn forward(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
+    /// With `dropout_key`, LoRA dropout draws its masks from it (training);
+    /// `None` is no dropout (evaluation, generation).
+    pub fn forward(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        dropout_key: Option<u64>,
+    ) -> Result<Forward> {
         let cfg = &model.cfg;
         let (d, seq) = (cfg.hidden_size, tokens.len());
         if seq == 0 {
@@ -321,7 +324,7 @@ impl<R: KernelRunner> Engine<R> {
         }
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let key = self.dropout_key.map(|k| k.wrapping_add(i as u64));
+            let key = dropout_key.map(|k| k.wrapping_add(i as u64));
             let masks = dropout_masks(model, i, seq, key);
             let (acts, x_next) = self.layer_forward(model, i, &shape, x, masks)?;
             layers.push(match self.grad_checkpoint {
@@ -883,61 +886,6 @@ impl<R: KernelRunner> Engine<R> {
             }
         }
     }
-}
-
-/// Mean cross-entropy over a batch of token rows (each row: inputs
-/// `row[..n-1]`, targets `row[1..]`) and, with `grads`, its gradient.
-pub fn loss_and_grads<R: KernelRunner>(
-    engine: &mut Engine<R>,
-    model: &Model,
-    rows: &[Vec<u32>],
-    mut grads: Option<&mut Grads>,
-) -> Result<(f64, usize)> {
-    let n_targets: usize = rows.iter().map(|r| r.len().saturating_sub(1)).sum();
-    if n_targets == 0 {
-        bail!("every sequence needs at least two tokens");
-    }
-    let scale = 1.0 / n_targets as f32;
-    let mut total = 0f64;
-    for row in rows {
-        let fwd = engine.forward(model, &row[..row.len() - 1])?;
-        let (loss, dxf) =
-            engine.head_loss(model, &fwd.xf, &row[1..], 0, scale, grads.as_deref_mut())?;
-        total += loss;
-        if let Some(g) = grads.as_deref_mut() {
-            engine.backward(model, &fwd, &dxf, g)?;
-        }
-    }
-    if let Some(g) = grads {
-        g.finish();
-    }
-    Ok((total / n_targets as f64, n_targets))
-}
-
-/// Mean cross-entropy over the counted targets of `examples` (see
-/// [`crate::data::records::Example`]): summed over the batch, divided by the
-/// count, as PyTorch's `cross_entropy` with `ignore_index` on the
-/// uncounted positions. Returns the loss and the count.
-pub fn examples_loss<R: KernelRunner>(
-    engine: &mut Engine<R>,
-    model: &Model,
-    examples: &[crate::data::records::Example],
-) -> Result<(f64, usize)> {
-    let mut total = 0f64;
-    let mut count = 0usize;
-    for e in examples {
-        let n = e.tokens.len() - 1;
-        let fwd = engine.forward(model, &e.tokens[..n])?;
-        let targets = &e.tokens[1..];
-        total += engine
-            .head_loss(model, &fwd.xf, targets, e.first_target(), 0.0, None)?
-            .0;
-        count += e.n_targets();
-    }
-    if count == 0 {
-        bail!("no target tokens to evaluate");
-    }
-    Ok((total / count as f64, count))
 }
 
 #[cfg(test)]

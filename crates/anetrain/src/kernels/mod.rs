@@ -600,11 +600,22 @@ pub fn layout_of<K: Kernel>(s: &Shape, o: &KernelOptions) -> KernelLayout {
     b.build()
 }
 
-/// Column group of aligned layouts ([`KernelLayout::view`]): the smallest
-/// surface width the device accepts (apple-neural-engine-field-guide
-/// README.md, "The SP=32 Constraint"), and the contraction multiple LoRA
-/// ranks are padded to.
+/// The device's column group, the one granularity of every layout and
+/// length: the smallest surface width the device accepts
+/// (apple-neural-engine-field-guide README.md, "The SP=32 Constraint"),
+/// sequence strides multiples of 16 (Orion core/ane_runtime.m), products
+/// contracting over the sequence multiples of 32 (maderix/ANE PR #47).
+/// Aligned layouts ([`KernelLayout::view`]) group columns by it, LoRA ranks
+/// and head chunks are padded to it, sequences are compiled at multiples
+/// of it ([`compiled_length`]) and sequence tiles are blocks of it.
 pub const COLUMN_GROUP: usize = 32;
+
+/// The length a kernel set is compiled for to run `seq` positions: a
+/// power-of-two multiple of [`COLUMN_GROUP`], so rows of many lengths
+/// share a few sets.
+pub fn compiled_length(seq: usize) -> usize {
+    seq.div_ceil(COLUMN_GROUP).next_power_of_two() * COLUMN_GROUP
+}
 
 /// A generated kernel: program, the blob files it reads, its layout.
 pub struct KernelProgram {

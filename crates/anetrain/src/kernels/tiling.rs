@@ -30,7 +30,7 @@
 use serde::Serialize;
 
 use super::io::{Port, Tensors};
-use super::{build_unfilled, KernelKind, KernelOptions, Shape};
+use super::{build_unfilled, KernelKind, KernelOptions, Shape, COLUMN_GROUP};
 use crate::model::Projection;
 
 /// Forces tiling (see [`KernelOptions::min_tiles`]).
@@ -56,12 +56,6 @@ fn count_from_env(var: &str) -> usize {
         .filter(|&n: &usize| n >= 1)
         .unwrap_or(1)
 }
-
-/// The narrowest block of positions a sequence tile holds, and the
-/// multiple every block is of: the runner's padding granularity
-/// ([`crate::device::SEQ_MULTIPLE`]: surfaces at least 32 wide, sequence
-/// strides multiples of 16).
-pub const SEQ_BLOCK_MULTIPLE: usize = 32;
 
 /// What a kernel's tiles split.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -117,12 +111,12 @@ impl Axis {
 
     /// The block counts the axis may be cut into at `s`: divisors of its
     /// count, and for the sequence only those leaving blocks a multiple of
-    /// [`SEQ_BLOCK_MULTIPLE`] wide.
+    /// [`COLUMN_GROUP`] wide.
     fn block_counts(self, s: &Shape) -> Vec<usize> {
         let n = self.count(s);
         divisors(n)
             .into_iter()
-            .filter(|&c| self != Axis::Seq || c == 1 || (n / c).is_multiple_of(SEQ_BLOCK_MULTIPLE))
+            .filter(|&c| self != Axis::Seq || c == 1 || (n / c).is_multiple_of(COLUMN_GROUP))
             .collect()
     }
 }
@@ -564,10 +558,9 @@ pub fn plan_head(
     o: &KernelOptions,
     rules: &ane::rules::RuleSet,
 ) -> Result<(HeadChunks, Vec<KernelTiles>), String> {
-    const ROW_MULTIPLE: usize = super::COLUMN_GROUP;
     let v = full.vocab;
-    let rows_of = |chunks: usize| v.div_ceil(chunks).div_ceil(ROW_MULTIPLE) * ROW_MULTIPLE;
-    let most = v.div_ceil(ROW_MULTIPLE).max(1);
+    let rows_of = |chunks: usize| v.div_ceil(chunks).div_ceil(COLUMN_GROUP) * COLUMN_GROUP;
+    let most = v.div_ceil(COLUMN_GROUP).max(1);
     // A chunk's weights `[rows, D]` in fp16 must fit the cap by themselves.
     let fewest = o
         .max_tile_bytes

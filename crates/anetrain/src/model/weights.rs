@@ -406,6 +406,23 @@ pub fn hf_config_json(c: &ModelConfig) -> String {
 }
 
 impl Model {
+    /// This model as plain f32 tensors in memory, its adapter (if any)
+    /// folded into the base weights: what code that reads `Param::data`
+    /// directly (the decoder) needs from a mapped or adapted model.
+    pub fn merged(&self) -> Model {
+        let mut m = self.clone();
+        for p in &mut m.params {
+            if p.stored.is_some() {
+                p.data = p.values().into_owned();
+                p.stored = None;
+            }
+        }
+        if let Some(lora) = m.lora.take() {
+            m.merge_lora(&lora);
+        }
+        m
+    }
+
     /// Folds `lora` into the base weights: W ← W + s·B·A.
     pub fn merge_lora(&mut self, lora: &Lora) {
         let s = lora.cfg.scale() as f32;
@@ -421,8 +438,13 @@ impl Model {
                     linalg::MatMut::row_major(&mut ba, 0, out, inp),
                     false,
                 );
-                let w = &mut self.params[t.base(&self.layers[i])].data;
-                w.iter_mut().zip(&ba).for_each(|(w, d)| *w += s * d);
+                let p = &mut self.params[t.base(&self.layers[i])];
+                if p.stored.is_some() {
+                    // A mapped base is read into memory before it changes.
+                    p.data = p.values().into_owned();
+                    p.stored = None;
+                }
+                p.data.iter_mut().zip(&ba).for_each(|(w, d)| *w += s * d);
             }
         }
         self.version += 1;

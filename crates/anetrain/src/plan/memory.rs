@@ -221,7 +221,7 @@ impl MemoryPlan {
         // The device's plan, when the kernels run on one.
         let plan = match (r.device, r.opts) {
             (Some(_), Some(opts)) => {
-                let compiled = crate::device::compiled_length(r.seq);
+                let compiled = crate::kernels::compiled_length(r.seq);
                 Some(tiling::plan(&Shape::new(cfg, compiled), opts)?)
             }
             _ => None,

@@ -56,7 +56,7 @@ impl StepWork {
         full: bool,
         grad_checkpoint: bool,
     ) -> Result<StepWork> {
-        let compiled = crate::device::compiled_length(seq);
+        let compiled = crate::kernels::compiled_length(seq);
         let plan = tiling::plan(&Shape::new(cfg, compiled), opts).map_err(anyhow::Error::msg)?;
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
         let (head_flop, head_evaluations) = plan.head_work(true);
@@ -66,7 +66,7 @@ impl StepWork {
         // dE = dz·xfᵀ, one product over the head.
         let head_gradient = 2.0 * v * d * tokens;
         let weight_gradients = match full {
-            true => crate::tools::bench::projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
+            true => projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
             false => 0.0,
         };
         let softmax = HOST_FLOP_PER_LOGIT * v * tokens;
@@ -94,9 +94,42 @@ impl StepWork {
     }
 }
 
+/// FLOPs of one training step (forward + backward = 3× forward), counting
+/// every matmul including the LM head and full (unmasked) attention.
+pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
+    let q = c.q_dim() as f64;
+    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
+    projection_flops(c, seq * batch) + 3.0 * attention
+}
+
+/// FLOPs of a step's weight products alone (every projection and the LM
+/// head; forward, input gradient, weight gradient) at `tokens` positions.
+pub fn projection_flops(c: &ModelConfig, tokens: usize) -> f64 {
+    let (d, h, q, kv, v) = (
+        c.hidden_size as f64,
+        c.intermediate_size as f64,
+        c.q_dim() as f64,
+        c.kv_dim() as f64,
+        c.vocab_size as f64,
+    );
+    let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * h;
+    3.0 * 2.0 * tokens as f64 * (per_layer * c.num_hidden_layers as f64 + v * d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn qwen3_step_flops_match_a_hand_count() {
+        // Per layer: q 1024·2048 + k, v 2·1024·1024 + o 2048·1024 + FFN
+        // 3·1024·3072 = 15 728 640 weights; 28 layers + LM head 151936·1024
+        // = 595 984 384. Products: 3 passes · 2 · 256 tokens · that =
+        // 915 432 013 824; attention 3 · 28 · 4 · 256² · 2048 = 45 097 156 608.
+        let c = ModelConfig::preset("qwen3-0.6b").unwrap();
+        assert_eq!(projection_flops(&c, 256), 915_432_013_824.0);
+        assert_eq!(step_flops(&c, 256, 1), 960_529_170_432.0);
+    }
 
     /// Untiled and tiled, the device does the same products: tiles split
     /// them, sequence blocks of per-position kernels too, but for the
@@ -135,7 +168,7 @@ mod tests {
         assert_eq!(plain.host_flop, 8.0 * v * 64.0 + 2.0 * d * 64.0);
         // Weight gradients: one of the three passes over the projections,
         // and the head's.
-        let wg = crate::tools::bench::projection_flops(&cfg, 64) / 3.0 + head;
+        let wg = projection_flops(&cfg, 64) / 3.0 + head;
         assert_eq!(plain.host_weight_gradient_flop, wg);
     }
 }

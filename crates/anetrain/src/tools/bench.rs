@@ -6,6 +6,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use serde_json::json;
 
+use crate::data::records::Example;
 use crate::device::backend::{self, Backend};
 use crate::device::KernelRunner;
 use crate::engine::{self, zero_grads, Engine, Grads};
@@ -14,30 +15,11 @@ use crate::model::lora::{Lora, LoraConfig};
 use crate::model::Model;
 use crate::model::Projection;
 use crate::plan::memory::RunPlan;
-use crate::train::optim::{self, AdamW, AdamWConfig};
+use crate::plan::work::step_flops;
+use crate::train::optim::{AdamW, AdamWConfig};
+use crate::train::step::{self, StepOptions};
+use crate::util::choice::Choice;
 use crate::util::rng::Rng;
-
-/// FLOPs of one training step (forward + backward = 3× forward), counting
-/// every matmul including the LM head and full (unmasked) attention.
-pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
-    let q = c.q_dim() as f64;
-    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
-    projection_flops(c, seq * batch) + 3.0 * attention
-}
-
-/// FLOPs of a step's weight products alone (every projection and the LM
-/// head; forward, input gradient, weight gradient) at `tokens` positions.
-pub fn projection_flops(c: &ModelConfig, tokens: usize) -> f64 {
-    let (d, h, q, kv, v) = (
-        c.hidden_size as f64,
-        c.intermediate_size as f64,
-        c.q_dim() as f64,
-        c.kv_dim() as f64,
-        c.vocab_size as f64,
-    );
-    let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * h;
-    3.0 * 2.0 * tokens as f64 * (per_layer * c.num_hidden_layers as f64 + v * d)
-}
 
 /// Peak resident memory of this process in MiB (Linux), if known.
 pub fn peak_rss_mb() -> Option<f64> {
@@ -300,27 +282,27 @@ fn run<R: KernelRunner>(
             timed_from = cpu_steal();
         }
         let (t0, steal0) = (Instant::now(), cpu_steal());
-        grads.reset();
-        let (mut tf, mut tb, mut tl) = (0.0, 0.0, 0.0);
         engine::take_weight_grad_secs();
-        let scale = 1.0 / (a.batch * a.seq) as f32;
-        for r in &rows {
-            let s0 = Instant::now();
-            let f = eng.forward(&model, &r[..a.seq])?;
-            let s1 = Instant::now();
-            let (_, dxf) = eng.head_loss(&model, &f.xf, &r[1..], 0, scale, Some(&mut grads))?;
-            let s2 = Instant::now();
-            eng.backward(&model, &f, &dxf, &mut grads)?;
-            tf += (s1 - s0).as_secs_f64();
-            tl += (s2 - s1).as_secs_f64();
-            tb += s2.elapsed().as_secs_f64();
-        }
+        // The trainer's own step, with its defaults: clipping at 1, no
+        // loss scale.
+        let examples: Vec<Example> = rows
+            .into_iter()
+            .map(|tokens| Example { tokens, offset: 0 })
+            .collect();
+        let o = StepOptions {
+            lr: 1e-4,
+            clip: 1.0,
+            loss_scale: 1.0,
+            dropout: None,
+        };
+        let never = || false;
+        let st = step::step(
+            &mut eng, &mut model, &mut opt, &mut grads, &examples, &o, &never,
+        )?
+        .expect("never stopped");
         let w = engine::take_weight_grad_secs();
-        let o0 = Instant::now();
-        grads.finish();
-        let coef = optim::clip_coef(optim::grad_norm(&grads), 1.0);
-        opt.update_scaled(&mut model, &grads, 1e-4, coef);
-        let to = o0.elapsed().as_secs_f64();
+        let [tf, tl, tb] = st.batch.times;
+        let to = st.optimizer_s;
         let total = t0.elapsed().as_secs_f64();
         let stolen = match steal_fraction(steal0, cpu_steal()) {
             Some(f) if f >= 0.02 => format!(
@@ -389,7 +371,7 @@ fn run<R: KernelRunner>(
     };
     let gflop = |f: f64| f / 1e9;
     Ok(json!({
-        "model": a.model, "backend": format!("{:?}", a.backend).to_lowercase(),
+        "model": a.model, "backend": a.backend.name(),
         "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": linalg::threads(),
         "median_step_s": med, "min_step_s": min,
         "tokens_per_s": (a.seq * a.batch) as f64 / med,
@@ -418,17 +400,7 @@ fn run<R: KernelRunner>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn qwen3_step_flops_match_a_hand_count() {
-        // Per layer: q 1024·2048 + k, v 2·1024·1024 + o 2048·1024 + FFN
-        // 3·1024·3072 = 15 728 640 weights; 28 layers + LM head 151936·1024
-        // = 595 984 384. Products: 3 passes · 2 · 256 tokens · that =
-        // 915 432 013 824; attention 3 · 28 · 4 · 256² · 2048 = 45 097 156 608.
-        let c = ModelConfig::preset("qwen3-0.6b").unwrap();
-        assert_eq!(projection_flops(&c, 256), 915_432_013_824.0);
-        assert_eq!(step_flops(&c, 256, 1), 960_529_170_432.0);
-    }
+    use crate::plan::work::projection_flops;
 
     #[test]
     fn products_only_runs_every_weight_product_once() {

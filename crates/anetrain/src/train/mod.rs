@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod optim;
+pub mod step;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -20,7 +21,7 @@ use crate::data::tokenizer::Tokenizer;
 use crate::data::tokens::{self, TokenDtype};
 use crate::device::backend::{self, Backend};
 use crate::device::KernelRunner;
-use crate::engine::{self, zero_grads, Engine};
+use crate::engine::{zero_grads, Engine};
 use crate::model::config::ModelConfig;
 use crate::model::lora::{Lora, LoraConfig};
 use crate::model::Model;
@@ -535,7 +536,7 @@ fn val_loss<R: KernelRunner>(
     if examples.is_empty() {
         return Ok(None);
     }
-    Ok(Some(engine::examples_loss(eng, model, &examples)?.0))
+    Ok(Some(step::eval_loss(eng, model, &examples)?.loss))
 }
 
 /// Drops metrics lines of steps after `step` (left by a run killed after
@@ -715,7 +716,7 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         let cfg = ModelConfig::resolve(&s.model)?;
         let mut o = crate::kernels::KernelOptions::hf(&cfg);
         o.lora = s.lora.as_ref().map(crate::kernels::LoraKernel::of);
-        let compiled = s.seq.div_ceil(16).next_power_of_two() * 16;
+        let compiled = crate::kernels::compiled_length(s.seq);
         crate::kernels::tiling::plan(&crate::kernels::Shape::new(&cfg, compiled), &o)
             .map_err(anyhow::Error::msg)?;
     }
@@ -1073,14 +1074,11 @@ impl Run<'_> {
         Ok(last_loss)
     }
 
-    /// One optimizer step: `accum · batch` windows forward and backward
-    /// into `grads` (loss scaled for fp16), then the gradient norm,
-    /// clipping and AdamW, or a skip when anything is not finite. `None`
-    /// when a stop was requested before the step's last window: the data
+    /// One optimizer step over the next `accum · batch` examples (see
+    /// [`step::step`]), the loss scaler told whether it was finite. `None`
+    /// when a stop was requested before the step's last example: the data
     /// position is put back and nothing else was changed, so the state is
     /// exactly the previous step's.
-    ///   loss = mean over targets of −log softmax(logits)[target]
-    ///   g ← g / scale,  g ← g · min(1, clip / ‖g‖),  AdamW(g, lr(step))
     fn step<R: KernelRunner>(
         &self,
         eng: &mut Engine<R>,
@@ -1088,84 +1086,51 @@ impl Run<'_> {
         opt: &mut AdamW,
         state: &mut TrainerState,
         rng: &mut Rng,
-        grads: &mut crate::engine::grads::Grads,
+        grads: &mut crate::engine::Grads,
     ) -> Result<Option<StepStats>> {
         let (r, s, corpus) = (self.r, self.s, self.corpus);
-        let step = state.step;
         let lr = optim::lr_at(
-            step,
+            state.step,
             r.steps,
             s.warmup.unwrap_or(r.steps / 10),
             s.lr,
             s.min_lr_frac,
         );
-        grads.reset();
-        let (mut t_fwd, mut t_bwd, mut t_loss) = (0f64, 0f64, 0f64);
-        let mut loss_sum = 0f64;
         let loss_scale = state.scaler.scale;
         let (rng_before, cursor_before) = (rng.clone(), state.cursor);
         // The step's examples first: the loss is the mean over all their
         // counted targets, however they split into micro-batches.
         let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
-        let n_targets = examples.iter().map(Example::n_targets).sum::<usize>() as f32;
-        let n_tokens = examples.iter().map(|e| e.tokens.len() - 1).sum();
-        for (micro, example) in examples.iter().enumerate() {
-            if self.stop.load(Ordering::SeqCst) {
-                *rng = rng_before;
-                state.cursor = cursor_before;
-                eng.dropout_key = None;
-                return Ok(None);
-            }
-            // LoRA dropout masks depend only on (seed, step, micro-batch),
-            // so a resumed run draws the same ones.
-            if s.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
-                eng.dropout_key = Some(
-                    s.seed
-                        .wrapping_mul(0x2545_f491_4f6c_dd1d)
-                        .wrapping_add(step.wrapping_mul(1 << 20))
-                        .wrapping_add(micro as u64)
-                        .wrapping_mul(0x9e37_79b9_7f4a_7c15),
-                );
-            }
-            let w = &example.tokens;
-            let a = Instant::now();
-            let fwd = eng.forward(model, &w[..w.len() - 1])?;
-            let b = Instant::now();
-            let grad_scale = loss_scale as f32 / n_targets;
-            let first = example.first_target();
-            let (loss, dxf) =
-                eng.head_loss(model, &fwd.xf, &w[1..], first, grad_scale, Some(grads))?;
-            let c = Instant::now();
-            eng.backward(model, &fwd, &dxf, grads)?;
-            eng.dropout_key = None;
-            t_fwd += (b - a).as_secs_f64();
-            t_loss += (c - b).as_secs_f64();
-            t_bwd += c.elapsed().as_secs_f64();
-            loss_sum += loss;
-        }
-        let loss = loss_sum / n_targets as f64;
-        let t_opt = Instant::now();
-        grads.finish();
-        // The gradients still carry the loss scale (a power of two, so
-        // dividing it out of the norm and the update is exact); removing
-        // it and clipping both happen inside the AdamW pass.
-        let gnorm = optim::grad_norm(grads) / loss_scale;
-        let coef = optim::clip_coef(gnorm, s.clip);
-        let finite = loss.is_finite() && gnorm.is_finite();
-        state.scaler.update(finite);
-        if finite {
-            opt.update_scaled(model, grads, lr, (coef as f64 / loss_scale) as f32);
-        } else {
+        let o = step::StepOptions {
+            lr,
+            clip: s.clip,
+            loss_scale,
+            dropout: s.lora.as_ref().is_some_and(|l| l.dropout > 0.0).then_some(
+                step::DropoutKeys {
+                    seed: s.seed,
+                    step: state.step,
+                },
+            ),
+        };
+        let stop = || self.stop.load(Ordering::SeqCst);
+        let Some(st) = step::step(eng, model, opt, grads, &examples, &o, &stop)? else {
+            *rng = rng_before;
+            state.cursor = cursor_before;
+            return Ok(None);
+        };
+        state.scaler.update(st.update.finite);
+        if !st.update.finite {
             state.skipped += 1;
         }
+        let [t_fwd, t_loss, t_bwd] = st.batch.times;
         Ok(Some(StepStats {
-            loss,
-            tokens: n_tokens,
+            loss: st.batch.loss,
+            tokens: st.batch.tokens,
             lr,
-            grad_norm: gnorm,
-            finite,
+            grad_norm: st.update.grad_norm,
+            finite: st.update.finite,
             loss_scale,
-            times: [t_fwd, t_loss, t_bwd, t_opt.elapsed().as_secs_f64()],
+            times: [t_fwd, t_loss, t_bwd, st.optimizer_s],
         }))
     }
 

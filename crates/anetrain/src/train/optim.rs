@@ -55,17 +55,13 @@ impl AdamW {
         }
     }
 
-    /// One update, exactly as `torch.optim.AdamW` (non-fused, f32):
+    /// One update, exactly as `torch.optim.AdamW` (non-fused, f32), with
+    /// every gradient multiplied by `grad_scale` first (clipping and
+    /// loss-scale removal fused into the one pass over the parameters;
+    /// with a scale of 1 the result is the same bit for bit):
     ///   p ← p·(1 − lr·wd);  m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²
     ///   p ← p − lr/(1−β1ᵗ) · m / (√v/√(1−β2ᵗ) + eps)
-    pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64) {
-        self.update_scaled(model, grads, lr, 1.0);
-    }
-
-    /// [`AdamW::update`] with every gradient multiplied by `grad_scale`
-    /// first (clipping and loss-scale removal fused into the one pass over
-    /// the parameters; with a scale of 1 the result is the same bit for bit).
-    pub fn update_scaled(&mut self, model: &mut Model, grads: &Grads, lr: f64, grad_scale: f32) {
+    pub fn update(&mut self, model: &mut Model, grads: &Grads, lr: f64, grad_scale: f32) {
         self.step += 1;
         let t = self.step as i32;
         let c = &self.cfg;
@@ -116,7 +112,7 @@ struct AdamWStep {
 }
 
 vectorized! {
-    /// The AdamW update of one chunk (see [`AdamW::update_scaled`]), in
+    /// The AdamW update of one chunk (see [`AdamW::update`]), in
     /// the same operations and order as the formula there.
     fn adamw_chunk(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], k: &AdamWStep) {
         let n = p.len();
@@ -167,23 +163,9 @@ pub fn grad_norm(grads: &Grads) -> f64 {
     partial.iter().sum::<f64>().sqrt()
 }
 
-/// Scales gradients so their global norm is at most `max_norm` (PyTorch's
-/// `clip_grad_norm_`: factor max_norm / (norm + 1e-6), only when < 1).
-/// Returns the norm before clipping.
-pub fn clip_grad_norm(grads: &mut Grads, max_norm: f64) -> f64 {
-    let norm = grad_norm(grads);
-    let coef = clip_coef(norm, max_norm);
-    if coef != 1.0 {
-        for g in grads.iter_mut() {
-            g.par_chunks_mut(1 << 16)
-                .for_each(|c| c.iter_mut().for_each(|x| *x *= coef));
-        }
-    }
-    norm
-}
-
-/// The factor [`clip_grad_norm`] scales gradients of global norm `norm` by
-/// (1 when no clipping applies).
+/// The factor PyTorch's `clip_grad_norm_` scales gradients of global norm
+/// `norm` by to bring it to `max_norm`: max_norm / (norm + 1e-6) when that
+/// is under 1, else 1 (as when `max_norm` is 0 or less: no clipping).
 pub fn clip_coef(norm: f64, max_norm: f64) -> f32 {
     let coef = max_norm / (norm + 1e-6);
     if max_norm > 0.0 && coef < 1.0 {
@@ -220,13 +202,10 @@ mod tests {
     }
 
     #[test]
-    fn clipping_scales_to_max_norm() {
-        let mut g = Grads::from(vec![vec![3.0f32, 4.0]]);
-        assert_eq!(clip_grad_norm(&mut g, 1.0), 5.0);
-        assert!((grad_norm(&g) - 1.0).abs() < 1e-5);
-        let mut g = Grads::from(vec![vec![0.3f32, 0.4]]);
-        clip_grad_norm(&mut g, 1.0);
-        assert_eq!(g[0], vec![0.3, 0.4]);
+    fn the_clip_factor_is_pytorchs() {
+        assert_eq!(clip_coef(5.0, 1.0), (1.0 / (5.0 + 1e-6)) as f32);
+        assert_eq!(clip_coef(0.5, 1.0), 1.0);
+        assert_eq!(clip_coef(5.0, 0.0), 1.0);
     }
 
     /// The vectorised update (whichever instruction set runs it) equals the

@@ -45,3 +45,27 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn rel(a: &[f32], b: &[f32]) -> f32 {
     max_diff(a, b) / max_abs(b)
 }
+
+/// The trainer's loss over whole token rows (every target counted) and,
+/// with `grads`, its gradient: the first half of the training step
+/// (`anetrain::train::step::batch_loss`), as `train` runs it. Returns the
+/// mean loss and the number of targets.
+pub fn batch_loss<R: anetrain::device::KernelRunner>(
+    eng: &mut anetrain::engine::Engine<R>,
+    model: &anetrain::model::Model,
+    rows: &[Vec<u32>],
+    grads: Option<&mut anetrain::engine::Grads>,
+) -> anyhow::Result<(f64, usize)> {
+    use anetrain::train::step::{batch_loss, Backward};
+    let examples: Vec<anetrain::data::records::Example> = rows
+        .iter()
+        .map(|r| anetrain::data::records::Example {
+            tokens: r.clone(),
+            offset: 0,
+        })
+        .collect();
+    let never = || false;
+    let b = batch_loss(eng, model, &examples, grads.map(Backward::plain), &never)?
+        .expect("never stopped");
+    Ok((b.loss, b.targets))
+}
