@@ -63,7 +63,7 @@ fn selected(only: &[String]) -> Result<Vec<KernelKind>> {
 
 pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[String]) -> Result<()> {
     let (_, shape, opts) = setup(model, seq, seed_compat, true)?;
-    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    let plan = tiling::plan(&shape, &opts)?;
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights)
         .with_context(|| format!("cannot create '{}'", weights.display()))?;
@@ -133,16 +133,11 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     } = &a;
     let (model, seq, lora_rank) = (model.as_str(), *seq, *lora_rank);
     let (cfg, shape, mut opts) = setup(model, seq, false, !a.json)?;
-    let lora = lora_rank.map(|rank| LoraConfig {
-        rank,
-        alpha: 2.0 * rank as f64,
-        dropout: 0.0,
-        targets: anetrain::model::Projection::ALL.to_vec(),
-        rslora: false,
-    });
-    opts.lora = lora.as_ref().map(kernels::LoraKernel::of);
-    let memory = RunPlan::new(model, seq, lora.as_ref(), a.backend, &a.memory)?;
-    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    let lora = lora_rank.map(LoraConfig::every_projection);
+    opts = opts.with_lora(lora.as_ref());
+    let source = anetrain::model::source::ModelSource::resolve(model)?;
+    let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory)?;
+    let plan = tiling::plan(&shape, &opts)?;
     let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
@@ -278,7 +273,7 @@ pub fn run_check(
         ane::rules::RuleSet::for_limits(opts.limits)
     };
     let mut broken = vec![];
-    let plan = tiling::plan(&shape, &opts).map_err(anyhow::Error::msg)?;
+    let plan = tiling::plan(&shape, &opts)?;
     for kind in selected(only)? {
         // A tiled kernel is checked at its tile shape (its one program).
         let shape = plan.of(kind).shape;

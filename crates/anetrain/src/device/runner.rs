@@ -485,7 +485,7 @@ impl<D: Device> NeuralKernels<D> {
         // before the new one's buffers exist.
         self.sets.retain(|&len, _| len > sp);
         let shape = Shape::new(&model.cfg, sp);
-        let plan = tiling::plan(&shape, &self.opts).map_err(|e| anyhow!(e))?;
+        let plan = tiling::plan(&shape, &self.opts)?;
         let layers = model.cfg.num_hidden_layers;
         let (mut kernels, mut outputs, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
         for kind in KernelKind::ALL {

@@ -1,6 +1,6 @@
 //! The transformer, forward and backward, over the kernel contract: the
-//! matmul-heavy work goes through a [`KernelRunner`] (the CPU twins here; the
-//! Neural Engine later), the rest — embedding, RMSNorm, residuals, RoPE and
+//! matmul-heavy work goes through a [`KernelRunner`] (the CPU twins, or the
+//! programs on a Neural Engine device), the rest — embedding, RMSNorm, residuals, RoPE and
 //! QK-norm backward, cross-entropy, weight gradients — runs on the CPU.
 //! Activations are channel-first `[C, S]` per sequence.
 //!

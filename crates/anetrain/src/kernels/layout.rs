@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use super::io::{LayerWeights, Port};
+use super::io::Port;
 
 /// How a logical tensor is laid into a region of the packed input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -185,22 +185,6 @@ impl KernelLayout {
             buf[c * self.in_spatial + r.spatial.start..][..width]
                 .copy_from_slice(&values[ci * width..][..width]);
         }
-    }
-
-    /// Packs every weight region from `w` into `buf` (`[in_channels,
-    /// in_spatial]`); an error names a weight the layer does not have.
-    pub fn pack_weights(&self, w: &LayerWeights, buf: &mut [f32]) -> Result<(), String> {
-        for r in self.inputs.iter().filter(|r| r.port.is_weight()) {
-            let data = w.get(r.port).ok_or_else(|| {
-                format!(
-                    "{}: the layer has no weight '{}'",
-                    self.kernel,
-                    r.port.name()
-                )
-            })?;
-            self.pack(r.port, data, buf);
-        }
-        Ok(())
     }
 
     /// Reads output block `port` (`[channels, out_spatial]`) from `buf`.

@@ -49,6 +49,7 @@ pub mod wo_forward;
 use serde::Serialize;
 
 use crate::model::config::ModelConfig;
+use crate::model::lora::LoraConfig;
 use crate::model::Projection;
 pub use ffn_backward_w13::FfnBackwardW13;
 pub use ffn_backward_w2::FfnBackwardW2;
@@ -234,7 +235,7 @@ pub struct LoraKernel {
 
 impl LoraKernel {
     /// What the kernels need of adapters configured as `cfg`.
-    pub fn of(cfg: &crate::model::lora::LoraConfig) -> LoraKernel {
+    pub fn of(cfg: &LoraConfig) -> LoraKernel {
         LoraKernel {
             rank: cfg.rank,
             scale: cfg.scale(),
@@ -355,11 +356,22 @@ impl KernelOptions {
         }
     }
 
-    /// Hugging Face semantics for `model`, with its adapters if it has any.
+    /// Hugging Face semantics for a model of `cfg` with adapters of `lora`
+    /// (the one place a run's kernel options are built).
+    pub fn for_run(cfg: &ModelConfig, lora: Option<&LoraConfig>) -> KernelOptions {
+        KernelOptions::hf(cfg).with_lora(lora)
+    }
+
+    /// These options with adapters of `lora` on the projections (none for
+    /// `None`).
+    pub fn with_lora(mut self, lora: Option<&LoraConfig>) -> KernelOptions {
+        self.lora = lora.map(LoraKernel::of);
+        self
+    }
+
+    /// [`KernelOptions::for_run`] for `model` and its adapters, if any.
     pub fn for_model(model: &crate::model::Model) -> KernelOptions {
-        let mut o = KernelOptions::hf(&model.cfg);
-        o.lora = model.lora.as_ref().map(|l| LoraKernel::of(&l.cfg));
-        o
+        KernelOptions::for_run(&model.cfg, model.lora.as_ref().map(|l| &l.cfg))
     }
 
     /// Whether a program joins its output blocks into one output with

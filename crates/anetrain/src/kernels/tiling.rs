@@ -504,7 +504,7 @@ fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Spli
 /// least fit the axis caps. The LM head's kernels are planned with its
 /// vocabulary chunks ([`plan_head`]). An error names the kernel, the axes
 /// and the caps when no tiling fits.
-pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, String> {
+pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
     let rules = ane::rules::RuleSet::for_limits(o.limits);
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL.into_iter().filter(|k| !k.is_head()) {
@@ -557,7 +557,7 @@ pub fn plan_head(
     full: &Shape,
     o: &KernelOptions,
     rules: &ane::rules::RuleSet,
-) -> Result<(HeadChunks, Vec<KernelTiles>), String> {
+) -> Result<(HeadChunks, Vec<KernelTiles>), PlanError> {
     let v = full.vocab;
     let rows_of = |chunks: usize| v.div_ceil(chunks).div_ceil(COLUMN_GROUP) * COLUMN_GROUP;
     let most = v.div_ceil(COLUMN_GROUP).max(1);
@@ -571,7 +571,7 @@ pub fn plan_head(
     // the rules, else the fewest that fit the axis caps.
     let (mut over_cap, mut fits_dim) = (None, None);
     let mut best: Option<(usize, (HeadChunks, Vec<KernelTiles>))> = None;
-    let mut last_error = String::new();
+    let mut last_error = None;
     let mut tried = 0;
     for chunks in fewest..=most {
         // Past twice the fewest chunks that fit, more chunks only add
@@ -588,14 +588,15 @@ pub fn plan_head(
         }
         tried = rows;
         let shape = full.head_chunk(rows);
-        let planned: Result<Vec<_>, String> = [KernelKind::HeadForward, KernelKind::HeadBackward]
-            .into_iter()
-            .map(|kind| plan_kernel(kind, &shape, o, rules))
-            .collect();
+        let planned: Result<Vec<_>, PlanError> =
+            [KernelKind::HeadForward, KernelKind::HeadBackward]
+                .into_iter()
+                .map(|kind| plan_kernel(kind, &shape, o, rules))
+                .collect();
         let planned = match planned {
             Ok(p) => p,
             Err(e) => {
-                last_error = e;
+                last_error = Some(e);
                 continue;
             }
         };
@@ -624,7 +625,7 @@ pub fn plan_head(
     best.map(|(_, f)| f)
         .or(over_cap)
         .or(fits_dim)
-        .ok_or(last_error)
+        .ok_or_else(|| last_error.unwrap_or(PlanError::NoHeadChunks { vocab: v }))
 }
 
 /// How well a kernel's chosen tiling fits the device (best first).
@@ -638,13 +639,47 @@ enum Fit {
     AxisCaps,
 }
 
+/// Why a shape cannot be tiled for the device, with the numbers that
+/// decide it.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// A tile's program could not be built.
+    #[error("{kernel}: {message}")]
+    Build {
+        kernel: &'static str,
+        message: String,
+    },
+    /// No split of the kernel's tiled axes fits the device's axis caps.
+    #[error(
+        "{kernel}: no tiling fits the device's axis caps (spatial {max_spatial}, channel {max_channel}; {env} sets both): split as far as {axes} allow{plural}, {problem}{keys}",
+        env = ane::rules::MAX_DIM_ENV,
+        axes = .axes.iter().map(|(a, n)| format!("the {a} ({n})")).collect::<Vec<_>>().join(" and "),
+        plural = if .axes.len() == 1 { "s" } else { "" },
+        keys = .attends_over.map_or(String::new(), |seq| format!("; attention reads all {seq} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq")),
+    )]
+    NoTiling {
+        kernel: &'static str,
+        max_spatial: usize,
+        max_channel: usize,
+        /// The axes the kernel tiles, with their extents.
+        axes: Vec<(&'static str, usize)>,
+        /// The last rule finding (the `max-dim` rule's message).
+        problem: String,
+        /// The sequence length, for a kernel whose tiles read every key.
+        attends_over: Option<usize>,
+    },
+    /// The vocabulary offers no chunk count to try.
+    #[error("lm_head: no vocabulary chunking of {vocab} rows to try")]
+    NoHeadChunks { vocab: usize },
+}
+
 /// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
 fn plan_kernel(
     kind: KernelKind,
     full: &Shape,
     o: &KernelOptions,
     rules: &ane::rules::RuleSet,
-) -> Result<(KernelTiles, Fit), String> {
+) -> Result<(KernelTiles, Fit), PlanError> {
     let mut fits_dim = None;
     let mut passing: Vec<KernelTiles> = vec![];
     let mut last_problem = String::new();
@@ -653,7 +688,10 @@ fn plan_kernel(
         if !shape.query_rows_whole() {
             continue;
         }
-        let k = build_unfilled(kind, &shape, o).map_err(|e| format!("{}: {e}", kind.name()))?;
+        let k = build_unfilled(kind, &shape, o).map_err(|e| PlanError::Build {
+            kernel: kind.name(),
+            message: e.to_string(),
+        })?;
         let findings = ane::rules::check(&k.program, rules);
         if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
             last_problem = f.message.clone();
@@ -699,30 +737,21 @@ fn plan_kernel(
     if let Some(t) = fits_dim {
         return Ok((t, Fit::AxisCaps));
     }
-    let axes: Vec<String> = kind
-        .tile_axes()
-        .iter()
-        .map(|a| format!("the {} ({})", a.name(), a.count(full)))
-        .collect();
-    // Attention reads every key in every tile: the sequence
-    // is bounded by the spatial cap, less what a tile lays
-    // beside the keys (`sdpa_forward`: its weights).
-    let keys = match attends(kind) {
-        true => format!(
-            "; attention reads all {} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq",
-            full.seq
-        ),
-        false => String::new(),
-    };
-    Err(format!(
-        "{}: no tiling fits the device's axis caps (spatial {}, channel {}; {} sets both): split as far as {} allow{}, {last_problem}{keys}",
-        kind.name(),
-        o.limits.max_spatial,
-        o.limits.max_channel,
-        ane::rules::MAX_DIM_ENV,
-        axes.join(" and "),
-        if axes.len() == 1 { "s" } else { "" },
-    ))
+    // Attention reads every key in every tile: the sequence is bounded by
+    // the spatial cap, less what a tile lays beside the keys
+    // (`sdpa_forward`: its weights).
+    Err(PlanError::NoTiling {
+        kernel: kind.name(),
+        max_spatial: o.limits.max_spatial,
+        max_channel: o.limits.max_channel,
+        axes: kind
+            .tile_axes()
+            .iter()
+            .map(|a| (a.name(), a.count(full)))
+            .collect(),
+        problem: last_problem,
+        attends_over: attends(kind).then_some(full.seq),
+    })
 }
 
 /// Block `i` of `n` equal row blocks of a row-major `[rows, cols]` tensor.

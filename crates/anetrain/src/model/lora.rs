@@ -36,6 +36,18 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Rank `rank` on all seven projections, α = 2·rank, no dropout: the
+    /// adapters `kernels plan --lora-rank` and `bench --lora-rank` assume.
+    pub fn every_projection(rank: usize) -> LoraConfig {
+        LoraConfig {
+            rank,
+            alpha: 2.0 * rank as f64,
+            dropout: 0.0,
+            targets: Projection::ALL.to_vec(),
+            rslora: false,
+        }
+    }
+
     /// The branch scale s.
     pub fn scale(&self) -> f64 {
         if self.rslora {

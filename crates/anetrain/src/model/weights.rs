@@ -117,12 +117,12 @@ impl Model {
         Ok(m)
     }
 
-    /// The output projection's parameter (the embedding when tied).
     /// The LM head's parameter index: its own, or the tied embedding's.
     pub fn lm_head_id(&self) -> usize {
         self.lm_head.unwrap_or(self.embed)
     }
 
+    /// The output projection's parameter (the embedding when tied).
     pub fn lm_head_param(&self) -> &Param {
         &self.params[self.lm_head_id()]
     }

@@ -31,7 +31,8 @@ use crate::device::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelOptions, Shape};
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
-use crate::model::{Projection, StoredDtype};
+use crate::model::source::ModelSource;
+use crate::model::StoredDtype;
 
 /// How the run holds the base weights.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -130,7 +131,7 @@ fn layer_act_bytes(cfg: &ModelConfig, device: bool) -> u64 {
 }
 
 impl MemoryPlan {
-    pub fn new(r: &PlanRequest) -> Result<MemoryPlan, String> {
+    pub fn new(r: &PlanRequest) -> Result<MemoryPlan, tiling::PlanError> {
         let cfg = r.cfg;
         let (d, v, s, layers) = (
             cfg.hidden_size as u64,
@@ -433,15 +434,15 @@ impl RunPlan {
     /// weights a second time, in fp16, per kernel that reads them; that
     /// is worth it only while the run leaves most of the machine free.
     pub fn new(
-        model: &str,
+        model: &ModelSource,
         seq: usize,
         lora: Option<&LoraConfig>,
         backend: Backend,
         m: &MemoryOptions,
     ) -> anyhow::Result<RunPlan> {
-        let cfg = ModelConfig::resolve(model)?;
-        let base = match (lora, ModelConfig::preset(model)) {
-            (Some(_), None) => BaseWeights::Mapped(file_dtype(Path::new(model))?),
+        let cfg = model.config.clone();
+        let base = match (lora, model.dir()) {
+            (Some(_), Some(dir)) => BaseWeights::Mapped(file_dtype(dir)?),
             _ => BaseWeights::F32,
         };
         let device = backend != Backend::Cpu;
@@ -453,13 +454,15 @@ impl RunPlan {
             plan: MemoryPlan::empty(),
             limit,
             explicit_limit: m.max_memory.is_some(),
-            model: model.to_string(),
+            model: model.spec.clone(),
             cfg,
             seq,
             lora: lora.cloned(),
             backend,
             base,
-            tokenizer_file: std::fs::metadata(Path::new(model).join("tokenizer.json"))
+            tokenizer_file: model
+                .tokenizer_file()
+                .and_then(|p| std::fs::metadata(p).ok())
                 .map_or(0, |m| m.len()),
             grad_checkpoint: m.grad_checkpoint,
         };
@@ -480,8 +483,7 @@ impl RunPlan {
         buffers: DeviceBuffers,
     ) -> anyhow::Result<MemoryPlan> {
         let device = self.backend != Backend::Cpu;
-        let mut opts = KernelOptions::hf(&self.cfg);
-        opts.lora = lora.map(crate::kernels::LoraKernel::of);
+        let opts = KernelOptions::for_run(&self.cfg, lora);
         MemoryPlan::new(&PlanRequest {
             cfg: &self.cfg,
             seq,
@@ -493,7 +495,7 @@ impl RunPlan {
             grad_checkpoint,
             opts: Some(&opts),
         })
-        .map_err(anyhow::Error::msg)
+        .map_err(anyhow::Error::from)
     }
 
     /// The plan, or an error in one line when it exceeds the limit, naming
@@ -597,37 +599,38 @@ pub fn default_max_memory() -> Option<u64> {
     physical_memory().map(|m| m.saturating_sub(2_000_000_000))
 }
 
+/// A byte count that does not parse.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SizeError {
+    #[error("'{0}': not a size (e.g. 16G, 800M)")]
+    NotASize(String),
+    #[error("'{0}': a size must be positive")]
+    NotPositive(String),
+}
+
 /// Parses a byte count: `16G`, `16GB`, `12.5G`, `800M`, `1024K` or plain
 /// bytes (decimal units, as the plan prints).
-pub fn parse_bytes(text: &str) -> Result<u64, String> {
+pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
     let t = text.trim();
     let upper = t.to_ascii_uppercase();
     let (num, unit) = match upper.trim_end_matches('B').char_indices().last() {
         Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c),
         _ => (upper.trim_end_matches('B'), ' '),
     };
+    let not_a_size = || SizeError::NotASize(text.into());
     let scale = match unit {
         ' ' => 1.0,
         'K' => 1e3,
         'M' => 1e6,
         'G' => 1e9,
         'T' => 1e12,
-        _ => return Err(format!("'{text}': not a size (e.g. 16G, 800M)")),
+        _ => return Err(not_a_size()),
     };
-    let v: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("'{text}': not a size (e.g. 16G, 800M)"))?;
+    let v: f64 = num.trim().parse().map_err(|_| not_a_size())?;
     if !(v.is_finite() && v > 0.0) {
-        return Err(format!("'{text}': a size must be positive"));
+        return Err(SizeError::NotPositive(text.into()));
     }
     Ok((v * scale) as u64)
-}
-
-/// Projections a LoRA configuration on all seven projections covers (for
-/// `kernels plan --lora-rank`).
-pub fn all_projections() -> Vec<Projection> {
-    Projection::ALL.to_vec()
 }
 
 #[cfg(test)]
@@ -650,13 +653,7 @@ mod tests {
     #[test]
     fn the_plan_moves_with_the_settings() {
         let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
-        let lora = LoraConfig {
-            rank: 16,
-            alpha: 32.0,
-            dropout: 0.0,
-            targets: all_projections(),
-            rslora: false,
-        };
+        let lora = LoraConfig::every_projection(16);
         let opts = KernelOptions::hf(&cfg);
         let req = PlanRequest {
             cfg: &cfg,

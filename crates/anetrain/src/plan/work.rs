@@ -57,7 +57,7 @@ impl StepWork {
         grad_checkpoint: bool,
     ) -> Result<StepWork> {
         let compiled = crate::kernels::compiled_length(seq);
-        let plan = tiling::plan(&Shape::new(cfg, compiled), opts).map_err(anyhow::Error::msg)?;
+        let plan = tiling::plan(&Shape::new(cfg, compiled), opts)?;
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
         let (head_flop, head_evaluations) = plan.head_work(true);
         let layers = cfg.num_hidden_layers;

@@ -12,6 +12,7 @@ use crate::device::KernelRunner;
 use crate::engine::{self, zero_grads, Engine, Grads};
 use crate::model::config::ModelConfig;
 use crate::model::lora::{Lora, LoraConfig};
+use crate::model::source::ModelSource;
 use crate::model::Model;
 use crate::model::Projection;
 use crate::plan::memory::RunPlan;
@@ -201,7 +202,8 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     if a.steps == 0 || a.seq == 0 || a.batch == 0 {
         bail!("--steps, --seq and --batch must be at least 1");
     }
-    let cfg = ModelConfig::resolve(&a.model)?;
+    let source = ModelSource::resolve(&a.model)?;
+    let cfg = &source.config;
     if a.seq > cfg.max_position_embeddings {
         bail!(
             "--seq {} exceeds max_position_embeddings ({})",
@@ -209,23 +211,12 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
             cfg.max_position_embeddings
         );
     }
-    let lora = a.lora_rank.map(|rank| LoraConfig {
-        rank,
-        alpha: 2.0 * rank as f64,
-        dropout: 0.0,
-        targets: Projection::ALL.to_vec(),
-        rslora: false,
-    });
+    let lora = a.lora_rank.map(LoraConfig::every_projection);
     // The memory plan of the same run, reported beside the measured peak.
     let plan =
-        RunPlan::new(&a.model, a.seq, lora.as_ref(), a.backend, &a.memory)?.refuse_over_limit()?;
-    let dir = std::path::Path::new(&a.model);
-    let mut model = match (ModelConfig::preset(&a.model), &lora) {
-        (Some(_), _) => Model::init(&cfg, 0)?,
-        // A frozen base stays mapped in the file's dtype, as in `train`.
-        (None, Some(_)) => Model::load_frozen(dir)?,
-        (None, None) => Model::load(dir)?,
-    };
+        RunPlan::new(&source, a.seq, lora.as_ref(), a.backend, &a.memory)?.refuse_over_limit()?;
+    // A frozen base stays mapped in the file's dtype, as in `train`.
+    let mut model = source.load(cfg, lora.is_some(), 0)?;
     if let Some(lc) = lora {
         model.lora = Some(Lora::init(&model.cfg, lc, 0)?);
     }

@@ -142,16 +142,16 @@ fn write_tensors(
         .unwrap_or_default())
 }
 
-/// Saves a checkpoint of `model` and `opt` after `state.step` steps.
-/// Refuses non-finite weights (a NaN never reaches a checkpoint).
-///
-/// With LoRA only the adapters are checkpointed, and the top level is a
-/// PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
 /// Held while a checkpoint is written: a process exiting at once takes it
 /// first (see [`crate::train::abandon_fresh_run`]), so it never removes a
 /// run directory under a save in progress, nor lets one start after.
 pub static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Saves a checkpoint of `model` and `opt` after `state.step` steps.
+/// Refuses non-finite weights (a NaN never reaches a checkpoint).
+///
+/// With LoRA only the adapters are checkpointed, and the top level is a
+/// PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
 pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> Result<()> {
     let _saving = SAVING.lock().unwrap_or_else(|e| e.into_inner());
     for p in model.trainable() {

@@ -1,0 +1,560 @@
+//! The run: preflight checks, a fresh start or a resume, then the step
+//! loop with validation, metrics and checkpoints, reported as [`Event`]s.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use super::checkpoint::{self, TrainerState};
+use super::metrics::Metrics;
+use super::optim::{self, AdamW, LossScaler};
+use super::run_dir::NewRunDir;
+use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
+use super::source::{load_corpus, next_examples, val_loss, Corpus};
+use super::step;
+use crate::data::tokenizer::Tokenizer;
+use crate::device::backend::{self, Backend};
+use crate::device::KernelRunner;
+use crate::engine::{zero_grads, Engine};
+use crate::kernels::{tiling, KernelOptions, Shape};
+use crate::model::config::ModelConfig;
+use crate::model::lora::Lora;
+use crate::model::source::ModelSource;
+use crate::model::Model;
+use crate::plan::memory::RunPlan;
+use crate::util::rng::Rng;
+
+/// A run stopped because the user asked (a signal), its last completed
+/// step saved: not a failure, so the command line reports it as a plain
+/// line and exits with 130, as a shell does for an interrupted command.
+#[derive(Debug)]
+pub struct Interrupted(pub String);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// What a run reports as it goes.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Before the first step.
+    Started {
+        model: String,
+        params: usize,
+        train_tokens: usize,
+        val_tokens: usize,
+        out: PathBuf,
+        /// `(rank, alpha, projections, trainable parameters)` with LoRA.
+        lora: Option<(usize, f64, Vec<&'static str>, usize)>,
+        /// The step a resumed run continues from.
+        resumed_at: Option<u64>,
+        steps: u64,
+    },
+    /// Something the user should know, in one line.
+    Note(String),
+    /// Something that is probably a mistake, in one line; the run goes on.
+    Warning(String),
+    /// Step `step` (1-based) was skipped: its loss or gradients were not
+    /// finite.
+    Skipped { step: u64, reason: String },
+    /// Step `step` (1-based) of `steps` finished; `val` is the validation
+    /// loss when this step evaluated it.
+    Step {
+        step: u64,
+        steps: u64,
+        loss: f64,
+        val: Option<f64>,
+        lr: f64,
+        tokens_per_s: f64,
+        /// Seconds left at this run's pace.
+        eta_s: f64,
+    },
+    /// Every step ran and the last checkpoint is saved.
+    Finished { steps: u64, out: PathBuf },
+}
+
+/// Attaches fresh adapters when the run trains LoRA.
+fn with_adapters(mut model: Model, s: &TrainSettings) -> Result<Model> {
+    if let Some(l) = &s.lora {
+        model.lora = Some(Lora::init(&model.cfg, l.clone(), s.seed)?);
+    }
+    Ok(model)
+}
+
+/// The model a run starts from: a preset initialised from the seed with
+/// `cfg`, or a model directory (with LoRA its frozen base, memory-mapped),
+/// with fresh adapters when the run trains LoRA.
+fn starting_model(source: &ModelSource, cfg: &ModelConfig, s: &TrainSettings) -> Result<Model> {
+    with_adapters(source.load(cfg, s.lora.is_some(), s.seed)?, s)
+}
+
+/// Runs (or resumes) training; returns the final train loss. `report`
+/// receives every [`Event`]; when `stop` becomes true the run abandons the
+/// step in progress at the next sequence, saves the last completed step
+/// and returns an error saying how to resume.
+pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool) -> Result<f64> {
+    let pre = preflight(&r)?;
+    // Removed again if this run fails before its first checkpoint.
+    let _created = NewRunDir::create(&r.out)?;
+    let start = match r.resume {
+        true => resume(&r, &pre.source, report)?,
+        false => fresh(&r, &pre.source, report)?,
+    };
+    report(&Event::Note(pre.plan.plan.line()));
+    dispatch(&r, pre, start, report, stop)
+}
+
+/// What a run checked before creating anything.
+struct Preflight {
+    source: ModelSource,
+    plan: RunPlan,
+    /// The Neural Engine, opened first so an unusable one fails first.
+    ane_device: Option<ane::AneDevice>,
+}
+
+/// Everything that can refuse a run before it writes anything: the
+/// settings, the model, the device's tiling, the memory plan, the device,
+/// and the run directory against `--resume`.
+fn preflight(r: &TrainRequest) -> Result<Preflight> {
+    let s = &r.settings;
+    validate(s, r)?;
+    let source = ModelSource::resolve(&s.model)?;
+    if s.backend != Backend::Cpu {
+        // A model the device cannot run, even tiled, fails before any work.
+        let o = KernelOptions::for_run(&source.config, s.lora.as_ref());
+        let compiled = crate::kernels::compiled_length(s.seq);
+        tiling::plan(&Shape::new(&source.config, compiled), &o)?;
+    }
+    // Refused before anything is created; reported once the data is read.
+    let plan =
+        RunPlan::new(&source, s.seq, s.lora.as_ref(), s.backend, &r.memory)?.refuse_over_limit()?;
+    let ane_device = match s.backend {
+        Backend::Ane => Some(backend::open_ane()?),
+        _ => None,
+    };
+    let out = &r.out;
+    if r.resume && !checkpoint::state_path(out).is_file() {
+        bail!(
+            "nothing to resume in '{}': {}",
+            out.display(),
+            if out.exists() {
+                "it holds no checkpoint (trainer/state.json)"
+            } else {
+                "the directory does not exist"
+            }
+        );
+    }
+    if !r.resume && checkpoint::state_path(out).exists() {
+        bail!(
+            "'{}' already holds a training run; pass --resume to continue it or choose another --out",
+            out.display()
+        );
+    }
+    Ok(Preflight {
+        source,
+        plan,
+        ane_device,
+    })
+}
+
+/// Where the step loop starts: the model, its optimizer and trainer state,
+/// and the data.
+struct Start {
+    model: Model,
+    opt: AdamW,
+    state: TrainerState,
+    corpus: Corpus,
+}
+
+/// A resumed run: the committed checkpoint (with the same settings), its
+/// tokenizer, and the data read again.
+fn resume(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)) -> Result<Start> {
+    let (s, out) = (&r.settings, &r.out);
+    let committed = checkpoint::read_state(out)?;
+    let saved: TrainSettings = serde_json::from_value(committed.settings.clone())
+        .context("the checkpoint's settings are unreadable")?;
+    let differences = settings_differences(&saved, s, &committed.adamw, &r.adamw);
+    if !differences.is_empty() {
+        bail!(
+            "--resume with different settings than the run in '{}': {}; repeat the run's flags (only --steps, --save-every and --log-every may change on resume)",
+            out.display(),
+            differences.join(", ")
+        );
+    }
+    let base = match s.lora {
+        Some(_) => Some(starting_model(source, &committed.config, s)?),
+        None => None,
+    };
+    let (model, opt, mut state) = checkpoint::load(out, base)?;
+    // A run killed after its last commit but before the top-level links
+    // were updated shows older weights there until this.
+    checkpoint::publish_latest(out, &model, &state)?;
+    if r.steps <= state.step {
+        bail!(
+            "the run in '{}' has done {} steps already; pass a larger --steps to continue it",
+            out.display(),
+            state.step
+        );
+    }
+    if state.total_steps != 0 && state.total_steps != r.steps {
+        report(&Event::Note(format!(
+            "the run was set for {} steps and continues to {}: from step {} on, the learning-rate schedule{} spans {} steps",
+            state.total_steps,
+            r.steps,
+            state.step + 1,
+            if s.warmup.is_none() { " (and the default warmup, a tenth of it)" } else { "" },
+            r.steps
+        )));
+    }
+    state.total_steps = r.steps;
+    let tok_path = out.join("tokenizer.json");
+    let tok = match tok_path.is_file() {
+        true => Some(Tokenizer::load(&tok_path)?),
+        false => None,
+    };
+    let mut cfg = model.cfg.clone();
+    let corpus = load_corpus(s, source, &mut cfg, false, tok, &mut |e| report(&e))?;
+    Ok(Start {
+        model,
+        opt,
+        state,
+        corpus,
+    })
+}
+
+/// A fresh run: the tokenizer (given, or the model's), the data, the
+/// starting model and optimizer, and the run directory made a Hugging Face
+/// model directory (tokenizer, generation config).
+fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)) -> Result<Start> {
+    let (s, out) = (&r.settings, &r.out);
+    let tok = match (&r.tokenizer, source.tokenizer_file()) {
+        (Some(t), _) => Some(Tokenizer::load(t)?),
+        (None, Some(t)) => Some(Tokenizer::load(&t)?),
+        _ => None,
+    };
+    let mut cfg = source.config.clone();
+    let corpus = load_corpus(s, source, &mut cfg, true, tok, &mut |e| report(&e))?;
+    if let (true, Some(t)) = (source.is_preset(), &corpus.tokenizer) {
+        // A preset from scratch: its special tokens are the tokenizer's.
+        cfg.bos_token_id = t.begin_token().map(|b| b.1.into());
+        cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
+    }
+    let model = starting_model(source, &cfg, s)?;
+    if s.seq > model.cfg.max_position_embeddings {
+        bail!(
+            "--seq {} exceeds the model's max_position_embeddings ({})",
+            s.seq,
+            model.cfg.max_position_embeddings
+        );
+    }
+    let opt = AdamW::new(&model, r.adamw);
+    let state = TrainerState {
+        format: checkpoint::FORMAT,
+        step: 0,
+        rng: Rng::new(s.seed.wrapping_add(1)).state(),
+        cursor: 0,
+        skipped: 0,
+        total_steps: r.steps,
+        config: model.cfg.clone(),
+        scaler: if s.backend.uses_fp16() {
+            LossScaler::dynamic(s.loss_scale)
+        } else {
+            LossScaler::fixed()
+        },
+        adamw: r.adamw,
+        settings: serde_json::to_value(s)?,
+        model_file: String::new(),
+        model_hash: String::new(),
+        optim_file: String::new(),
+        optim_hash: String::new(),
+    };
+    if let Some(t) = &corpus.tokenizer {
+        // The run is a complete Hugging Face model directory: the
+        // tokenizer with its tokenizer_config.json (the base model's
+        // when it has one).
+        t.save_to_dir(out, model.cfg.max_position_embeddings)?;
+    }
+    // And the base's generation config: where its generation ends.
+    if let Some(dir) = source.dir() {
+        crate::model::generation::copy_generation_config(dir, out)?;
+    }
+    Ok(Start {
+        model,
+        opt,
+        state,
+        corpus,
+    })
+}
+
+/// The step loop on the run's backend.
+fn dispatch(
+    r: &TrainRequest,
+    pre: Preflight,
+    start: Start,
+    report: &mut dyn FnMut(&Event),
+    stop: &AtomicBool,
+) -> Result<f64> {
+    let Start {
+        mut model,
+        mut opt,
+        mut state,
+        corpus,
+    } = start;
+    let mut run = Run {
+        r,
+        s: &r.settings,
+        out: &r.out,
+        resuming: r.resume,
+        corpus: &corpus,
+        report,
+        stop,
+    };
+    let (buffers, ckpt) = (pre.plan.buffers, r.memory.grad_checkpoint);
+    match (r.settings.backend, pre.ane_device) {
+        (Backend::Ane, Some(d)) => {
+            let e = Engine::neural(&model, d)
+                .buffers(buffers)
+                .checkpointing(ckpt);
+            run.go(e, &mut model, &mut opt, &mut state)
+        }
+        (Backend::AneSim, _) => {
+            let e = Engine::neural(&model, backend::open_sim()?)
+                .buffers(buffers)
+                .checkpointing(ckpt);
+            run.go(e, &mut model, &mut opt, &mut state)
+        }
+        _ => {
+            let e = Engine::cpu(&model).checkpointing(ckpt);
+            run.go(e, &mut model, &mut opt, &mut state)
+        }
+    }
+}
+
+/// The parts of a run the step loop reads.
+pub(super) struct Run<'a> {
+    pub(super) r: &'a TrainRequest,
+    pub(super) s: &'a TrainSettings,
+    pub(super) out: &'a Path,
+    pub(super) resuming: bool,
+    pub(super) corpus: &'a Corpus,
+    pub(super) report: &'a mut dyn FnMut(&Event),
+    pub(super) stop: &'a AtomicBool,
+}
+
+/// What one optimizer step did.
+pub(super) struct StepStats {
+    /// Mean loss over the step's targets.
+    pub(super) loss: f64,
+    /// Tokens the step read.
+    pub(super) tokens: usize,
+    pub(super) lr: f64,
+    pub(super) grad_norm: f64,
+    /// Whether the update was applied (loss and gradients finite).
+    pub(super) finite: bool,
+    pub(super) loss_scale: f64,
+    /// Seconds in forward, loss, backward and the optimizer.
+    pub(super) times: [f64; 4],
+}
+
+impl Run<'_> {
+    fn go<R: KernelRunner>(
+        &mut self,
+        mut eng: Engine<R>,
+        model: &mut Model,
+        opt: &mut AdamW,
+        state: &mut TrainerState,
+    ) -> Result<f64> {
+        let (r, s, out) = (self.r, self.s, self.out);
+        let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
+        let mut rng = Rng::from_state(state.rng);
+        let (train_tokens, val_tokens) = self.corpus.source.sizes();
+        if let Some(line) = crate::device::backend::chip_family_line(s.backend)? {
+            (self.report)(&Event::Note(line));
+        }
+        (self.report)(&Event::Started {
+            model: s.model.clone(),
+            params: model.num_params(),
+            train_tokens,
+            val_tokens,
+            out: out.to_path_buf(),
+            lora: model.lora.as_ref().map(|l| {
+                let names = l.cfg.targets.iter().map(|t| t.module()).collect();
+                (l.cfg.rank, l.cfg.alpha, names, l.num_params())
+            }),
+            resumed_at: self.resuming.then_some(state.step),
+            steps: r.steps,
+        });
+        let run_start = Instant::now();
+        let start_step = state.step;
+        let mut last_loss = f64::NAN;
+        let mut consecutive_skips = 0;
+        // One gradient buffer for the whole run, overwritten each step.
+        let mut grads = zero_grads(model);
+        while state.step < r.steps {
+            let t0 = Instant::now();
+            let Some(st) = self.step(&mut eng, model, opt, state, &mut rng, &mut grads)? else {
+                // Stopped mid-step: nothing of the step was kept, so the
+                // state is the last completed step's; save it.
+                metrics.sync()?;
+                state.rng = rng.state();
+                checkpoint::save(out, model, opt, state.clone())?;
+                return Err(Interrupted(format!(
+                    "interrupted during step {}; step {} is saved in '{}' — continue with the same flags plus --resume",
+                    state.step + 1,
+                    state.step,
+                    out.display()
+                ))
+                .into());
+            };
+            if st.finite {
+                consecutive_skips = 0;
+                last_loss = st.loss;
+            } else {
+                // An fp16 overflow with a finite loss is the loss scaler's
+                // business; only other failures count towards divergence.
+                let overflow =
+                    state.scaler.dynamic && st.loss.is_finite() && state.scaler.scale >= 1.0;
+                if !overflow {
+                    consecutive_skips += 1;
+                }
+                self.report_skip(state, &st);
+                if consecutive_skips >= 3 {
+                    bail!(
+                        "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
+                         the last checkpoint is intact — resume with a lower --lr or stronger --clip",
+                        state.step + 1
+                    );
+                }
+            }
+            state.step += 1;
+            let dt = t0.elapsed().as_secs_f64();
+            let tps = st.tokens as f64 / dt;
+            metrics.step(state.step, &st, tps, dt)?;
+            let mut val = None;
+            if s.eval_every > 0
+                && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
+            {
+                val = val_loss(&mut eng, model, &self.corpus.source, s.seq, s.eval_windows)?;
+                if let Some(v) = val {
+                    metrics.val(state.step, v)?;
+                }
+            }
+            let done = (state.step - start_step) as f64;
+            (self.report)(&Event::Step {
+                step: state.step,
+                steps: r.steps,
+                loss: st.loss,
+                val,
+                lr: st.lr,
+                tokens_per_s: tps,
+                eta_s: run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64,
+            });
+            let stop = self.stop.load(Ordering::SeqCst);
+            if stop || state.step.is_multiple_of(r.save_every.max(1)) || state.step == r.steps {
+                metrics.sync()?;
+                state.rng = rng.state();
+                checkpoint::save(out, model, opt, state.clone())?;
+            }
+            if stop && state.step < r.steps {
+                return Err(Interrupted(format!(
+                    "interrupted after step {}; the checkpoint in '{}' is saved — continue with the same flags plus --resume",
+                    state.step,
+                    out.display()
+                ))
+                .into());
+            }
+        }
+        (self.report)(&Event::Finished {
+            steps: state.step,
+            out: out.to_path_buf(),
+        });
+        Ok(last_loss)
+    }
+
+    /// One optimizer step over the next `accum · batch` examples (see
+    /// [`step::step`]), the loss scaler told whether it was finite. `None`
+    /// when a stop was requested before the step's last example: the data
+    /// position is put back and nothing else was changed, so the state is
+    /// exactly the previous step's.
+    pub(super) fn step<R: KernelRunner>(
+        &self,
+        eng: &mut Engine<R>,
+        model: &mut Model,
+        opt: &mut AdamW,
+        state: &mut TrainerState,
+        rng: &mut Rng,
+        grads: &mut crate::engine::Grads,
+    ) -> Result<Option<StepStats>> {
+        let (r, s, corpus) = (self.r, self.s, self.corpus);
+        let lr = optim::lr_at(
+            state.step,
+            r.steps,
+            s.warmup.unwrap_or(r.steps / 10),
+            s.lr,
+            s.min_lr_frac,
+        );
+        let loss_scale = state.scaler.scale;
+        let (rng_before, cursor_before) = (rng.clone(), state.cursor);
+        // The step's examples first: the loss is the mean over all their
+        // counted targets, however they split into micro-batches.
+        let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
+        let o = step::StepOptions {
+            lr,
+            clip: s.clip,
+            loss_scale,
+            dropout: s.lora.as_ref().is_some_and(|l| l.dropout > 0.0).then_some(
+                step::DropoutKeys {
+                    seed: s.seed,
+                    step: state.step,
+                },
+            ),
+        };
+        let stop = || self.stop.load(Ordering::SeqCst);
+        let Some(st) = step::step(eng, model, opt, grads, &examples, &o, &stop)? else {
+            *rng = rng_before;
+            state.cursor = cursor_before;
+            return Ok(None);
+        };
+        state.scaler.update(st.update.finite);
+        if !st.update.finite {
+            state.skipped += 1;
+        }
+        let [t_fwd, t_loss, t_bwd] = st.batch.times;
+        Ok(Some(StepStats {
+            loss: st.batch.loss,
+            tokens: st.batch.tokens,
+            lr,
+            grad_norm: st.update.grad_norm,
+            finite: st.update.finite,
+            loss_scale,
+            times: [t_fwd, t_loss, t_bwd, st.optimizer_s],
+        }))
+    }
+
+    /// Reports a skipped step: what was not finite and the loss scale now.
+    fn report_skip(&mut self, state: &TrainerState, st: &StepStats) {
+        let reason = format!(
+            "non-finite {}; step skipped{}",
+            if st.loss.is_finite() {
+                format!("gradients (norm {})", st.grad_norm)
+            } else {
+                format!("loss ({})", st.loss)
+            },
+            if state.scaler.dynamic {
+                format!(", loss scale now {}", state.scaler.scale)
+            } else {
+                String::new()
+            }
+        );
+        (self.report)(&Event::Skipped {
+            step: state.step + 1,
+            reason,
+        });
+    }
+}

@@ -1,0 +1,220 @@
+//! What a run is asked to do: its settings (saved with every checkpoint
+//! and compared on resume), the request around them, and their checks.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use serde::{Deserialize, Serialize};
+
+use super::optim::AdamWConfig;
+use crate::data::records::{self};
+use crate::data::tokens::TokenDtype;
+use crate::device::backend::Backend;
+use crate::model::config::ModelConfig;
+use crate::model::lora::LoraConfig;
+use crate::util::choice::Choice;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Sample {
+    /// Windows at uniformly random offsets.
+    Random,
+    /// Window k starts at k·seq (wrapping around).
+    Sequential,
+}
+
+impl crate::util::choice::Choice for Sample {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (
+            Sample::Random,
+            "random",
+            "Windows at uniformly random offsets",
+        ),
+        (
+            Sample::Sequential,
+            "sequential",
+            "Window k starts at k·seq (wrapping around)",
+        ),
+    ];
+}
+
+/// Settings that define a run; a resume must repeat them (except `steps`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSettings {
+    pub model: String,
+    pub backend: Backend,
+    pub data: Option<PathBuf>,
+    pub token_dtype: TokenDtype,
+    pub seq: usize,
+    pub batch: usize,
+    pub accum: usize,
+    pub lr: f64,
+    /// `None`: a tenth of `--steps`.
+    pub warmup: Option<u64>,
+    pub min_lr_frac: f64,
+    pub clip: f64,
+    pub seed: u64,
+    pub sample: Sample,
+    pub val_frac: f64,
+    pub eval_every: u64,
+    pub eval_windows: usize,
+    /// LoRA adapters instead of full training.
+    #[serde(default)]
+    pub lora: Option<LoraConfig>,
+    /// JSONL records: the loss counts only the completion.
+    #[serde(default)]
+    pub mask_prompt: bool,
+    /// JSONL records: the prompt/completion field names.
+    #[serde(default)]
+    pub keys: records::Keys,
+    /// The device paths' initial loss scale (dynamic; 1024 unless given).
+    #[serde(default)]
+    pub loss_scale: Option<f64>,
+}
+
+/// Everything `anetrain train` was asked to do.
+#[derive(Clone, Debug)]
+pub struct TrainRequest {
+    pub settings: TrainSettings,
+    pub adamw: AdamWConfig,
+    pub steps: u64,
+    pub out: PathBuf,
+    pub resume: bool,
+    pub tokenizer: Option<PathBuf>,
+    pub save_every: u64,
+    /// How (and whether) memory is traded for time; none of it changes a
+    /// result, so a resume may change it.
+    pub memory: MemoryOptions,
+}
+
+pub use crate::plan::memory::MemoryOptions;
+
+pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
+    if s.seq < 1 || s.batch < 1 || s.accum < 1 || r.steps < 1 {
+        bail!("--seq, --batch, --accum and --steps must all be at least 1");
+    }
+    if let Some(d) = &s.data {
+        if d.is_dir() && !d.join("train.jsonl").is_file() {
+            bail!(
+                "--data '{}' is a directory without train.jsonl; name a token file, a .txt or .jsonl file, or a directory holding train.jsonl (and optionally valid.jsonl, test.jsonl)",
+                d.display()
+            );
+        }
+        if !d.exists() {
+            bail!("--data '{}': the file does not exist", d.display());
+        }
+    }
+    if s.mask_prompt && !s.data.as_deref().is_some_and(records::is_records) {
+        bail!("--mask-prompt applies to JSONL records (--data FILE.jsonl or a directory with train.jsonl)");
+    }
+    if !(s.lr.is_finite() && s.lr > 0.0) {
+        bail!("--lr must be a positive number");
+    }
+    if !(0.0..1.0).contains(&s.val_frac) {
+        bail!("--val-frac must be in [0, 1)");
+    }
+    if !(0.0..=1.0).contains(&s.min_lr_frac) {
+        bail!("--min-lr-frac must be in [0, 1]");
+    }
+    let a = &r.adamw;
+    if !(0.0..1.0).contains(&a.beta1)
+        || !(0.0..1.0).contains(&a.beta2)
+        || a.eps <= 0.0
+        || a.weight_decay < 0.0
+    {
+        bail!("AdamW needs 0 <= beta1, beta2 < 1, eps > 0 and wd >= 0");
+    }
+    if s.clip < 0.0 || !s.clip.is_finite() {
+        bail!("--clip must be >= 0 (0 disables clipping)");
+    }
+    if let Some(l) = &s.lora {
+        l.validate()?;
+        if l.dropout > 0.0 && s.backend != Backend::Cpu {
+            bail!(
+                "--lora-dropout is only supported with --backend cpu (the Neural Engine kernels have no dropout); use --lora-dropout 0"
+            );
+        }
+        if ModelConfig::preset(&s.model).is_some() {
+            bail!(
+                "LoRA adapts a pretrained model, and '{}' is a preset (random weights, never saved); give --model a Hub id (e.g. Qwen/Qwen3-0.6B), a model directory (`anetrain convert` makes one from a llama2.c checkpoint) or a run directory of a full training",
+                s.model
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A setting as its flag shows it.
+pub(super) type Shown = fn(&TrainSettings, &AdamWConfig) -> String;
+
+pub(super) fn lora_shown(s: &TrainSettings, f: fn(&LoraConfig) -> String) -> String {
+    s.lora.as_ref().map_or_else(|| "(none)".into(), f)
+}
+
+/// Every setting fixed for a run's life, by its flag.
+pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
+    ("--model", |s, _| s.model.clone()),
+    ("--backend", |s, _| s.backend.name().into()),
+    ("--data", |s, _| {
+        s.data.as_ref().map_or_else(
+            || "(the built-in corpus)".into(),
+            |p| p.display().to_string(),
+        )
+    }),
+    ("--token-dtype", |s, _| s.token_dtype.name().into()),
+    ("--seq", |s, _| s.seq.to_string()),
+    ("--batch", |s, _| s.batch.to_string()),
+    ("--accum", |s, _| s.accum.to_string()),
+    ("--lr", |s, _| s.lr.to_string()),
+    ("--warmup", |s, _| {
+        s.warmup
+            .map_or_else(|| "(default)".into(), |w| w.to_string())
+    }),
+    ("--min-lr-frac", |s, _| s.min_lr_frac.to_string()),
+    ("--clip", |s, _| s.clip.to_string()),
+    ("--seed", |s, _| s.seed.to_string()),
+    ("--sample", |s, _| s.sample.name().into()),
+    ("--val-frac", |s, _| s.val_frac.to_string()),
+    ("--eval-every", |s, _| s.eval_every.to_string()),
+    ("--eval-windows", |s, _| s.eval_windows.to_string()),
+    ("--mask-prompt", |s, _| s.mask_prompt.to_string()),
+    ("--prompt-key", |s, _| s.keys.prompt.clone()),
+    ("--completion-key", |s, _| s.keys.completion.clone()),
+    ("--lora-rank", |s, _| lora_shown(s, |l| l.rank.to_string())),
+    ("--lora-alpha", |s, _| {
+        lora_shown(s, |l| l.alpha.to_string())
+    }),
+    ("--lora-dropout", |s, _| {
+        lora_shown(s, |l| l.dropout.to_string())
+    }),
+    ("--lora-targets", |s, _| {
+        lora_shown(s, |l| {
+            let names: Vec<&str> = l.targets.iter().map(|t| t.name()).collect();
+            names.join(",")
+        })
+    }),
+    ("--beta1", |_, a| a.beta1.to_string()),
+    ("--beta2", |_, a| a.beta2.to_string()),
+    ("--eps", |_, a| a.eps.to_string()),
+    ("--wd", |_, a| a.weight_decay.to_string()),
+    ("--loss-scale", |s, _| {
+        s.loss_scale
+            .map_or_else(|| "(default)".into(), |v| v.to_string())
+    }),
+];
+
+/// How the settings given now differ from the run's, in flag terms:
+/// `--lr 0.003 in the run, 0.001 now`.
+pub fn settings_differences(
+    run: &TrainSettings,
+    now: &TrainSettings,
+    run_adamw: &AdamWConfig,
+    now_adamw: &AdamWConfig,
+) -> Vec<String> {
+    RUN_FLAGS
+        .iter()
+        .filter_map(|(flag, show)| {
+            let (a, b) = (show(run, run_adamw), show(now, now_adamw));
+            (a != b).then(|| format!("{flag} {a} in the run, {b} now"))
+        })
+        .collect()
+}
