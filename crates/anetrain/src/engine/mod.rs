@@ -641,6 +641,33 @@ impl LayerCtx<'_> {
 /// Rows of a block [`column_max`] and [`exp_shifted`] hand to one thread.
 const BLOCK_ROWS: usize = 512;
 
+/// The softmax statistics of the LM head's logits per position: the
+/// running maximum m_s, Σ_v exp(z_vs − m_s) and the target's logit.
+struct SoftmaxStats {
+    max: Vec<f32>,
+    sum: Vec<f64>,
+    target_logit: Vec<f32>,
+}
+
+impl SoftmaxStats {
+    /// Σ over the counted positions `first..` of m_s + ln Σ_s − z_{t_s,s}.
+    fn loss(&self, first: usize) -> f64 {
+        (first..self.max.len())
+            .map(|s| self.max[s] as f64 + self.sum[s].ln() - self.target_logit[s] as f64)
+            .sum()
+    }
+}
+
+/// What the head's gradient pass reads.
+struct GradientPass<'a> {
+    xf: &'a [f32],
+    targets: &'a [u32],
+    first: usize,
+    grad_scale: f32,
+    ranges: &'a [std::ops::Range<usize>],
+    stats: &'a SoftmaxStats,
+}
+
 /// Column maxima of `lt [rows, S]`.
 fn column_max(lt: &[f32], seq: usize) -> Vec<f32> {
     use rayon::prelude::*;
@@ -776,52 +803,88 @@ impl<R: KernelRunner> Engine<R> {
         grad_scale: f32,
         grads: Option<&mut Grads>,
     ) -> Result<(f64, Vec<f32>)> {
-        let (d, v, seq) = (model.cfg.hidden_size, model.cfg.vocab_size, targets.len());
+        let v = model.cfg.vocab_size;
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
             bail!("target token id {t} is outside the vocabulary ({v} ids)");
         }
-        let chunks = self.runner.head_chunks(model, seq)?;
+        let chunks = self.runner.head_chunks(model, targets.len())?;
         let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
-        // Pass 1: the softmax statistics, chunk by chunk.
-        let mut max = vec![f32::NEG_INFINITY; seq];
-        let mut sum = vec![0f64; seq];
-        let mut target_logit = vec![0f32; seq];
+        let (stats, last) = self.softmax_statistics(model, xf, targets, &ranges)?;
+        let loss = stats.loss(first);
+        let Some(grads) = grads else {
+            return Ok((loss, vec![]));
+        };
+        let pass = GradientPass {
+            xf,
+            targets,
+            first,
+            grad_scale,
+            ranges: &ranges,
+            stats: &stats,
+        };
+        let dxf = self.head_gradient(model, &pass, last, grads)?;
+        Ok((loss, dxf))
+    }
+
+    /// Pass 1 of [`Engine::head_loss`]: the softmax statistics, chunk by
+    /// chunk; also the last chunk's exp(z − m), which a one-chunk
+    /// vocabulary reuses in pass 2.
+    fn softmax_statistics(
+        &mut self,
+        model: &Model,
+        xf: &[f32],
+        targets: &[u32],
+        ranges: &[std::ops::Range<usize>],
+    ) -> Result<(SoftmaxStats, Vec<f32>)> {
+        let seq = targets.len();
+        let mut st = SoftmaxStats {
+            max: vec![f32::NEG_INFINITY; seq],
+            sum: vec![0f64; seq],
+            target_logit: vec![0f32; seq],
+        };
         let mut lt = Vec::new();
         for (c, r) in ranges.iter().enumerate() {
             lt = self.head_chunk(model, xf, c, r.len())?;
             for (s, &t) in targets.iter().enumerate() {
                 if r.contains(&(t as usize)) {
-                    target_logit[s] = lt[(t as usize - r.start) * seq + s];
+                    st.target_logit[s] = lt[(t as usize - r.start) * seq + s];
                 }
             }
             let chunk_max = column_max(&lt, seq);
-            for s in 0..seq {
-                if chunk_max[s] > max[s] {
-                    sum[s] *= ((max[s] - chunk_max[s]) as f64).exp();
-                    max[s] = chunk_max[s];
+            for (s, &cm) in chunk_max.iter().enumerate() {
+                if cm > st.max[s] {
+                    st.sum[s] *= ((st.max[s] - cm) as f64).exp();
+                    st.max[s] = cm;
                 }
             }
-            let part = exp_shifted(&mut lt, &max, seq);
-            sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            let part = exp_shifted(&mut lt, &st.max, seq);
+            st.sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
         }
-        let loss: f64 = (first..seq)
-            .map(|s| max[s] as f64 + sum[s].ln() - target_logit[s] as f64)
-            .sum();
-        let Some(grads) = grads else {
-            return Ok((loss, vec![]));
-        };
-        // Pass 2: the gradient, chunk by chunk (the one chunk of a small
-        // vocabulary still holds exp(z − m) from pass 1), sent as
-        // 2ᵏ·(p − one-hot) and scaled back by grad_scale/2ᵏ after the product.
+        Ok((st, lt))
+    }
+
+    /// Pass 2 of [`Engine::head_loss`]: the gradient, chunk by chunk (the
+    /// one chunk of a small vocabulary still holds exp(z − m) from pass 1,
+    /// given as `last`), sent as 2ᵏ·(p − one-hot) and scaled back by
+    /// grad_scale/2ᵏ after the product; the head's gradient on the host's
+    /// worker beside the device. Returns dxf.
+    fn head_gradient(
+        &mut self,
+        model: &Model,
+        p: &GradientPass,
+        mut lt: Vec<f32>,
+        grads: &mut Grads,
+    ) -> Result<Vec<f32>> {
+        let (d, seq, first) = (model.cfg.hidden_size, p.targets.len(), p.first);
         let k = head_grad_scale(self.head_max_abs(model));
-        let undo = grad_scale / k;
+        let undo = p.grad_scale / k;
         let scale: Vec<f32> = (0..seq)
             .map(|s| match s < first {
                 true => 0.0,
-                false => (k as f64 / sum[s]) as f32,
+                false => (k as f64 / p.stats.sum[s]) as f32,
             })
             .collect();
-        let xf_undone: Vec<f32> = xf.iter().map(|x| x * undo).collect();
+        let xf_undone: Vec<f32> = p.xf.iter().map(|x| x * undo).collect();
         // The head's gradient buffer, written (or accumulated into, after
         // an earlier sequence) chunk by chunk; frozen with LoRA.
         let head_id = model.lm_head_id();
@@ -829,10 +892,10 @@ impl<R: KernelRunner> Engine<R> {
         let overlap = self.runner.overlaps_host();
         let mut dxf = vec![0f32; d * seq];
         let shape = Shape::new(&model.cfg, seq);
-        for (c, r) in ranges.iter().enumerate() {
-            if ranges.len() > 1 {
-                lt = self.head_chunk(model, xf, c, r.len())?;
-                exp_shifted(&mut lt, &max, seq);
+        for (c, r) in p.ranges.iter().enumerate() {
+            if p.ranges.len() > 1 {
+                lt = self.head_chunk(model, p.xf, c, r.len())?;
+                exp_shifted(&mut lt, &p.stats.max, seq);
             }
             {
                 use rayon::prelude::*;
@@ -842,7 +905,7 @@ impl<R: KernelRunner> Engine<R> {
                     }
                 });
             }
-            for (s, &t) in targets.iter().enumerate().skip(first) {
+            for (s, &t) in p.targets.iter().enumerate().skip(first) {
                 if r.contains(&(t as usize)) {
                     lt[(t as usize - r.start) * seq + s] -= k;
                 }
@@ -870,7 +933,7 @@ impl<R: KernelRunner> Engine<R> {
                 .zip(&part.dxf)
                 .for_each(|(a, p)| *a += undo * p);
         }
-        Ok((loss, dxf))
+        Ok(dxf)
     }
 
     /// The head's largest |value|, kept while the model's weights stay

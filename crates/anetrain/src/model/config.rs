@@ -218,6 +218,7 @@ impl ModelConfig {
     }
 
     /// Parses Hugging Face config JSON (Qwen3 or Llama) and validates it.
+    /// (One field after another, each with its own default and error.)
     pub fn from_json(text: &str) -> Result<ModelConfig> {
         let v: serde_json::Value = serde_json::from_str(text).context("invalid JSON")?;
         if !v.is_object() {

@@ -175,6 +175,10 @@ impl Model {
         Model::load_with(dir, true)
     }
 
+    /// [`Model::load`] or [`Model::load_frozen`]: every tensor of the
+    /// directory's files read, checked against the config's names and
+    /// shapes, decoded or mapped. (Long because every check names the file
+    /// and the tensor where it fails.)
     fn load_with(dir: &Path, frozen: bool) -> Result<Model> {
         if !dir.is_dir() {
             bail!("model directory '{}' does not exist", dir.display());

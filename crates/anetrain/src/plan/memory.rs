@@ -131,187 +131,38 @@ fn layer_act_bytes(cfg: &ModelConfig, device: bool) -> u64 {
 }
 
 impl MemoryPlan {
+    /// The plan of `r`: what stays for the whole run, what one layer's
+    /// backward and the head add at their peak, and on a device its
+    /// buffers and staging.
     pub fn new(r: &PlanRequest) -> Result<MemoryPlan, tiling::PlanError> {
-        let cfg = r.cfg;
-        let (d, v, s, layers) = (
-            cfg.hidden_size as u64,
-            cfg.vocab_size as u64,
-            r.seq as u64,
-            cfg.num_hidden_layers as u64,
-        );
-        let params = cfg.num_params() as u64;
-        let norms = (layers
-            * (2 * d
-                + if cfg.qk_norm {
-                    2 * cfg.head_dim as u64
-                } else {
-                    0
-                })
-            + d)
-            * 4;
-        let mut resident = vec![Part {
-            name: "process",
-            bytes: PROCESS_BYTES + TOKENIZER_PER_FILE_BYTE * r.tokenizer_file,
-            detail: match r.tokenizer_file {
-                0 => "code, data index".into(),
-                _ => format!(
-                    "code, data index, the tokenizer {}",
-                    size(TOKENIZER_PER_FILE_BYTE * r.tokenizer_file)
-                ),
-            },
-        }];
-        resident.push(match r.base {
-            BaseWeights::F32 => Part {
-                name: "base weights",
-                bytes: params * 4,
-                detail: format!("{params} parameters in f32"),
-            },
-            BaseWeights::Mapped(dt) => Part {
-                name: "base weights",
-                bytes: (params * 4 - norms) / 4 * dt.bytes() as u64 + norms,
-                detail: format!(
-                    "{params} parameters, {} memory-mapped from the file",
-                    dt.name()
-                ),
-            },
-        });
-        let trainable = match r.lora {
-            Some(l) => lora_params(cfg, l),
-            None => params,
-        };
-        resident.push(match r.lora {
-            Some(l) => Part {
-                name: "trainable state",
-                bytes: trainable * 16,
-                detail: format!(
-                    "LoRA rank {} on {} projections: {trainable} parameters, gradients, AdamW moments",
-                    l.rank,
-                    l.targets.len()
-                ),
-            },
-            None => Part {
-                name: "trainable state",
-                bytes: trainable * 12,
-                detail: "gradients and AdamW moments of every parameter".into(),
-            },
-        });
-        let act = layer_act_bytes(cfg, r.device.is_some()) * s;
-        resident.push(match r.grad_checkpoint {
-            true => Part {
-                name: "activations",
-                bytes: layers * d * s * 4 + act,
-                detail: format!(
-                    "each layer's input ({}), one layer recomputed ({})",
-                    size(layers * d * s * 4),
-                    size(act)
-                ),
-            },
-            false => Part {
-                name: "activations",
-                bytes: layers * act,
-                detail: format!("{layers} layers × {}", size(act)),
-            },
-        });
-
-        let mut transient = Vec::new();
-        // A layer's backward: upstream gradients of every width, and the
-        // attention probabilities and their gradient [heads·S, S], which the
-        // CPU twin and the device path both hold in f32.
-        let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
-        let backward = scores + layer_act_bytes(cfg, false) * s;
         // The device's plan, when the kernels run on one.
         let plan = match (r.device, r.opts) {
             (Some(_), Some(opts)) => {
                 let compiled = crate::kernels::compiled_length(r.seq);
-                Some(tiling::plan(&Shape::new(cfg, compiled), opts)?)
+                Some(tiling::plan(&Shape::new(r.cfg, compiled), opts)?)
             }
             _ => None,
         };
-        // The head: a logits chunk (the device's chunks or the CPU
-        // engine's), its head rows converted, xf scaled, dxf and a chunk's
-        // part of it.
-        let chunk = plan
-            .as_ref()
-            .map_or(HEAD_CHUNK_ROWS as u64, |p| p.head.rows as u64)
-            .min(v);
-        let head_rows = match r.base {
-            BaseWeights::Mapped(_) => chunk * d * 4,
-            BaseWeights::F32 => 0,
-        };
-        transient.push(Part {
-            name: "layer backward",
-            bytes: backward,
-            detail: format!("attention scores {} and upstream gradients", size(scores)),
-        });
-        transient.push(Part {
-            name: "LM head",
-            bytes: chunk * s * 4 + head_rows + 3 * d * s * 4,
-            detail: format!("logits in chunks of {chunk} rows"),
-        });
-        // The CPU engine: frozen matrices converted for the kernel using
-        // them (the FFN's three at most).
-        let ffn = 3 * cfg.intermediate_size as u64 * d * 4;
-        let convert = match r.base {
-            BaseWeights::Mapped(_) => ffn,
-            BaseWeights::F32 => 0,
-        };
-        let mut device_part = None;
-        if let (Some(mode), Some(plan)) = (r.device, &plan) {
-            let layers = cfg.num_hidden_layers;
-            let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
-            for k in &plan.kernels {
-                let (n, host) = mode.buffers_of(k, plan.units(k.kind, layers));
-                device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
-                host_bytes += (host * k.surface_bytes().0) as u64;
+        let mut resident = resident_parts(r);
+        let mut transient = transient_parts(r, plan.as_ref());
+        match (r.device, &plan) {
+            (Some(mode), Some(plan)) => {
+                let (buffers, staging) = device_parts(r, mode, plan);
+                resident.push(buffers);
+                transient.push(staging);
             }
-            let largest = plan
-                .kernels
-                .iter()
-                .map(|k| k.surface_bytes().0 as u64)
-                .max()
-                .unwrap_or(0);
-            resident.push(Part {
-                name: "device buffers",
-                bytes: device_bytes + host_bytes,
-                detail: match mode {
-                    DeviceBuffers::Persistent => format!(
-                        "persistent: every layer's kernel tiles and the head's chunks, {}",
-                        size(device_bytes)
-                    ),
-                    DeviceBuffers::Streamed => format!(
-                        "streamed: one tile per kernel {} and its next tile prepared on the host {}",
-                        size(device_bytes),
-                        size(host_bytes)
-                    ),
-                },
-            });
-            // Staging a tile: a projection's block and its region in f32
-            // (each at most the tile's input in f32); on the simulator an
-            // evaluation's f32 input and the slices its program takes.
-            let staging = 2 * largest;
-            let sim = if r.simulated { 4 * largest } else { 0 };
-            device_part = Some(Part {
-                name: "device staging",
-                bytes: staging + sim,
-                detail: format!(
-                    "a tile's weights in f32 {}{}",
-                    size(staging),
-                    if r.simulated {
-                        format!(", simulated evaluation {}", size(sim))
-                    } else {
-                        String::new()
-                    }
-                ),
-            });
-        } else if convert > 0 {
-            transient.push(Part {
-                name: "weight conversion",
-                bytes: convert,
-                detail: "one kernel's frozen projections in f32".into(),
-            });
-        }
-        if let Some(p) = device_part {
-            transient.push(p);
+            _ => {
+                // The CPU engine: frozen matrices converted for the kernel
+                // using them (the FFN's three at most).
+                if let BaseWeights::Mapped(_) = r.base {
+                    let ffn = 3 * (r.cfg.intermediate_size * r.cfg.hidden_size) as u64 * 4;
+                    transient.push(Part {
+                        name: "weight conversion",
+                        bytes: ffn,
+                        detail: "one kernel's frozen projections in f32".into(),
+                    });
+                }
+            }
         }
         let peak_transient = transient.iter().map(|p| p.bytes).sum::<u64>();
         let total = resident.iter().map(|p| p.bytes).sum::<u64>() + peak_transient;
@@ -371,6 +222,176 @@ impl MemoryPlan {
         ));
         out
     }
+}
+
+/// What stays for the whole run: the process, the base weights, the
+/// trainable state and the activations kept for the backward.
+fn resident_parts(r: &PlanRequest) -> Vec<Part> {
+    let cfg = r.cfg;
+    let (d, s, layers) = (
+        cfg.hidden_size as u64,
+        r.seq as u64,
+        cfg.num_hidden_layers as u64,
+    );
+    let params = cfg.num_params() as u64;
+    let norms = (layers
+        * (2 * d
+            + if cfg.qk_norm {
+                2 * cfg.head_dim as u64
+            } else {
+                0
+            })
+        + d)
+        * 4;
+    let mut resident = vec![Part {
+        name: "process",
+        bytes: PROCESS_BYTES + TOKENIZER_PER_FILE_BYTE * r.tokenizer_file,
+        detail: match r.tokenizer_file {
+            0 => "code, data index".into(),
+            _ => format!(
+                "code, data index, the tokenizer {}",
+                size(TOKENIZER_PER_FILE_BYTE * r.tokenizer_file)
+            ),
+        },
+    }];
+    resident.push(match r.base {
+        BaseWeights::F32 => Part {
+            name: "base weights",
+            bytes: params * 4,
+            detail: format!("{params} parameters in f32"),
+        },
+        BaseWeights::Mapped(dt) => Part {
+            name: "base weights",
+            bytes: (params * 4 - norms) / 4 * dt.bytes() as u64 + norms,
+            detail: format!(
+                "{params} parameters, {} memory-mapped from the file",
+                dt.name()
+            ),
+        },
+    });
+    let trainable = match r.lora {
+        Some(l) => lora_params(cfg, l),
+        None => params,
+    };
+    resident.push(match r.lora {
+        Some(l) => Part {
+            name: "trainable state",
+            bytes: trainable * 16,
+            detail: format!(
+                "LoRA rank {} on {} projections: {trainable} parameters, gradients, AdamW moments",
+                l.rank,
+                l.targets.len()
+            ),
+        },
+        None => Part {
+            name: "trainable state",
+            bytes: trainable * 12,
+            detail: "gradients and AdamW moments of every parameter".into(),
+        },
+    });
+    let act = layer_act_bytes(cfg, r.device.is_some()) * s;
+    resident.push(match r.grad_checkpoint {
+        true => Part {
+            name: "activations",
+            bytes: layers * d * s * 4 + act,
+            detail: format!(
+                "each layer's input ({}), one layer recomputed ({})",
+                size(layers * d * s * 4),
+                size(act)
+            ),
+        },
+        false => Part {
+            name: "activations",
+            bytes: layers * act,
+            detail: format!("{layers} layers × {}", size(act)),
+        },
+    });
+    resident
+}
+
+/// What one layer's backward and the LM head hold at their peak.
+fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
+    let cfg = r.cfg;
+    let (d, v, s) = (cfg.hidden_size as u64, cfg.vocab_size as u64, r.seq as u64);
+    // A layer's backward: upstream gradients of every width, and the
+    // attention probabilities and their gradient [heads·S, S], which the
+    // CPU twin and the device path both hold in f32.
+    let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
+    let backward = scores + layer_act_bytes(cfg, false) * s;
+    // The head: a logits chunk (the device's chunks or the CPU
+    // engine's), its head rows converted, xf scaled, dxf and a chunk's
+    // part of it.
+    let chunk = plan
+        .map_or(HEAD_CHUNK_ROWS as u64, |p| p.head.rows as u64)
+        .min(v);
+    let head_rows = match r.base {
+        BaseWeights::Mapped(_) => chunk * d * 4,
+        BaseWeights::F32 => 0,
+    };
+    vec![
+        Part {
+            name: "layer backward",
+            bytes: backward,
+            detail: format!("attention scores {} and upstream gradients", size(scores)),
+        },
+        Part {
+            name: "LM head",
+            bytes: chunk * s * 4 + head_rows + 3 * d * s * 4,
+            detail: format!("logits in chunks of {chunk} rows"),
+        },
+    ]
+}
+
+/// On a device: its buffers in `mode` (resident) and the staging of a
+/// tile (transient).
+fn device_parts(r: &PlanRequest, mode: DeviceBuffers, plan: &tiling::Plan) -> (Part, Part) {
+    let layers = r.cfg.num_hidden_layers;
+    let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
+    for k in &plan.kernels {
+        let (n, host) = mode.buffers_of(k, plan.units(k.kind, layers));
+        device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
+        host_bytes += (host * k.surface_bytes().0) as u64;
+    }
+    let largest = plan
+        .kernels
+        .iter()
+        .map(|k| k.surface_bytes().0 as u64)
+        .max()
+        .unwrap_or(0);
+    let buffers = Part {
+        name: "device buffers",
+        bytes: device_bytes + host_bytes,
+        detail: match mode {
+            DeviceBuffers::Persistent => format!(
+                "persistent: every layer's kernel tiles and the head's chunks, {}",
+                size(device_bytes)
+            ),
+            DeviceBuffers::Streamed => format!(
+                "streamed: one tile per kernel {} and its next tile prepared on the host {}",
+                size(device_bytes),
+                size(host_bytes)
+            ),
+        },
+    };
+    // Staging a tile: a projection's block and its region in f32 (each
+    // at most the tile's input in f32); on the simulator an evaluation's
+    // f32 input and the slices its program takes.
+    let staging = 2 * largest;
+    let sim = if r.simulated { 4 * largest } else { 0 };
+    let staging = Part {
+        name: "device staging",
+        bytes: staging + sim,
+        detail: format!(
+            "a tile's weights in f32 {}{}",
+            size(staging),
+            if r.simulated {
+                format!(", simulated evaluation {}", size(sim))
+            } else {
+                String::new()
+            }
+        ),
+    };
+    (buffers, staging)
 }
 
 /// Settings that trade memory for time without changing any result.

@@ -250,6 +250,20 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     }
 }
 
+/// What the timed steps measured, per step (seconds).
+#[derive(Default)]
+struct Timings {
+    steps: Vec<f64>,
+    forward: Vec<f64>,
+    /// The backward less its weight gradients.
+    backward: Vec<f64>,
+    weight_gradient: Vec<f64>,
+    loss: Vec<f64>,
+    optimizer: Vec<f64>,
+    /// The share of CPU time the host took over the timed steps.
+    steal: Option<f64>,
+}
+
 fn run<R: KernelRunner>(
     a: &BenchArgs,
     mut model: Model,
@@ -257,13 +271,25 @@ fn run<R: KernelRunner>(
     make: impl FnOnce(&Model) -> Engine<R>,
     progress: &mut dyn FnMut(String),
 ) -> Result<serde_json::Value> {
-    let mut eng = make(&model);
-    let mut opt = AdamW::new(&model, AdamWConfig::default());
+    let mut grads = zero_grads(&model);
+    let eng = make(&model);
+    let t = time_steps(a, &mut model, &mut grads, eng, progress)?;
+    report(a, &model, plan, &mut grads, t)
+}
+
+/// `a.warmup` steps, then `a.steps` timed ones, each the trainer's own
+/// step on random tokens, with one line of progress per step.
+fn time_steps<R: KernelRunner>(
+    a: &BenchArgs,
+    model: &mut Model,
+    grads: &mut Grads,
+    mut eng: Engine<R>,
+    progress: &mut dyn FnMut(String),
+) -> Result<Timings> {
+    let mut opt = AdamW::new(model, AdamWConfig::default());
     let mut rng = Rng::new(1);
     let v = model.cfg.vocab_size;
-    let mut grads = zero_grads(&model);
-    let (mut steps, mut fwd, mut bwd, mut loss_t, mut wg, mut opt_t) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut t = Timings::default();
     let mut timed_from = None;
     for i in 0..a.warmup + a.steps {
         let rows: Vec<Vec<u32>> = (0..a.batch)
@@ -287,10 +313,8 @@ fn run<R: KernelRunner>(
             dropout: None,
         };
         let never = || false;
-        let st = step::step(
-            &mut eng, &mut model, &mut opt, &mut grads, &examples, &o, &never,
-        )?
-        .expect("never stopped");
+        let st = step::step(&mut eng, model, &mut opt, grads, &examples, &o, &never)?
+            .expect("never stopped");
         let w = engine::take_weight_grad_secs();
         let [tf, tl, tb] = st.batch.times;
         let to = st.optimizer_s;
@@ -309,24 +333,36 @@ fn run<R: KernelRunner>(
             total
         ));
         if i >= a.warmup {
-            steps.push(total);
-            fwd.push(tf);
-            bwd.push(tb - w);
-            wg.push(w);
-            loss_t.push(tl);
-            opt_t.push(to);
+            t.steps.push(total);
+            t.forward.push(tf);
+            t.backward.push(tb - w);
+            t.weight_gradient.push(w);
+            t.loss.push(tl);
+            t.optimizer.push(to);
         }
     }
-    // Without weight gradients (LoRA) a step does two of the three matmul
-    // passes; the rank-r adapter products are left out of the count.
-    let steal = steal_fraction(timed_from, cpu_steal());
-    if let Some(f) = steal.filter(|&f| f >= 0.05) {
+    t.steal = steal_fraction(timed_from, cpu_steal());
+    if let Some(f) = t.steal.filter(|&f| f >= 0.05) {
         progress(format!(
             "note: the host (hypervisor) took {:.0}% of this machine's CPU time during the timed \
              steps; times are inflated by it — compare runs made back to back",
             f * 100.0
         ));
     }
+    Ok(t)
+}
+
+/// The benchmark's JSON summary: medians, FLOP rates against this
+/// machine's matmul, the memory plan beside the peak, the device's work.
+fn report(
+    a: &BenchArgs,
+    model: &Model,
+    plan: &RunPlan,
+    grads: &mut Grads,
+    mut t: Timings,
+) -> Result<serde_json::Value> {
+    // Without weight gradients (LoRA) a step does two of the three matmul
+    // passes; the rank-r adapter products are left out of the count.
     let full = step_flops(&model.cfg, a.seq, a.batch);
     let (flops, flop_count) = if model.lora.is_some() {
         (
@@ -339,15 +375,15 @@ fn run<R: KernelRunner>(
             "3 x forward matmul FLOPs (all linear layers, LM head, full attention)",
         )
     };
-    let med = median(&mut steps.clone());
+    let med = median(&mut t.steps.clone());
     // Read before the reference products below allocate their own buffers.
     let peak_rss = peak_rss_mb();
     let matmul = matmul_reference(&model.cfg, a.seq * a.batch);
     // The products-only floor is this CPU library's; it says nothing of a
     // device engine, and LoRA steps run other products.
     let products = (a.backend == Backend::Cpu && model.lora.is_none())
-        .then(|| products_only(&model, &mut grads, a.seq * a.batch).0);
-    let min = steps.iter().copied().fold(f64::INFINITY, f64::min);
+        .then(|| products_only(model, grads, a.seq * a.batch).0);
+    let min = t.steps.iter().copied().fold(f64::INFINITY, f64::min);
     // Where the arithmetic goes on the device path (none on the CPU).
     let work = match a.backend {
         Backend::Cpu => None,
@@ -355,7 +391,7 @@ fn run<R: KernelRunner>(
             &model.cfg,
             a.seq,
             a.batch,
-            &crate::kernels::KernelOptions::for_model(&model),
+            &crate::kernels::KernelOptions::for_model(model),
             model.lora.is_none(),
             a.memory.grad_checkpoint,
         )?),
@@ -371,7 +407,7 @@ fn run<R: KernelRunner>(
         "fraction_of_matmul": flops / med / 1e9 / matmul,
         "flop_count": flop_count, "lora_rank": a.lora_rank,
         "trainable_params": model.trainable().iter().map(|p| p.data.len()).sum::<usize>(),
-        "peak_rss_mb": peak_rss, "host_steal_fraction": steal,
+        "peak_rss_mb": peak_rss, "host_steal_fraction": t.steal,
         "memory_plan_mb": plan.plan.total as f64 / (1 << 20) as f64,
         "plan_over_peak_rss": peak_rss.map(|p| plan.plan.total as f64 / (1 << 20) as f64 / p),
         "grad_checkpoint": a.memory.grad_checkpoint,
@@ -382,8 +418,9 @@ fn run<R: KernelRunner>(
         "device_buffers": (a.backend != Backend::Cpu).then_some(plan.buffers),
         "products_only_s": products, "step_over_products": products.map(|p| med / p),
         "phases_median_s": {
-            "forward": median(&mut fwd), "backward": median(&mut bwd), "weight_gradient": median(&mut wg),
-            "loss": median(&mut loss_t), "optimizer": median(&mut opt_t),
+            "forward": median(&mut t.forward), "backward": median(&mut t.backward),
+            "weight_gradient": median(&mut t.weight_gradient),
+            "loss": median(&mut t.loss), "optimizer": median(&mut t.optimizer),
         },
     }))
 }

@@ -31,7 +31,8 @@ fn permute_rope_rows(w: &[f32], heads: usize, hd: usize, cols: usize) -> Vec<f32
     out
 }
 
-/// Reads a llama2.c checkpoint into a Hugging Face-layout model.
+/// Reads a llama2.c checkpoint into a Hugging Face-layout model: the
+/// header's configuration, the file's size against it, then the tensors.
 pub fn load_llama2c(path: &Path) -> Result<Model> {
     use std::io::Read;
     let what = path.display().to_string();
@@ -50,6 +51,26 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
             "{len} bytes, shorter than the 28-byte header"
         )));
     }
+    let cfg = header_config(&header).map_err(not_llama2c)?;
+    let sizes = tensor_sizes(&cfg);
+    let need = 28 + 4 * sizes.iter().sum::<usize>() as u64;
+    if len != need {
+        return Err(not_llama2c(format!(
+            "the header (dim {}, {} layers, vocab {}) implies {need} bytes, the file holds {len}{}",
+            cfg.hidden_size,
+            cfg.num_hidden_layers,
+            cfg.vocab_size,
+            if len < need { " (truncated?)" } else { "" }
+        )));
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{what}'"))?;
+    model_from_tensors(&cfg, &bytes, &sizes, &what)
+}
+
+/// The model configuration a llama2.c header (seven little-endian i32:
+/// dim, hidden_dim, n_layers, n_heads, n_kv_heads, vocab_size — negative
+/// for an untied classifier — and seq_len) describes, or why it is not one.
+fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> {
     let hdr: Vec<i64> = header
         .chunks_exact(4)
         .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
@@ -68,14 +89,12 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         ("seq_len", seq_len, 1 << 20),
     ];
     if let Some((name, v, max)) = sane.iter().find(|(_, v, max)| *v <= 0 || v > max) {
-        return Err(not_llama2c(format!(
-            "header field {name} is {v} (expected 1 to {max})"
-        )));
+        return Err(format!("header field {name} is {v} (expected 1 to {max})"));
     }
     if dim % heads != 0 || heads % kv_heads != 0 {
-        return Err(not_llama2c(format!(
+        return Err(format!(
             "dim {dim}, n_heads {heads} and n_kv_heads {kv_heads} do not divide"
-        )));
+        ));
     }
     let shared = vocab_signed > 0;
     let cfg = ModelConfig {
@@ -96,16 +115,23 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         bos_token_id: Some(1.into()),
         eos_token_id: Some(2.into()),
     };
-    cfg.validate().map_err(|e| not_llama2c(e.to_string()))?;
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+/// Elements of the checkpoint's tensors in file order: embedding, the
+/// layers' norms and projections (stacked), the final norm, the RoPE
+/// tables (unused), and the classifier when it is not tied.
+fn tensor_sizes(cfg: &ModelConfig) -> [usize; 14] {
     let (d, h, l, v) = (
         cfg.hidden_size,
         cfg.intermediate_size,
         cfg.num_hidden_layers,
         cfg.vocab_size,
     );
-    let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
-    let half_hd = hd / 2;
-    let sizes = [
+    let (q, kv) = (cfg.q_dim(), cfg.kv_dim());
+    let half_hd = cfg.head_dim / 2;
+    [
         v * d,
         l * d,
         l * d * q,
@@ -119,17 +145,24 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
         d,
         cfg.max_position_embeddings * half_hd,
         cfg.max_position_embeddings * half_hd,
-        if shared { 0 } else { v * d },
-    ];
-    let need = 28 + 4 * sizes.iter().sum::<usize>() as u64;
-    if len != need {
-        return Err(not_llama2c(format!(
-            "the header (dim {dim}, {layers} layers, vocab {}) implies {need} bytes, the file holds {len}{}",
-            vocab_signed.abs(),
-            if len < need { " (truncated?)" } else { "" }
-        )));
-    }
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{what}'"))?;
+        if cfg.tie_word_embeddings { 0 } else { v * d },
+    ]
+}
+
+/// The model from a checkpoint's bytes (`sizes` as [`tensor_sizes`]),
+/// q/k rows permuted to half-split RoPE; a non-finite value is refused.
+fn model_from_tensors(
+    cfg: &ModelConfig,
+    bytes: &[u8],
+    sizes: &[usize; 14],
+    what: &str,
+) -> Result<Model> {
+    let (d, h, l) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_hidden_layers,
+    );
+    let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
     let mut at = 28;
     let mut next = |n: usize| -> Vec<f32> {
         let v = bytes[at..at + 4 * n]
@@ -158,7 +191,7 @@ pub fn load_llama2c(path: &Path) -> Result<Model> {
     next(sizes[11]);
     next(sizes[12]);
     let wcls = next(sizes[13]);
-    let mut m = Model::init(&cfg, 0)?;
+    let mut m = Model::init(cfg, 0)?;
     m.params[m.embed].data = embed;
     for i in 0..l {
         let ids = m.layers[i];

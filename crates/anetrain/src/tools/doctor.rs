@@ -349,7 +349,58 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         }
     };
     let stand_in = std::env::var_os(ane::apple::RUNTIME_ENV).is_some_and(|p| !p.is_empty());
-    let (device, device_note, ane) = match ane::AneDevice::open() {
+    let (device, device_note, ane) = open_device(stand_in);
+    // The family's facts, measured by probe programs on a device of their
+    // own (a real device checks only what it binds, so its compiler answers).
+    let sim_family = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let expected = match (device, sim_family) {
+        ("ane-sim", Some(f)) => f.limits(),
+        _ => profile.limits,
+    };
+    let (probes, contradictions, profile_note) = probe_family(
+        device,
+        &expected,
+        sim_family.or(profile.family),
+        &mut failures,
+        progress,
+    );
+    let kernels = check_kernels(req, plan.as_ref(), &full, &o, ane, &mut failures, progress)?;
+    let training =
+        (req.steps > 0).then(|| train_side_by_side(req, device, &mut failures, progress));
+    let ok = failures.is_empty();
+    let verdict = verdict(req, device, stand_in, training.is_some(), &failures);
+    Ok(Report {
+        anetrain_version: env!("CARGO_PKG_VERSION").into(),
+        host: host(),
+        device: device.into(),
+        device_note,
+        matmul: linalg::selected().describe().into(),
+        model: req.model.clone(),
+        seq: req.seq,
+        family: match sim_family.filter(|_| device == "ane-sim") {
+            Some(f) => format!(
+                "{f}, played by the simulator ({})",
+                ane::family::SIM_FAMILY_ENV
+            ),
+            None => profile.describe(),
+        },
+        limits: o.limits,
+        probes,
+        contradictions,
+        profile: profile_note,
+        kernels,
+        training,
+        failures,
+        ok,
+        verdict,
+    })
+}
+
+/// The device the kernels are checked on: the Neural Engine when one
+/// opens (possibly the stand-in runtime), else the simulator; with a line
+/// saying which.
+fn open_device(stand_in: bool) -> (&'static str, String, Option<ane::AneDevice>) {
+    match ane::AneDevice::open() {
         Ok(d) => {
             let note = match std::env::var_os(ane::apple::RUNTIME_ENV).filter(|_| stand_in) {
                 Some(p) => format!(
@@ -367,23 +418,28 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
             format!("the simulator stands in as the device: {e}"),
             None,
         ),
-    };
-    // The family's facts, measured by probe programs on a device of their
-    // own (a real device checks only what it binds, so its compiler answers).
-    let sim_family = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
-    let expected = match (device, sim_family) {
-        ("ane-sim", Some(f)) => f.limits(),
-        _ => profile.limits,
-    };
+    }
+}
+
+/// The family's limits probed on `device` against `expected`, the
+/// contradictions, and the profile saved for later runs (with a line
+/// saying where, or why not).
+fn probe_family(
+    device: &str,
+    expected: &ane::family::Limits,
+    family: Option<ane::family::Family>,
+    failures: &mut Vec<String>,
+    progress: &mut dyn FnMut(&str),
+) -> (Option<ane::probes::ProbeReport>, Vec<String>, String) {
     let probes = match device {
         "ane" => ane::AneDevice::open()
-            .map(|d| ane::probes::run(&mut d.with_rules(ane::probes::probe_rules()), &expected))
+            .map(|d| ane::probes::run(&mut d.with_rules(ane::probes::probe_rules()), expected))
             .map_err(|e| e.to_string()),
         _ => SimDevice::from_env()
-            .map(|mut d| ane::probes::run(&mut d, &expected))
+            .map(|mut d| ane::probes::run(&mut d, expected))
             .map_err(|e| e.to_string()),
     };
-    let (probes, contradictions, profile_note) = match probes {
+    match probes {
         Ok(p) => {
             for r in &p.results {
                 progress(&format!(
@@ -411,7 +467,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
                 .collect();
             let saved = ane::family::SavedProfile {
                 format: ane::family::PROFILE_FORMAT,
-                family: sim_family.or(profile.family),
+                family,
                 chip: ane::family::chip_key(),
                 device: device.into(),
                 limits: p.limits,
@@ -440,7 +496,20 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
             failures.push(format!("probes: {e}"));
             (None, vec![], "not measured".into())
         }
-    };
+    }
+}
+
+/// Every kernel (tile-sized where the plan tiles it) on the device against
+/// the simulator: compile and evaluation times, relative error.
+fn check_kernels(
+    req: &DoctorRequest,
+    plan: Option<&crate::kernels::tiling::Plan>,
+    full: &Shape,
+    o: &KernelOptions,
+    ane: Option<ane::AneDevice>,
+    failures: &mut Vec<String>,
+    progress: &mut dyn FnMut(&str),
+) -> anyhow::Result<Vec<KernelResult>> {
     let mut rng = Rng::new(1);
     let mut sim = SimDevice::new();
     let mut kernels = vec![];
@@ -449,12 +518,12 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     let mut ane_dev = ane;
     let mut sim_dev = SimDevice::from_env().map_err(anyhow::Error::msg)?;
     for kind in KernelKind::ALL {
-        let s = plan.as_ref().map_or(full, |p| p.of(kind).shape);
+        let s = plan.map_or(*full, |p| p.of(kind).shape);
         let mut r = match ane_dev.as_mut() {
-            Some(d) => kernel_on(d, &mut sim, kind, &s, &o, req.evals, &mut rng),
-            None => kernel_on(&mut sim_dev, &mut sim, kind, &s, &o, req.evals, &mut rng),
+            Some(d) => kernel_on(d, &mut sim, kind, &s, o, req.evals, &mut rng),
+            None => kernel_on(&mut sim_dev, &mut sim, kind, &s, o, req.evals, &mut rng),
         };
-        r.tiles = plan.as_ref().map_or(1, |p| p.of(kind).tiles);
+        r.tiles = plan.map_or(1, |p| p.of(kind).tiles);
         if let Some(e) = &r.error {
             failures.push(format!("kernel {}: {e}", r.kernel));
         } else if let Some(err) = r.max_rel_error.filter(|x| x.is_nan() || *x > KERNEL_TOL) {
@@ -477,51 +546,80 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     }
     // The device is closed before training opens its own.
     drop(ane_dev);
-    let training = (req.steps > 0).then(|| {
-        let backend = if device == "ane" { Backend::Ane } else { Backend::AneSim };
-        let dev = losses(req, backend, scratch("device"));
-        let sim = losses(req, Backend::AneSim, scratch("sim"));
-        let mut t = TrainingResult {
-            steps: req.steps,
-            device_losses: dev.clone().unwrap_or_default(),
-            sim_losses: sim.clone().unwrap_or_default(),
-            max_rel_diff: None,
-            error: None,
-        };
-        match (dev, sim) {
-            (Ok(d), Ok(s)) => {
-                let diff = d
-                    .iter()
-                    .zip(&s)
-                    .map(|(a, b)| (a - b).abs() / b.abs().max(1e-12))
-                    .fold(0f64, |m, x| if x.is_nan() { f64::INFINITY } else { m.max(x) });
-                t.max_rel_diff = Some(diff);
-                if diff.is_nan() || diff > LOSS_TOL || d.len() != s.len() {
-                    failures.push(format!(
+    Ok(kernels)
+}
+
+/// A few training steps on the device and on the simulator, side by side.
+fn train_side_by_side(
+    req: &DoctorRequest,
+    device: &str,
+    failures: &mut Vec<String>,
+    progress: &mut dyn FnMut(&str),
+) -> TrainingResult {
+    let backend = if device == "ane" {
+        Backend::Ane
+    } else {
+        Backend::AneSim
+    };
+    let dev = losses(req, backend, scratch("device"));
+    let sim = losses(req, Backend::AneSim, scratch("sim"));
+    let mut t = TrainingResult {
+        steps: req.steps,
+        device_losses: dev.clone().unwrap_or_default(),
+        sim_losses: sim.clone().unwrap_or_default(),
+        max_rel_diff: None,
+        error: None,
+    };
+    match (dev, sim) {
+        (Ok(d), Ok(s)) => {
+            let diff = d
+                .iter()
+                .zip(&s)
+                .map(|(a, b)| (a - b).abs() / b.abs().max(1e-12))
+                .fold(
+                    0f64,
+                    |m, x| if x.is_nan() { f64::INFINITY } else { m.max(x) },
+                );
+            t.max_rel_diff = Some(diff);
+            if diff.is_nan() || diff > LOSS_TOL || d.len() != s.len() {
+                failures.push(format!(
                         "training: device losses differ from the simulator's by up to {diff:.2e} (tolerance {LOSS_TOL:.0e})"
                     ));
-                }
-            }
-            (Err(e), _) => {
-                failures.push(format!("training on {device}: {e}"));
-                t.error = Some(e);
-            }
-            (_, Err(e)) => {
-                failures.push(format!("training on ane-sim: {e}"));
-                t.error = Some(e);
             }
         }
-        let show = |v: &[f64]| v.iter().map(|x| format!("{x:.4}")).collect::<Vec<_>>().join(" ");
-        progress(&format!(
-            "training {} steps: device {} | ane-sim {}",
-            req.steps,
-            show(&t.device_losses),
-            show(&t.sim_losses)
-        ));
-        t
-    });
-    let ok = failures.is_empty();
-    let verdict = match (ok, device) {
+        (Err(e), _) => {
+            failures.push(format!("training on {device}: {e}"));
+            t.error = Some(e);
+        }
+        (_, Err(e)) => {
+            failures.push(format!("training on ane-sim: {e}"));
+            t.error = Some(e);
+        }
+    }
+    let show = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.4}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    progress(&format!(
+        "training {} steps: device {} | ane-sim {}",
+        req.steps,
+        show(&t.device_losses),
+        show(&t.sim_losses)
+    ));
+    t
+}
+
+/// The report's last line.
+fn verdict(
+    req: &DoctorRequest,
+    device: &str,
+    stand_in: bool,
+    trained: bool,
+    failures: &[String],
+) -> String {
+    match (failures.is_empty(), device) {
         (true, "ane") if stand_in => format!(
             "PASS against the stand-in runtime: AneDevice drove every kernel of {} and training as on the simulator (this is not the Neural Engine)",
             req.model
@@ -529,41 +627,16 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         (true, "ane") => format!(
             "PASS: every kernel of {} ran on the device within {KERNEL_TOL:.0e} of the simulator{}",
             req.model,
-            if training.is_some() { ", and training tracked it" } else { "" }
+            if trained { ", and training tracked it" } else { "" }
         ),
         (true, _) => "PASS on the simulator only: no Neural Engine here, so nothing about the device was shown".into(),
         (false, _) => format!("FAIL: {} problem(s); the first: {}", failures.len(), failures[0]),
-    };
-    Ok(Report {
-        anetrain_version: env!("CARGO_PKG_VERSION").into(),
-        host: host(),
-        device: device.into(),
-        device_note,
-        matmul: linalg::selected().describe().into(),
-        model: req.model.clone(),
-        seq: req.seq,
-        family: match sim_family.filter(|_| device == "ane-sim") {
-            Some(f) => format!(
-                "{f}, played by the simulator ({})",
-                ane::family::SIM_FAMILY_ENV
-            ),
-            None => profile.describe(),
-        },
-        limits: o.limits,
-        probes,
-        contradictions,
-        profile: profile_note,
-        kernels,
-        training,
-        failures,
-        ok,
-        verdict,
-    })
+    }
 }
 
 impl Report {
     /// A short markdown summary: host, a table of kernels, the losses, the
-    /// verdict.
+    /// verdict. (One template read top to bottom, as the report reads.)
     pub fn markdown(&self) -> String {
         use std::fmt::Write;
         let mut m = String::new();

@@ -463,55 +463,8 @@ fn tokenizer_metadata(
     }
     let byte_fallback = m["byte_fallback"].as_bool().unwrap_or(false);
     let n = model.cfg.vocab_size;
-    let mut tokens: Vec<Option<String>> = vec![None; n];
-    let mut types = vec![UNUSED; n];
-    for (t, id) in m["vocab"].as_object().into_iter().flatten() {
-        if let Some(id) = id.as_u64().map(|i| i as usize).filter(|&i| i < n) {
-            tokens[id] = Some(t.clone());
-            types[id] = if byte_fallback && is_byte_token(t) {
-                BYTE
-            } else {
-                NORMAL
-            };
-        }
-    }
-    for a in json["added_tokens"].as_array().into_iter().flatten() {
-        let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else {
-            continue;
-        };
-        let id = id as usize;
-        if id >= n {
-            bail!(
-                "'{}': added token '{content}' has id {id}, beyond the model's vocab_size {n}",
-                path.display()
-            );
-        }
-        tokens[id] = Some(content.to_string());
-        types[id] = match a["special"].as_bool().unwrap_or(false) {
-            true => CONTROL,
-            false => USER_DEFINED,
-        };
-    }
-    let tokens: Vec<String> = tokens
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
-        .collect();
-    let merges: Vec<String> = m["merges"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| match v {
-            Json::String(s) => Some(s.clone()),
-            Json::Array(pair) => Some(format!(
-                "{} {}",
-                pair.first()?.as_str()?,
-                pair.get(1)?.as_str()?
-            )),
-            _ => None,
-        })
-        .collect();
-
+    let (tokens, types) = vocabulary(&json, path, n, byte_fallback)?;
+    let merges = merges_of(m);
     let mut out: Vec<(String, MetaValue)> = vec![];
     if byte_fallback {
         // Score = minus the rank of the merge that makes the token, so
@@ -549,6 +502,84 @@ fn tokenizer_metadata(
     if !merges.is_empty() && !byte_fallback {
         out.push(("tokenizer.ggml.merges".into(), MetaValue::Strs(merges)));
     }
+    out.extend(special_tokens(tok, model, gen, byte_fallback));
+    Ok(out)
+}
+
+/// Every id's token and its type (normal, byte, control for special added
+/// tokens, user-defined), ids no token names padded as `[PAD<id>]`.
+fn vocabulary(
+    json: &Json,
+    path: &Path,
+    n: usize,
+    byte_fallback: bool,
+) -> Result<(Vec<String>, Vec<i32>)> {
+    let m = &json["model"];
+    let mut tokens: Vec<Option<String>> = vec![None; n];
+    let mut types = vec![UNUSED; n];
+    for (t, id) in m["vocab"].as_object().into_iter().flatten() {
+        if let Some(id) = id.as_u64().map(|i| i as usize).filter(|&i| i < n) {
+            tokens[id] = Some(t.clone());
+            types[id] = if byte_fallback && is_byte_token(t) {
+                BYTE
+            } else {
+                NORMAL
+            };
+        }
+    }
+    for a in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (a["id"].as_u64(), a["content"].as_str()) else {
+            continue;
+        };
+        let id = id as usize;
+        if id >= n {
+            bail!(
+                "'{}': added token '{content}' has id {id}, beyond the model's vocab_size {n}",
+                path.display()
+            );
+        }
+        tokens[id] = Some(content.to_string());
+        types[id] = match a["special"].as_bool().unwrap_or(false) {
+            true => CONTROL,
+            false => USER_DEFINED,
+        };
+    }
+    let tokens = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| t.unwrap_or_else(|| format!("[PAD{i}]")))
+        .collect();
+    Ok((tokens, types))
+}
+
+/// The merges, as "a b" strings (tokenizer.json writes them as strings or
+/// as pairs).
+fn merges_of(m: &Json) -> Vec<String> {
+    m["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|v| match v {
+            Json::String(s) => Some(s.clone()),
+            Json::Array(pair) => Some(format!(
+                "{} {}",
+                pair.first()?.as_str()?,
+                pair.get(1)?.as_str()?
+            )),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The special token ids (the tokenizer's, else the generation config's,
+/// else config.json's), whether to add BOS, and the chat template.
+fn special_tokens(
+    tok: &Tokenizer,
+    model: &Model,
+    gen: Option<&GenerationConfig>,
+    byte_fallback: bool,
+) -> Vec<(String, MetaValue)> {
+    let mut out = vec![];
     let id_of = |name: &str| tok.special_token(name).and_then(|t| tok.token_id(t));
     let config_id = |v: &Option<Json>| match v {
         Some(Json::Array(a)) => a.first().and_then(|x| x.as_u64()).map(|x| x as u32),
@@ -581,7 +612,7 @@ fn tokenizer_metadata(
             MetaValue::Str(chat.source().to_string()),
         ));
     }
-    Ok(out)
+    out
 }
 
 fn is_byte_token(t: &str) -> bool {

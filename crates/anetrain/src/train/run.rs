@@ -373,23 +373,7 @@ impl Run<'_> {
         let (r, s, out) = (self.r, self.s, self.out);
         let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
-        let (train_tokens, val_tokens) = self.corpus.source.sizes();
-        if let Some(line) = crate::device::backend::chip_family_line(s.backend)? {
-            (self.report)(&Event::Note(line));
-        }
-        (self.report)(&Event::Started {
-            model: s.model.clone(),
-            params: model.num_params(),
-            train_tokens,
-            val_tokens,
-            out: out.to_path_buf(),
-            lora: model.lora.as_ref().map(|l| {
-                let names = l.cfg.targets.iter().map(|t| t.module()).collect();
-                (l.cfg.rank, l.cfg.alpha, names, l.num_params())
-            }),
-            resumed_at: self.resuming.then_some(state.step),
-            steps: r.steps,
-        });
+        self.report_start(model, state)?;
         let run_start = Instant::now();
         let start_step = state.step;
         let mut last_loss = f64::NAN;
@@ -416,21 +400,7 @@ impl Run<'_> {
                 consecutive_skips = 0;
                 last_loss = st.loss;
             } else {
-                // An fp16 overflow with a finite loss is the loss scaler's
-                // business; only other failures count towards divergence.
-                let overflow =
-                    state.scaler.dynamic && st.loss.is_finite() && state.scaler.scale >= 1.0;
-                if !overflow {
-                    consecutive_skips += 1;
-                }
-                self.report_skip(state, &st);
-                if consecutive_skips >= 3 {
-                    bail!(
-                        "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
-                         the last checkpoint is intact — resume with a lower --lr or stronger --clip",
-                        state.step + 1
-                    );
-                }
+                self.skipped(state, &st, &mut consecutive_skips)?;
             }
             state.step += 1;
             let dt = t0.elapsed().as_secs_f64();
@@ -475,6 +445,54 @@ impl Run<'_> {
             out: out.to_path_buf(),
         });
         Ok(last_loss)
+    }
+
+    /// The run's first reports: the chip family in force (on a device)
+    /// and what is trained on what.
+    fn report_start(&mut self, model: &Model, state: &TrainerState) -> Result<()> {
+        let (s, out) = (self.s, self.out);
+        let (train_tokens, val_tokens) = self.corpus.source.sizes();
+        if let Some(line) = crate::device::backend::chip_family_line(s.backend)? {
+            (self.report)(&Event::Note(line));
+        }
+        (self.report)(&Event::Started {
+            model: s.model.clone(),
+            params: model.num_params(),
+            train_tokens,
+            val_tokens,
+            out: out.to_path_buf(),
+            lora: model.lora.as_ref().map(|l| {
+                let names = l.cfg.targets.iter().map(|t| t.module()).collect();
+                (l.cfg.rank, l.cfg.alpha, names, l.num_params())
+            }),
+            resumed_at: self.resuming.then_some(state.step),
+            steps: self.r.steps,
+        });
+        Ok(())
+    }
+
+    /// A skipped step: reported, and counted towards divergence unless it
+    /// was an fp16 overflow the loss scaler handles; three in a row stop
+    /// the run.
+    fn skipped(
+        &mut self,
+        state: &TrainerState,
+        st: &StepStats,
+        consecutive_skips: &mut u32,
+    ) -> Result<()> {
+        let overflow = state.scaler.dynamic && st.loss.is_finite() && state.scaler.scale >= 1.0;
+        if !overflow {
+            *consecutive_skips += 1;
+        }
+        self.report_skip(state, st);
+        if *consecutive_skips >= 3 {
+            bail!(
+                "training diverged: {consecutive_skips} consecutive steps with non-finite loss or gradients at step {}; \
+                 the last checkpoint is intact — resume with a lower --lr or stronger --clip",
+                state.step + 1
+            );
+        }
+        Ok(())
     }
 
     /// One optimizer step over the next `accum · batch` examples (see

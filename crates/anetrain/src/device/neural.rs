@@ -23,177 +23,11 @@ use anyhow::{anyhow, bail, Result};
 use crate::kernels::tiling::{self, HeadChunks, Plan};
 use crate::kernels::{
     build, compiled_length, Activations, Kernel, KernelKind, KernelLayout, KernelOptions,
-    KernelProgram, LayerWeights, Outputs, Port, Shape, COLUMN_GROUP,
+    KernelProgram, Outputs, Port, Shape, COLUMN_GROUP,
 };
-use crate::model::{Model, Projection};
+use crate::model::Model;
 
-/// LoRA dropout masks of one layer, by [`Projection::index`] (scaled by
-/// 1/(1−p); `None` where there is no dropout).
-pub type Dropout = [Option<Vec<f32>>; 7];
-
-/// Runs one kernel for one layer, or a head kernel for one vocabulary
-/// chunk. Activations come in `acts`; the runner supplies the weights
-/// itself.
-pub trait KernelRunner {
-    /// Runs `K` for `layer` (for the head kernels, the vocabulary chunk
-    /// of that index: see [`KernelRunner::head_chunks`]).
-    fn run<K: Kernel>(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        shape: &Shape,
-        dropout: &Dropout,
-        acts: &K::Acts<'_>,
-    ) -> Result<K::Out>;
-
-    /// How the LM head's vocabulary is cut for sequences of `seq` tokens:
-    /// the head kernels run chunk by chunk, the host keeping softmax
-    /// statistics between them.
-    fn head_chunks(&mut self, model: &Model, seq: usize) -> Result<HeadChunks>;
-
-    /// Whether kernels run off the host CPU, so the engine computes weight
-    /// gradients on a worker thread while they run.
-    fn overlaps_host(&self) -> bool {
-        false
-    }
-
-    /// The engine is (`true`) or is no longer recomputing a layer's forward
-    /// inside the backward (activation checkpointing): forward kernels now
-    /// walk the layers downwards.
-    fn recomputing(&mut self, _on: bool) {}
-}
-
-/// f32 copies of the projections a kernel multiplies by, for a model whose
-/// frozen matrices stay in the file's dtype ([`crate::model::Param::stored`]).
-/// [`WeightScratch::prepare`] converts what the next kernel needs and drops
-/// the rest, so the scratch never holds more than the largest kernel's
-/// projections (the FFN's three) and each projection is converted once per
-/// visit of its layer (every kernel of a layer uses different ones).
-#[derive(Default)]
-pub struct WeightScratch {
-    /// `(layer, W)` by [`Projection::index`].
-    held: [Option<(usize, Vec<f32>)>; 7],
-}
-
-impl WeightScratch {
-    /// Holds layer `layer`'s `needed` projections in f32 (those the model
-    /// keeps in f32 are read in place).
-    pub fn prepare(&mut self, model: &Model, layer: usize, needed: &[Projection]) {
-        for t in Projection::ALL {
-            let p = &model.params[t.base(&model.layers[layer])];
-            let slot = &mut self.held[t.index()];
-            if !needed.contains(&t) || p.stored.is_none() {
-                *slot = None;
-            } else if !matches!(slot, Some((l, _)) if *l == layer) {
-                let mut v = slot.take().map(|(_, v)| v).unwrap_or_default();
-                p.rows_into(0..p.shape[0], &mut v);
-                *slot = Some((layer, v));
-            }
-        }
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.held.iter().flatten().map(|(_, v)| v.len() * 4).sum()
-    }
-}
-
-/// The projections kernel `K` multiplies by.
-fn projections_of<K: Kernel>() -> Vec<Projection> {
-    K::PROJECTIONS.iter().map(|(p, _)| *p).collect()
-}
-
-/// Layer `layer`'s weights (and adapters) as the kernels read them; the
-/// frozen matrices a model keeps in the file's dtype come from `scratch`
-/// (empty unless [`WeightScratch::prepare`] converted them).
-pub fn layer_weights<'a>(
-    model: &'a Model,
-    layer: usize,
-    scratch: &'a WeightScratch,
-) -> LayerWeights<'a> {
-    let l = &model.layers[layer];
-    let p = |i: usize| model.params[i].data.as_slice();
-    let projection = |t: Projection| {
-        let param = &model.params[t.base(l)];
-        match (&param.stored, &scratch.held[t.index()]) {
-            (None, _) => param.data.as_slice(),
-            (Some(_), Some((held, v))) if *held == layer => v.as_slice(),
-            (Some(_), _) => &[],
-        }
-    };
-    let mut w = LayerWeights {
-        projections: Projection::ALL.map(projection),
-        q_norm: l.q_norm.map(p),
-        k_norm: l.k_norm.map(p),
-        ..LayerWeights::default()
-    };
-    if let Some(lora) = &model.lora {
-        for t in Projection::ALL {
-            w.adapters[t.index()] = lora.adapter(layer, t);
-        }
-    }
-    w
-}
-
-/// Vocabulary rows of one LM head chunk on the CPU engine: the loss never
-/// holds the `[V, S]` logits in f32, only `[HEAD_CHUNK_ROWS, S]` (16.8 MB
-/// at 256 positions), and a head kept in the file's dtype is converted a
-/// chunk at a time.
-pub const HEAD_CHUNK_ROWS: usize = 16384;
-
-/// The CPU engine's kernels: the native twins.
-pub struct CpuKernels {
-    pub opts: KernelOptions,
-    /// Frozen projections converted from the file's dtype.
-    pub scratch: WeightScratch,
-    /// A head chunk converted from the file's dtype.
-    head: Vec<f32>,
-    /// Rows of a head chunk ([`HEAD_CHUNK_ROWS`] unless set for tests).
-    pub head_rows: usize,
-}
-
-impl CpuKernels {
-    pub fn new(opts: KernelOptions) -> CpuKernels {
-        CpuKernels {
-            opts,
-            scratch: WeightScratch::default(),
-            head: Vec::new(),
-            head_rows: HEAD_CHUNK_ROWS,
-        }
-    }
-}
-
-impl KernelRunner for CpuKernels {
-    fn run<K: Kernel>(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        shape: &Shape,
-        dropout: &Dropout,
-        acts: &K::Acts<'_>,
-    ) -> Result<K::Out> {
-        if K::KIND.is_head() {
-            let range = self
-                .head_chunks(model, shape.seq)?
-                .range(layer, model.cfg.vocab_size);
-            let w = LayerWeights {
-                head: model.lm_head_param().rows(range, &mut self.head),
-                ..LayerWeights::default()
-            };
-            return Ok(K::cpu(shape, &self.opts, &w, acts));
-        }
-        self.scratch.prepare(model, layer, &projections_of::<K>());
-        let mut w = layer_weights(model, layer, &self.scratch);
-        for (m, d) in w.dropout.iter_mut().zip(dropout) {
-            *m = d.as_deref();
-        }
-        Ok(K::cpu(shape, &self.opts, &w, acts))
-    }
-
-    fn head_chunks(&mut self, model: &Model, _seq: usize) -> Result<HeadChunks> {
-        Ok(HeadChunks::of(model.cfg.vocab_size, self.head_rows))
-    }
-}
+use super::{Dropout, KernelRunner};
 
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
 /// `[rows, sp]` (or `[heads·sp, sp]`) layout, zeros elsewhere.
@@ -410,6 +244,182 @@ fn weight_regions(
     Ok(())
 }
 
+/// Where one tile of a call sits: its index, and the sequence's real and
+/// compiled lengths.
+#[derive(Clone, Copy)]
+struct Tile {
+    t: usize,
+    seq: usize,
+    sp: usize,
+}
+
+/// Stage weights: writes `unit`'s weight regions into input buffer `b` of
+/// kernel `ki` unless it holds them already — the regions prepared while
+/// the device ran the previous unit when they match, else read from the
+/// model (only the adapters when the base is already there).
+fn stage_weights<D: Device>(
+    device: &mut D,
+    set: &mut KernelSet<D>,
+    ki: usize,
+    model: &Model,
+    unit: Unit,
+    b: usize,
+) -> Result<()> {
+    let (full, head) = (set.plan.shape, set.plan.head);
+    let (k, _) = &set.kernels[ki];
+    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    let (held, want) = (set.held[ki][b], Held::of(model, unit));
+    if held == Some(want) {
+        return Ok(());
+    }
+    let buf = &mut set.inputs[ki][b];
+    match set.prepared[ki].take() {
+        // Prepared while the device ran the previous unit.
+        Some(p) if p.held == want && p.over == held => {
+            for (port, values) in p.regions {
+                let mut v = vec![0f32; values.len()];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&values[..], &mut v);
+                write_region(device, buf, l, port, &v)?;
+            }
+        }
+        _ => {
+            let adapters_only = held.is_some_and(|h| h.adapters_behind(want));
+            weight_regions(
+                k,
+                tiles,
+                (&full, head),
+                model,
+                unit,
+                adapters_only,
+                &mut |port, v| write_region(device, buf, l, port, &v),
+            )?;
+        }
+    }
+    set.held[ki][b] = Some(want);
+    Ok(())
+}
+
+/// Write activations: the call's activations (padded to the compiled
+/// length, cut to the tile), and the causal mask and RoPE tables of the
+/// tile where the program reads them, into input buffer `b`.
+#[allow(clippy::too_many_arguments)]
+fn write_activations<D: Device>(
+    device: &mut D,
+    set: &mut KernelSet<D>,
+    ki: usize,
+    b: usize,
+    ports: &[(Port, &[f32])],
+    opts: &KernelOptions,
+    rope: &mut Option<(Vec<f32>, Vec<f32>)>,
+    Tile { t, seq, sp }: Tile,
+) -> Result<()> {
+    let (full, head) = (set.plan.shape, set.plan.head);
+    let (k, _) = &set.kernels[ki];
+    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    let buf = &mut set.inputs[ki][b];
+    for &(port, data) in ports {
+        if !l.inputs.iter().any(|r| r.port == port) {
+            // An input only a block of queries reads (the layer input's
+            // columns), given to a whole-sequence program.
+            continue;
+        }
+        let mut padded = pad(port, data, seq, sp);
+        if port == Port::Dlogits {
+            // The last chunk's rows past the vocabulary: zeros.
+            padded.resize(head.rows * sp, 0.0);
+        }
+        let part = match tiles.tiles {
+            1 => padded,
+            _ => tiling::tile_activation(tiles, port, &padded, sp, t),
+        };
+        write_region(device, buf, l, port, &part)?;
+    }
+    if l.inputs.iter().any(|r| r.port == Port::Mask) {
+        let mask = tiling::tile_mask(tiles, sp, t);
+        write_region(device, buf, l, Port::Mask, &mask)?;
+    }
+    if l.inputs.iter().any(|r| r.port == Port::RopeCos) {
+        let (cos, sin) = rope.get_or_insert_with(|| opts.rope_tables(sp, full.head_dim));
+        let (c, s) = tiling::tile_rope(tiles, (cos, sin), t);
+        write_region(device, buf, l, Port::RopeCos, &c)?;
+        write_region(device, buf, l, Port::RopeSin, &s)?;
+    }
+    Ok(())
+}
+
+/// Evaluate: runs kernel `ki` on input buffer `b` while a host thread
+/// prepares `next`'s weight regions (unit, what it wants, what its buffer
+/// will hold), kept for [`stage_weights`].
+fn evaluate<D: Device>(
+    device: &mut D,
+    set: &mut KernelSet<D>,
+    ki: usize,
+    b: usize,
+    model: &Model,
+    next: Option<(Unit, Held, Option<Held>)>,
+) -> Result<()> {
+    let (full, head) = (set.plan.shape, set.plan.head);
+    let (k, prog) = &set.kernels[ki];
+    let tiles = set.plan.of(k.kind);
+    let (buf, out) = (&set.inputs[ki][b], &mut set.outputs[ki]);
+    let prepared = std::thread::scope(|s| {
+        let worker = next.map(|(n, nwant, over)| {
+            s.spawn(move || {
+                let adapters_only = over.is_some_and(|h| h.adapters_behind(nwant));
+                let mut regions = Vec::new();
+                let f = (&full, head);
+                weight_regions(k, tiles, f, model, n, adapters_only, &mut |port, v| {
+                    let mut h = vec![half::f16::ZERO; v.len()];
+                    half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &v);
+                    regions.push((port, h));
+                    Ok(())
+                })
+                .map(|()| Prepared {
+                    held: nwant,
+                    over,
+                    regions,
+                })
+            })
+        });
+        let ran = device
+            .eval(prog, buf, out)
+            .map_err(|e| anyhow!("{}: {e}", k.kind.name()));
+        let prepared = worker
+            .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .transpose();
+        ran.and(prepared)
+    })?;
+    if prepared.is_some() {
+        set.prepared[ki] = prepared;
+    }
+    Ok(())
+}
+
+/// Read outputs: every output block of kernel `ki`'s last evaluation,
+/// tile `t` combined into `results` (concatenated or summed by the plan).
+fn read_outputs<D: Device>(
+    device: &mut D,
+    set: &KernelSet<D>,
+    ki: usize,
+    t: usize,
+    results: &mut BTreeMap<Port, Vec<f32>>,
+) -> Result<()> {
+    let (k, _) = &set.kernels[ki];
+    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    for blk in &l.outputs {
+        let mut v = vec![0f32; blk.channels.len() * l.out_spatial];
+        device
+            .read(&set.outputs[ki], blk.channels.start * l.out_spatial, &mut v)
+            .map_err(|e| anyhow!("{e}"))?;
+        let acc = results.entry(blk.port).or_default();
+        match tiles.tiles {
+            1 => *acc = v,
+            _ => tiling::combine(tiles, blk.port, acc, v, t),
+        }
+    }
+    Ok(())
+}
+
 impl<D: Device> NeuralKernels<D> {
     /// Kernels for `device`, built to its limits (its chip family's), with
     /// persistent buffers (see [`NeuralKernels::with_buffers`]).
@@ -465,6 +475,22 @@ impl<D: Device> NeuralKernels<D> {
                 _ => compiled_length(seq),
             }),
         }
+    }
+
+    /// Every unit's input buffer (see [`NeuralKernels::buffer_index`]),
+    /// layer-major, for a kernel of `ntiles` tiles over `layers` units.
+    fn buffer_indices(&self, layers: usize, ntiles: usize) -> Vec<usize> {
+        (0..layers * ntiles)
+            .map(|i| {
+                self.buffer_index(
+                    Unit {
+                        layer: i / ntiles,
+                        tile: i % ntiles,
+                    },
+                    ntiles,
+                )
+            })
+            .collect()
     }
 
     /// The tiling of the live kernel set, if one is compiled.
@@ -636,92 +662,35 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         if layer >= layers {
             bail!("{}: no unit {layer} (there are {layers})", kind.name());
         }
-        let index = |u: Unit| self.buffer_index(u, ntiles);
-        let indices: Vec<usize> = (0..layers * ntiles)
-            .map(|i| {
-                index(Unit {
-                    layer: i / ntiles,
-                    tile: i % ntiles,
-                })
-            })
-            .collect();
+        let indices = self.buffer_indices(layers, ntiles);
         let at = |u: Unit| indices[u.layer * ntiles + u.tile];
         let set = self
             .sets
             .get_mut(&sp)
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        let (full, head) = (set.plan.shape, set.plan.head);
-        let (k, prog) = &set.kernels[ki];
-        let l = &k.layout;
-        let tiles = set.plan.of(kind);
+        let ntiles = set.plan.of(kind).tiles;
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
         let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
-        for t in 0..tiles.tiles {
+        for t in 0..ntiles {
             let unit = Unit { layer, tile: t };
-            let (b, want) = (at(unit), Held::of(model, unit));
-            let held = set.held[ki][b];
-            if held != Some(want) {
-                let buf = &mut set.inputs[ki][b];
-                match set.prepared[ki].take() {
-                    // Prepared while the device ran the previous unit.
-                    Some(p) if p.held == want && p.over == held => {
-                        for (port, values) in p.regions {
-                            let mut v = vec![0f32; values.len()];
-                            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                                &values[..],
-                                &mut v,
-                            );
-                            write_region(&mut self.device, buf, l, port, &v)?;
-                        }
-                    }
-                    _ => {
-                        let adapters_only = held.is_some_and(|h| h.adapters_behind(want));
-                        let device = &mut self.device;
-                        weight_regions(
-                            k,
-                            tiles,
-                            (&full, head),
-                            model,
-                            unit,
-                            adapters_only,
-                            &mut |port, v| write_region(device, buf, l, port, &v),
-                        )?;
-                    }
-                }
-                set.held[ki][b] = Some(want);
-            }
-            let buf = &mut set.inputs[ki][b];
-            for (port, data) in acts.ports() {
-                if !l.inputs.iter().any(|r| r.port == port) {
-                    // An input only a block of queries reads (the layer
-                    // input's columns), given to a whole-sequence program.
-                    continue;
-                }
-                let mut padded = pad(port, data, seq, sp);
-                if port == Port::Dlogits {
-                    // The last chunk's rows past the vocabulary: zeros.
-                    padded.resize(head.rows * sp, 0.0);
-                }
-                let part = match tiles.tiles {
-                    1 => padded,
-                    _ => tiling::tile_activation(tiles, port, &padded, sp, t),
-                };
-                write_region(&mut self.device, buf, l, port, &part)?;
-            }
-            if l.inputs.iter().any(|r| r.port == Port::Mask) {
-                let mask = tiling::tile_mask(tiles, sp, t);
-                write_region(&mut self.device, buf, l, Port::Mask, &mask)?;
-            }
-            if l.inputs.iter().any(|r| r.port == Port::RopeCos) {
-                let (cos, sin) =
-                    rope.get_or_insert_with(|| self.opts.rope_tables(sp, full.head_dim));
-                let (c, s) = tiling::tile_rope(tiles, (cos, sin), t);
-                write_region(&mut self.device, buf, l, Port::RopeCos, &c)?;
-                write_region(&mut self.device, buf, l, Port::RopeSin, &s)?;
-            }
+            let b = at(unit);
+            stage_weights(&mut self.device, set, ki, model, unit, b)?;
+            let tile = Tile { t, seq, sp };
+            let ports = acts.ports();
+            write_activations(
+                &mut self.device,
+                set,
+                ki,
+                b,
+                &ports,
+                &self.opts,
+                &mut rope,
+                tile,
+            )?;
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.
-            let next = next_unit(kind, unit, tiles.tiles, layers, recomputing).and_then(|n| {
+            let want = Held::of(model, unit);
+            let next = next_unit(kind, unit, ntiles, layers, recomputing).and_then(|n| {
                 let nb = at(n);
                 // What its buffer will hold when they are written.
                 let over = if nb == b {
@@ -732,49 +701,8 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 let nwant = Held::of(model, n);
                 (over != Some(nwant)).then_some((n, nwant, over))
             });
-            let out = &mut set.outputs[ki];
-            let device = &mut self.device;
-            let prepared = std::thread::scope(|s| {
-                let worker = next.map(|(n, nwant, over)| {
-                    s.spawn(move || {
-                        let adapters_only = over.is_some_and(|h| h.adapters_behind(nwant));
-                        let mut regions = Vec::new();
-                        let f = (&full, head);
-                        weight_regions(k, tiles, f, model, n, adapters_only, &mut |port, v| {
-                            let mut h = vec![half::f16::ZERO; v.len()];
-                            half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut h[..], &v);
-                            regions.push((port, h));
-                            Ok(())
-                        })
-                        .map(|()| Prepared {
-                            held: nwant,
-                            over,
-                            regions,
-                        })
-                    })
-                });
-                let ran = device
-                    .eval(prog, buf, out)
-                    .map_err(|e| anyhow!("{}: {e}", kind.name()));
-                let prepared = worker
-                    .map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .transpose();
-                ran.and(prepared)
-            })?;
-            if prepared.is_some() {
-                set.prepared[ki] = prepared;
-            }
-            for blk in &l.outputs {
-                let mut v = vec![0f32; blk.channels.len() * l.out_spatial];
-                self.device
-                    .read(out, blk.channels.start * l.out_spatial, &mut v)
-                    .map_err(|e| anyhow!("{e}"))?;
-                let acc = results.entry(blk.port).or_default();
-                match tiles.tiles {
-                    1 => *acc = v,
-                    _ => tiling::combine(tiles, blk.port, acc, v, t),
-                }
-            }
+            evaluate(&mut self.device, set, ki, b, model, next)?;
+            read_outputs(&mut self.device, set, ki, t, &mut results)?;
         }
         // A head chunk's logits: its rows within the vocabulary.
         let rows = |port: Port, mut v: Vec<f32>| {
