@@ -67,88 +67,101 @@ pub use sdpa_forward::SdpaForward;
 pub use wo_backward::WoBackward;
 pub use wo_forward::WoForward;
 
-/// The kernels: ten per layer, in the order a training step uses them,
-/// and the LM head's two, run per vocabulary chunk.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
-pub enum KernelKind {
+/// The one table of kernels: each row a kernel's kind (and the type of
+/// its module), its name, the seed's name for it, whether it belongs to
+/// the forward pass, the axes its tiles may split (preferred first; see
+/// [`KernelKind::tile_axes`]), and what it computes. [`KernelKind`], its
+/// names, [`KernelKind::ALL`] and [`KernelKind::with`] are generated from
+/// it.
+macro_rules! kernel_table {
+    ($($(#[doc = $doc:literal])* $kind:ident: $name:literal, $seed:expr, $forward:literal, [$($axis:ident),*];)*) => {
+        /// The kernels: ten per layer, in the order a training step uses
+        /// them, and the LM head's two, run per vocabulary chunk.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+        pub enum KernelKind {
+            $($(#[doc = $doc])* $kind,)*
+        }
+
+        impl KernelKind {
+            pub const ALL: [KernelKind; [$(KernelKind::$kind),*].len()] = [$(KernelKind::$kind),*];
+
+            /// File-friendly name (`sdpa_forward`).
+            pub fn name(self) -> &'static str {
+                match self {
+                    $(KernelKind::$kind => $name,)*
+                }
+            }
+
+            /// The seed's name for the same kernel (`sdpaFwd`); the seed
+            /// runs the LM head on the host, so its kernels have none.
+            pub fn seed_name(self) -> Option<&'static str> {
+                match self {
+                    $(KernelKind::$kind => $seed,)*
+                }
+            }
+
+            /// Whether the kernel belongs to the forward pass (which walks
+            /// the layers upwards; the backward walks them down).
+            pub fn is_forward(self) -> bool {
+                match self {
+                    $(KernelKind::$kind => $forward,)*
+                }
+            }
+
+            /// The axes this kernel's tiles may split, preferred first. A
+            /// kernel with a nonlinearity across an axis (softmax over
+            /// heads' scores, SiLU of a product summed over the model
+            /// dimension) cannot split it. Kernels that treat every
+            /// position alone may also split the sequence, last: a block
+            /// re-sends the weights, so weight axes go first. The head's
+            /// vocabulary is cut into chunks the host walks
+            /// ([`tiling::HeadChunks`]); a chunk's product treats positions
+            /// alone.
+            pub fn tile_axes(self) -> &'static [tiling::Axis] {
+                match self {
+                    $(KernelKind::$kind => &[$(tiling::Axis::$axis),*],)*
+                }
+            }
+
+            /// Calls `f` with this kernel's type: the one place a kernel's
+            /// name turns into its definition.
+            pub fn with<F: KernelFn>(self, f: F) -> F::Output {
+                match self {
+                    $(KernelKind::$kind => f.call::<$kind>(),)*
+                }
+            }
+        }
+    };
+}
+
+kernel_table! {
     /// xnorm, Wq, Wk, Wv (+ QK-norm weights) → attention output, roped q/k, v.
-    SdpaForward,
+    SdpaForward: "sdpa_forward", Some("sdpaFwd"), true, [KvGroups, Seq];
     /// attn, Wo → o.
-    WoForward,
+    WoForward: "wo_forward", Some("woFwd"), true, [KvGroups, Dim, Seq];
     /// x2norm, x2, W1, W3, W2 → x_next = x2 + α·W2(silu(W1 x)·W3 x), h1, h3, gate.
-    FfnForward,
+    FfnForward: "ffn_forward", Some("ffnFused"), true, [Hidden, Seq];
     /// dffn, W2 → dgate = W2ᵀ dffn.
-    FfnBackwardW2,
+    FfnBackwardW2: "ffn_backward_w2", Some("ffnBwdW2t"), false, [Hidden, Dim, Seq];
     /// dh1, dh3, W1, W3 → dx = W1ᵀ dh1 + W3ᵀ dh3.
-    FfnBackwardW13,
+    FfnBackwardW13: "ffn_backward_w13", Some("ffnBwdW13t"), false, [Hidden, Dim, Seq];
     /// dy, Wo → da = Woᵀ dy.
-    WoBackward,
+    WoBackward: "wo_backward", Some("wotBwd"), false, [KvGroups, Dim, Seq];
     /// q, k, v, da → dv, probs, dp (attention recomputed).
-    SdpaBackward1,
+    SdpaBackward1: "sdpa_backward1", Some("sdpaBwd1"), false, [KvGroups, Seq];
     /// probs, dp, q, k → dq, dk (softmax backward on the device).
-    SdpaBackward2,
+    SdpaBackward2: "sdpa_backward2", Some("sdpaBwd2"), false, [KvGroups, Seq];
     /// dq, Wq → dx = Wqᵀ dq.
-    QBackward,
+    QBackward: "q_backward", Some("qBwd"), false, [KvGroups, Dim, Seq];
     /// dk, dv, Wk, Wv → dx = Wkᵀ dk + Wvᵀ dv.
-    KvBackward,
+    KvBackward: "kv_backward", Some("kvBwd"), false, [KvGroups, Dim, Seq];
     /// xf, a vocabulary chunk of the LM head E_c → logits z_c = E_c·xf.
-    HeadForward,
+    HeadForward: "head_forward", None, true, [Seq];
     /// dz_c, E_c → dxf_c = E_cᵀ·dz_c (summed over chunks by the host).
-    HeadBackward,
+    HeadBackward: "head_backward", None, false, [Seq];
 }
 
 impl KernelKind {
-    pub const ALL: [KernelKind; 12] = [
-        KernelKind::SdpaForward,
-        KernelKind::WoForward,
-        KernelKind::FfnForward,
-        KernelKind::FfnBackwardW2,
-        KernelKind::FfnBackwardW13,
-        KernelKind::WoBackward,
-        KernelKind::SdpaBackward1,
-        KernelKind::SdpaBackward2,
-        KernelKind::QBackward,
-        KernelKind::KvBackward,
-        KernelKind::HeadForward,
-        KernelKind::HeadBackward,
-    ];
-
-    /// File-friendly name (`sdpa_forward`).
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelKind::SdpaForward => "sdpa_forward",
-            KernelKind::WoForward => "wo_forward",
-            KernelKind::FfnForward => "ffn_forward",
-            KernelKind::FfnBackwardW2 => "ffn_backward_w2",
-            KernelKind::FfnBackwardW13 => "ffn_backward_w13",
-            KernelKind::WoBackward => "wo_backward",
-            KernelKind::SdpaBackward1 => "sdpa_backward1",
-            KernelKind::SdpaBackward2 => "sdpa_backward2",
-            KernelKind::QBackward => "q_backward",
-            KernelKind::KvBackward => "kv_backward",
-            KernelKind::HeadForward => "head_forward",
-            KernelKind::HeadBackward => "head_backward",
-        }
-    }
-
-    /// The seed's name for the same kernel (`sdpaFwd`); the seed runs the
-    /// LM head on the host, so its kernels have none.
-    pub fn seed_name(self) -> Option<&'static str> {
-        Some(match self {
-            KernelKind::SdpaForward => "sdpaFwd",
-            KernelKind::WoForward => "woFwd",
-            KernelKind::FfnForward => "ffnFused",
-            KernelKind::FfnBackwardW2 => "ffnBwdW2t",
-            KernelKind::FfnBackwardW13 => "ffnBwdW13t",
-            KernelKind::WoBackward => "wotBwd",
-            KernelKind::SdpaBackward1 => "sdpaBwd1",
-            KernelKind::SdpaBackward2 => "sdpaBwd2",
-            KernelKind::QBackward => "qBwd",
-            KernelKind::KvBackward => "kvBwd",
-            KernelKind::HeadForward | KernelKind::HeadBackward => return None,
-        })
-    }
-
     pub fn from_name(s: &str) -> Option<KernelKind> {
         KernelKind::ALL
             .into_iter()
@@ -258,18 +271,6 @@ pub enum Product {
 }
 
 impl KernelKind {
-    /// Whether the kernel belongs to the forward pass (which walks the
-    /// layers upwards; the backward walks them down).
-    pub fn is_forward(self) -> bool {
-        matches!(
-            self,
-            KernelKind::SdpaForward
-                | KernelKind::WoForward
-                | KernelKind::FfnForward
-                | KernelKind::HeadForward
-        )
-    }
-
     /// The weight projections this kernel applies, and how.
     pub fn projections(self) -> &'static [(Projection, Product)] {
         struct Projections;
@@ -280,25 +281,6 @@ impl KernelKind {
             }
         }
         self.with(Projections)
-    }
-
-    /// Calls `f` with this kernel's type: the one place a kernel's name
-    /// turns into its definition.
-    pub fn with<F: KernelFn>(self, f: F) -> F::Output {
-        match self {
-            KernelKind::SdpaForward => f.call::<SdpaForward>(),
-            KernelKind::WoForward => f.call::<WoForward>(),
-            KernelKind::FfnForward => f.call::<FfnForward>(),
-            KernelKind::FfnBackwardW2 => f.call::<FfnBackwardW2>(),
-            KernelKind::FfnBackwardW13 => f.call::<FfnBackwardW13>(),
-            KernelKind::WoBackward => f.call::<WoBackward>(),
-            KernelKind::SdpaBackward1 => f.call::<SdpaBackward1>(),
-            KernelKind::SdpaBackward2 => f.call::<SdpaBackward2>(),
-            KernelKind::QBackward => f.call::<QBackward>(),
-            KernelKind::KvBackward => f.call::<KvBackward>(),
-            KernelKind::HeadForward => f.call::<HeadForward>(),
-            KernelKind::HeadBackward => f.call::<HeadBackward>(),
-        }
     }
 }
 

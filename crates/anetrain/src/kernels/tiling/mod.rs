@@ -1,0 +1,528 @@
+//! Tiling: kernels too wide for the device run as several programs of one
+//! smaller shape.
+//!
+//! Every weight of a projection rides in its kernel's input, so inputs grow
+//! with the model: Qwen3-1.7B's `ffn_forward` input is 18944 columns wide,
+//! past the 16384 the device accepts. A kernel is split along one axis —
+//! the FFN kernels along the intermediate size, the attention kernels along
+//! groups of KV heads (with their query heads) — into `T` equal tiles, each
+//! the same kernel at a shape with `hidden / T` (or `heads / T` and
+//! `kv_heads / T`). One compiled program serves every tile of every layer.
+//!
+//! What a tile reads and how results combine follows from what each port's
+//! channels run along ([`Extent`]), the maths of the products:
+//! * a port along the split axis is cut into `T` channel blocks: tile `t`
+//!   reads block `t` of it, and its results are the blocks in order
+//!   (concatenation);
+//! * a port along the model dimension is read whole by every tile (the
+//!   residual `x2` only by tile 0, zeros by the others), and its results
+//!   are the sum of the tiles' partial results — a product over a split
+//!   reduction axis (`dx = Σₜ W₁ₜᵀ·dh1ₜ + W₃ₜᵀ·dh3ₜ`, `o = Σₜ Woₜ·attnₜ`);
+//! * a projection split along its output rows takes its row block (and its
+//!   LoRA `B` the same rows, `A` whole); along its input columns, its
+//!   column block (and `A` the same columns, `B` whole), so that
+//!   `Σₜ Bₜ·(Aₜ·xₜ)` and `Wₜ·x + B·(A·x)` are the untiled adapter's maths.
+//!
+//! The plan is data, computed here and only here ([`plan`], in `plan.rs`):
+//! for each kernel the tiling whose program passes the device rules (the
+//! `max-dim` limit in particular) within the tile cap in the fewest
+//! evaluations. Cutting a tile's inputs out of the whole and combining its
+//! results is `cut.rs`; this file holds the data both share (axes,
+//! extents, splits, the plan, the head's chunks).
+
+mod cut;
+mod plan;
+
+pub use cut::*;
+pub use plan::*;
+
+use serde::Serialize;
+
+use super::io::Port;
+use super::{KernelKind, KernelOptions, Shape, COLUMN_GROUP};
+use crate::model::Projection;
+
+/// Forces tiling (see [`KernelOptions::min_tiles`]).
+pub const MIN_TILES_ENV: &str = "ANETRAIN_ANE_MIN_TILES";
+
+/// Forces sequence tiling (see [`KernelOptions::min_seq_tiles`]).
+pub const SEQ_TILES_ENV: &str = "ANETRAIN_ANE_SEQ_TILES";
+
+/// `ANETRAIN_ANE_MIN_TILES` as a number (1 when unset or unusable).
+pub fn min_tiles_from_env() -> usize {
+    count_from_env(MIN_TILES_ENV)
+}
+
+/// `ANETRAIN_ANE_SEQ_TILES` as a number (1 when unset or unusable).
+pub fn min_seq_tiles_from_env() -> usize {
+    count_from_env(SEQ_TILES_ENV)
+}
+
+fn count_from_env(var: &str) -> usize {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n >= 1)
+        .unwrap_or(1)
+}
+
+/// What a kernel's tiles split.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Axis {
+    /// The FFN's intermediate size.
+    Hidden,
+    /// Groups of KV heads, each with its `ratio` query heads.
+    KvGroups,
+    /// The model dimension, where a kernel only multiplies along it (its
+    /// output, or the reduction of a product).
+    Dim,
+    /// Blocks of positions. Kernels that treat every position alone
+    /// (products with weights, elementwise maths) compute a block of
+    /// positions, their results the block's columns of the whole. The
+    /// attention backward kernels compute a block of queries against every
+    /// key (causal: the keys after the block are masked): what runs along
+    /// the queries (q, dA, dq, score rows) is cut, what runs along the keys
+    /// (k, v) is read whole, and the keys' gradients (dk, dv) are the sum
+    /// of the blocks'.
+    Seq,
+}
+
+impl Axis {
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Hidden => "intermediate size",
+            Axis::KvGroups => "KV heads",
+            Axis::Dim => "model dimension",
+            Axis::Seq => "sequence",
+        }
+    }
+
+    /// The axis in a column of `kernels plan`.
+    pub fn short(self) -> &'static str {
+        match self {
+            Axis::Hidden => "inter",
+            Axis::KvGroups => "kv",
+            Axis::Dim => "dim",
+            Axis::Seq => "seq",
+        }
+    }
+
+    /// How many units the axis has at `s`.
+    pub fn count(self, s: &Shape) -> usize {
+        match self {
+            Axis::Hidden => s.hidden,
+            Axis::KvGroups => s.kv_heads,
+            Axis::Dim => s.dim,
+            // Query positions: every position, but for attention's blocks.
+            Axis::Seq => s.queries,
+        }
+    }
+
+    /// The block counts the axis may be cut into at `s`: divisors of its
+    /// count, and for the sequence only those leaving blocks a multiple of
+    /// [`COLUMN_GROUP`] wide.
+    fn block_counts(self, s: &Shape) -> Vec<usize> {
+        let n = self.count(s);
+        divisors(n)
+            .into_iter()
+            .filter(|&c| self != Axis::Seq || c == 1 || (n / c).is_multiple_of(COLUMN_GROUP))
+            .collect()
+    }
+}
+
+/// What a port's channels (a weight's rows or columns) run along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Extent {
+    /// The model dimension `D`.
+    Dim,
+    /// The FFN's intermediate size `H`.
+    Hidden,
+    /// Query heads × head dim.
+    Q,
+    /// KV heads × head dim.
+    Kv,
+    /// Score rows, query heads × positions.
+    Scores,
+    /// A chunk of the vocabulary (the LM head's rows; never cut by a tile).
+    Vocab,
+    /// Something every tile reads whole (QK-norm weights, LoRA's rank).
+    Whole,
+}
+
+impl Extent {
+    /// Whether `axis` cuts this extent.
+    fn split_by(self, axis: Axis) -> bool {
+        match axis {
+            Axis::Hidden => self == Extent::Hidden,
+            Axis::KvGroups => matches!(self, Extent::Q | Extent::Kv | Extent::Scores),
+            Axis::Dim => self == Extent::Dim,
+            // Positions run along a port's columns, never its channels.
+            Axis::Seq => false,
+        }
+    }
+}
+
+/// `(out, in)` extents of projection `p`'s weight `[out, in]`.
+fn projection_extents(p: Projection) -> (Extent, Extent) {
+    match p {
+        Projection::Q => (Extent::Q, Extent::Dim),
+        Projection::K | Projection::V => (Extent::Kv, Extent::Dim),
+        Projection::O => (Extent::Dim, Extent::Q),
+        Projection::Gate | Projection::Up => (Extent::Hidden, Extent::Dim),
+        Projection::Down => (Extent::Dim, Extent::Hidden),
+    }
+}
+
+/// The extent an activation or result port's channels run along.
+pub fn activation_extent(port: Port) -> Extent {
+    use Port::*;
+    match port {
+        Xnorm | XnormBlock | X2norm | X2 | Dffn | Dy | O | XNext | Dx | Xf | Dxf => Extent::Dim,
+        Logits | Dlogits => Extent::Vocab,
+        H1 | H3 | Gate | Dgate | Dh1 | Dh3 => Extent::Hidden,
+        Attn | QRope | Da | Dq | QRaw => Extent::Q,
+        KRope | V | Dk | Dv | KRaw => Extent::Kv,
+        Probs | Dp => Extent::Scores,
+        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
+            Extent::Whole
+        }
+    }
+}
+
+/// What an activation port's positions are in a kernel, for cutting it
+/// into blocks of positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Positions {
+    /// The positions a tile computes: its block of columns.
+    Computed,
+    /// Keys of attention: every tile reads them all and its results along
+    /// them are partial sums.
+    Keys,
+    /// Score rows `[heads·S, S]`: each head's rows are cut to the block.
+    ScoreRows,
+    /// Results along the keys that every block computes whole
+    /// (`sdpa_forward`'s k and v): the first block's are kept.
+    Shared,
+    /// Not an activation (weights), or made per tile (the mask).
+    None,
+}
+
+/// Whether `kind` attends: its sequence blocks are blocks of queries
+/// against every key.
+fn attends(kind: KernelKind) -> bool {
+    matches!(
+        kind,
+        KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2
+    )
+}
+
+fn positions(kind: KernelKind, port: Port) -> Positions {
+    use Port::*;
+    let attention = attends(kind);
+    match port {
+        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
+            Positions::None
+        }
+        Probs | Dp => Positions::ScoreRows,
+        KRope | V | KRaw if kind == KernelKind::SdpaForward => Positions::Shared,
+        Xnorm | KRope | V | Dk | Dv | KRaw if attention => Positions::Keys,
+        _ => Positions::Computed,
+    }
+}
+
+/// One axis of a kernel's tiling and how many blocks it is cut into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Split {
+    pub axis: Axis,
+    pub blocks: usize,
+}
+
+/// One kernel's tiles: a grid of blocks along one or two axes.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KernelTiles {
+    pub kind: KernelKind,
+    /// The axes cut, in tile order (tile `t` is row-major over them);
+    /// empty when the kernel is not tiled.
+    pub splits: Vec<Split>,
+    /// How many tiles (1: untiled).
+    pub tiles: usize,
+    /// The shape every tile's program is generated for.
+    pub shape: Shape,
+    /// `[channels, width]` of a tile's input and output surfaces.
+    pub input: [usize; 2],
+    pub output: [usize; 2],
+    /// FLOPs of one tile's matrix products (counted from its program).
+    pub flop: f64,
+}
+
+impl KernelTiles {
+    /// Bytes of one tile's input and output surfaces (fp16).
+    pub fn surface_bytes(&self) -> (usize, usize) {
+        (
+            2 * self.input[0] * self.input[1],
+            2 * self.output[0] * self.output[1],
+        )
+    }
+
+    /// Bytes of a tile's larger surface: what the tile-size cap bounds.
+    pub fn largest_surface(&self) -> usize {
+        let (i, o) = self.surface_bytes();
+        i.max(o)
+    }
+
+    /// Tile `t`'s block index along each split.
+    fn indices(&self, t: usize) -> Vec<(Split, usize)> {
+        let mut rest = t;
+        let mut out: Vec<(Split, usize)> = self
+            .splits
+            .iter()
+            .rev()
+            .map(|&sp| {
+                let i = rest % sp.blocks;
+                rest /= sp.blocks;
+                (sp, i)
+            })
+            .collect();
+        out.reverse();
+        out
+    }
+
+    /// The split cutting `extent` in tile `t`, with the tile's block along it.
+    fn cut(&self, extent: Extent, t: usize) -> Option<(Split, usize)> {
+        self.indices(t)
+            .into_iter()
+            .find(|(sp, _)| extent.split_by(sp.axis))
+    }
+
+    /// The sequence split cutting activation `port`'s positions in tile
+    /// `t`, with the tile's block of positions.
+    fn cut_positions(&self, port: Port, t: usize) -> Option<(Split, usize)> {
+        if matches!(
+            positions(self.kind, port),
+            Positions::None | Positions::Keys | Positions::Shared
+        ) {
+            return None;
+        }
+        self.indices(t)
+            .into_iter()
+            .find(|(sp, _)| sp.axis == Axis::Seq)
+    }
+
+    /// Tile `t`'s block of queries (0 when the sequence is not split).
+    fn query_block(&self, t: usize) -> usize {
+        self.indices(t)
+            .iter()
+            .find(|(sp, _)| sp.axis == Axis::Seq)
+            .map_or(0, |&(_, i)| i)
+    }
+
+    /// Whether tile `t` is at block 0 of every split a sum runs over (every
+    /// split but the sequence's, whose blocks hold other positions).
+    fn first_of_sums(&self, t: usize) -> bool {
+        self.indices(t)
+            .iter()
+            .all(|&(sp, i)| i == 0 || sp.axis == Axis::Seq)
+    }
+}
+
+/// The tiling of every kernel for one model shape and device limits.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub shape: Shape,
+    /// The device limits planned for.
+    pub limits: ane::family::Limits,
+    /// The LM head's vocabulary chunks.
+    pub head: HeadChunks,
+    pub kernels: Vec<KernelTiles>,
+}
+
+impl Plan {
+    /// The tiles of `kind`.
+    pub fn of(&self, kind: KernelKind) -> &KernelTiles {
+        self.kernels
+            .iter()
+            .find(|k| k.kind == kind)
+            .expect("a plan covers every kernel")
+    }
+
+    /// How many units `kind` runs for in a model of `layers` layers: the
+    /// layers, or for the head kernels the vocabulary chunks.
+    pub fn units(&self, kind: KernelKind, layers: usize) -> usize {
+        match kind.is_head() {
+            true => self.head.chunks,
+            false => layers,
+        }
+    }
+
+    /// Distinct programs to compile for one sequence length (one per
+    /// kernel: tiles share theirs).
+    pub fn programs(&self) -> usize {
+        self.kernels.len()
+    }
+
+    /// Device evaluations per layer for one forward and backward pass.
+    pub fn evaluations_per_layer(&self) -> usize {
+        self.work_per_layer(false).1
+    }
+
+    /// FLOPs and evaluations on the device per layer for one forward and
+    /// backward pass; `recompute` (activation checkpointing) runs the
+    /// forward kernels twice.
+    pub fn work_per_layer(&self, recompute: bool) -> (f64, usize) {
+        self.work(|k| match (k.is_head(), recompute && k.is_forward()) {
+            (true, _) => 0,
+            (false, true) => 2,
+            (false, false) => 1,
+        })
+    }
+
+    /// FLOPs and evaluations of the LM head on the device for one
+    /// sequence: each chunk's forward once, and with a `gradient` its
+    /// backward once and (over several chunks) its forward again — the
+    /// first pass gathers the softmax statistics, the second forms the
+    /// logits' gradient (see `engine::head_loss`).
+    pub fn head_work(&self, gradient: bool) -> (f64, usize) {
+        let c = self.head.chunks;
+        self.work(|k| match (k, gradient) {
+            (KernelKind::HeadForward, true) if c > 1 => 2 * c,
+            (KernelKind::HeadForward, _) | (KernelKind::HeadBackward, true) => c,
+            _ => 0,
+        })
+    }
+
+    /// Σ over kernels of `runs(kind)` × tiles × one tile's FLOPs, and the
+    /// evaluations; the layer kernels and the head's are counted apart.
+    fn work(&self, runs: impl Fn(KernelKind) -> usize) -> (f64, usize) {
+        self.kernels.iter().fold((0.0, 0), |(f, n), k| {
+            let r = runs(k.kind) * k.tiles;
+            (f + r as f64 * k.flop, n + r)
+        })
+    }
+}
+
+/// The tile shape for `splits` of `full`: a block of the sequence is a
+/// block of the positions computed, and for attention a block of queries
+/// against every key.
+pub fn tile_shape(kind: KernelKind, full: &Shape, splits: &[Split]) -> Shape {
+    let mut s = *full;
+    for sp in splits {
+        match sp.axis {
+            Axis::Hidden => s.hidden /= sp.blocks,
+            Axis::KvGroups => {
+                s.heads /= sp.blocks;
+                s.kv_heads /= sp.blocks;
+            }
+            Axis::Dim => s.dim /= sp.blocks,
+            Axis::Seq => {
+                s.queries /= sp.blocks;
+                if !attends(kind) {
+                    s.seq /= sp.blocks;
+                }
+            }
+        }
+    }
+    s
+}
+
+/// How the LM head's vocabulary is cut: `chunks` chunks of `rows` rows
+/// (a multiple of 32, the contraction multiple `head_backward` needs; the
+/// last chunk's rows past the vocabulary are zeros on the device). The
+/// host walks the chunks, keeping softmax statistics per position, so no
+/// more than one chunk's logits exist at once: maderix/ANE PR #26 ran
+/// Qwen3's 151936-token head on the Neural Engine in 16 chunks because it
+/// "exceeds ANE's 65536 max dim".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct HeadChunks {
+    pub rows: usize,
+    pub chunks: usize,
+}
+
+impl HeadChunks {
+    /// `chunks` chunks of at most `rows` rows over `vocab` rows.
+    pub fn of(vocab: usize, rows: usize) -> HeadChunks {
+        HeadChunks {
+            rows,
+            chunks: vocab.div_ceil(rows.max(1)),
+        }
+    }
+
+    /// The vocabulary rows of chunk `c` in a vocabulary of `vocab`.
+    pub fn range(&self, c: usize, vocab: usize) -> std::ops::Range<usize> {
+        (c * self.rows).min(vocab)..((c + 1) * self.rows).min(vocab)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ModelConfig;
+
+    #[test]
+    fn blocks_cut_rows_and_columns() {
+        let m: Vec<f32> = (0..12).map(|i| i as f32).collect(); // [3, 4]
+        assert_eq!(col_block(&m, 4, 1, 2), vec![2., 3., 6., 7., 10., 11.]);
+        let m: Vec<f32> = (0..8).map(|i| i as f32).collect(); // [4, 2]
+        assert_eq!(row_block(&m, 4, 1, 2), vec![4., 5., 6., 7.]);
+    }
+
+    #[test]
+    fn grids_cut_weights_on_both_axes_and_results_concatenate_or_sum() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let full = Shape::new(&cfg, 4);
+        let splits = vec![
+            Split {
+                axis: Axis::Hidden,
+                blocks: 2,
+            },
+            Split {
+                axis: Axis::Dim,
+                blocks: 4,
+            },
+        ];
+        let k = KernelTiles {
+            kind: KernelKind::FfnBackwardW13,
+            tiles: 8,
+            shape: tile_shape(KernelKind::FfnBackwardW13, &full, &splits),
+            splits,
+            input: [0, 0],
+            output: [0, 0],
+            flop: 0.0,
+        };
+        assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
+        // Tile 5 = hidden block 1, dim block 1.
+        assert_eq!(k.indices(5).iter().map(|x| x.1).collect::<Vec<_>>(), [1, 1]);
+        let (h, d) = (full.hidden, full.dim);
+        let w1: Vec<f32> = (0..h * d).map(|i| i as f32).collect();
+        let mut w = crate::kernels::LayerWeights::default();
+        let empty: &[f32] = &[];
+        w.projections = [empty; 7];
+        w.projections[Projection::Gate.index()] = &w1;
+        let tw = tile_weights(&k, &full, &w, 5);
+        let got = &tw[&Port::Weight(Projection::Gate)];
+        assert_eq!(got.len(), 192 * 32);
+        // Row 192 (first of hidden block 1), column 32 (first of dim block 1).
+        assert_eq!(got[0], (192 * d + 32) as f32);
+        // dx is cut along dim and summed over hidden blocks.
+        let mut acc = vec![];
+        for t in 0..8 {
+            combine(&k, Port::Dx, &mut acc, vec![1.0; 32 * 4], t);
+        }
+        assert_eq!(acc, vec![2.0; d * 4]);
+    }
+
+    #[test]
+    fn an_untiled_model_plans_one_tile_per_kernel() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let p = plan(&Shape::new(&cfg, 64), &KernelOptions::hf(&cfg)).unwrap();
+        assert!(p.kernels.iter().all(|k| k.tiles == 1), "{p:?}");
+        // Ten layer kernels and the head's two, its vocabulary one chunk.
+        assert_eq!(p.programs(), 12);
+        assert_eq!(
+            p.head,
+            HeadChunks {
+                rows: 512,
+                chunks: 1
+            }
+        );
+    }
+}

@@ -1,0 +1,291 @@
+//! Planning: for each kernel the tiling whose program passes the device's
+//! rules within the tile cap in the fewest evaluations, and the LM head's
+//! vocabulary chunks.
+
+use super::*;
+use crate::kernels::build_unfilled;
+
+/// The divisors of `n`, ascending.
+pub(super) fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|t| n.is_multiple_of(*t)).collect()
+}
+
+/// The tilings `kind` may take, fewest tiles first (and among equals, the
+/// fewest cuts of later axes): every combination of block counts that
+/// divide their axes.
+pub(super) fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> Vec<Vec<Split>> {
+    if o.seed_compat {
+        // Seed-compatible layouts pass values through that tiles would sum.
+        return vec![vec![]];
+    }
+    let axes = kind.tile_axes();
+    let mut grids: Vec<Vec<Split>> = vec![vec![]];
+    for &axis in axes {
+        let mut counts = axis.block_counts(full);
+        // Forced tiling: at least `min_tiles` blocks of every weight axis
+        // the kernel may split, `min_seq_tiles` of the sequence (or as
+        // many as the axis has), so grids of two axes run too.
+        let forced = match axis {
+            Axis::Seq => o.min_seq_tiles,
+            _ => o.min_tiles,
+        };
+        if forced > 1 {
+            let floor = forced.min(*counts.last().unwrap_or(&1));
+            counts.retain(|&c| c >= floor);
+        }
+        grids = grids
+            .into_iter()
+            .flat_map(|g| {
+                counts.iter().map(move |&c| {
+                    let mut g = g.clone();
+                    if c > 1 {
+                        g.push(Split { axis, blocks: c });
+                    }
+                    g
+                })
+            })
+            .collect();
+    }
+    let tiles = |g: &Vec<Split>| g.iter().map(|s| s.blocks).product::<usize>();
+    grids.sort_by_key(|g| {
+        let seq: usize = g
+            .iter()
+            .filter(|s| s.axis == Axis::Seq)
+            .map(|s| s.blocks)
+            .product();
+        let later: usize = g.iter().skip(1).map(|s| s.blocks).product();
+        (tiles(g), seq, later)
+    });
+    grids.dedup();
+    grids
+}
+
+/// Plans every kernel: the fewest equal tiles whose program passes every
+/// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
+/// per-axis caps, contraction multiples, …) with surfaces within
+/// `o.max_tile_bytes`; failing the size, the passing tiling with the
+/// smallest largest surface; failing the rules, the fewest tiles that at
+/// least fit the axis caps. The LM head's kernels are planned with its
+/// vocabulary chunks ([`plan_head`]). An error names the kernel, the axes
+/// and the caps when no tiling fits.
+pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
+    let rules = ane::rules::RuleSet::for_limits(o.limits);
+    let mut kernels = Vec::new();
+    for kind in KernelKind::ALL.into_iter().filter(|k| !k.is_head()) {
+        kernels.push(plan_kernel(kind, full, o, &rules)?.0);
+    }
+    let (head, head_kernels) = plan_head(full, o, &rules)?;
+    kernels.extend(head_kernels);
+    Ok(Plan {
+        shape: *full,
+        limits: o.limits,
+        head,
+        kernels,
+    })
+}
+
+/// The vocabulary chunks (at least `o.min_tiles`, to exercise chunking on
+/// small vocabularies) for which both head kernels find a tiling within
+/// the rules and `o.max_tile_bytes` in the fewest evaluations per
+/// sequence (a chunk's sequence tiles count too), and those tilings. Only the counts whose rows change are tried, from the fewest the
+/// head's weights alone allow under the size cap.
+pub fn plan_head(
+    full: &Shape,
+    o: &KernelOptions,
+    rules: &ane::rules::RuleSet,
+) -> Result<(HeadChunks, Vec<KernelTiles>), PlanError> {
+    let v = full.vocab;
+    let rows_of = |chunks: usize| v.div_ceil(chunks).div_ceil(COLUMN_GROUP) * COLUMN_GROUP;
+    let most = v.div_ceil(COLUMN_GROUP).max(1);
+    // A chunk's weights `[rows, D]` in fp16 must fit the cap by themselves.
+    let fewest = o
+        .max_tile_bytes
+        .map_or(1, |cap| (2 * v * full.dim).div_ceil(cap.max(1)))
+        .max(o.min_tiles)
+        .clamp(1, most);
+    // Failing the cap at every count: the fewest chunks whose tilings pass
+    // the rules, else the fewest that fit the axis caps.
+    let (mut over_cap, mut fits_dim) = (None, None);
+    let mut best: Option<(usize, (HeadChunks, Vec<KernelTiles>))> = None;
+    let mut last_error = None;
+    let mut tried = 0;
+    for chunks in fewest..=most {
+        // Past twice the fewest chunks that fit, more chunks only add
+        // evaluations.
+        if best
+            .as_ref()
+            .is_some_and(|(_, (h, _))| chunks > 2 * h.chunks)
+        {
+            break;
+        }
+        let rows = rows_of(chunks);
+        if rows == tried {
+            continue;
+        }
+        tried = rows;
+        let shape = full.head_chunk(rows);
+        let planned: Result<Vec<_>, PlanError> =
+            [KernelKind::HeadForward, KernelKind::HeadBackward]
+                .into_iter()
+                .map(|kind| plan_kernel(kind, &shape, o, rules))
+                .collect();
+        let planned = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                last_error = Some(e);
+                continue;
+            }
+        };
+        let worst = planned
+            .iter()
+            .map(|(_, fit)| *fit)
+            .max()
+            .unwrap_or(Fit::Within);
+        let found: (HeadChunks, Vec<KernelTiles>) = (
+            HeadChunks::of(v, rows),
+            planned.into_iter().map(|(t, _)| t).collect(),
+        );
+        match worst {
+            Fit::Within => {
+                // Evaluations per sequence with a gradient: each chunk's
+                // forward twice and its backward (see `Plan::head_work`).
+                let e = found.0.chunks * (2 * found.1[0].tiles + found.1[1].tiles);
+                if best.as_ref().is_none_or(|(b, _)| e < *b) {
+                    best = Some((e, found));
+                }
+            }
+            Fit::OverCap => _ = over_cap.get_or_insert(found),
+            Fit::AxisCaps => _ = fits_dim.get_or_insert(found),
+        }
+    }
+    best.map(|(_, f)| f)
+        .or(over_cap)
+        .or(fits_dim)
+        .ok_or_else(|| last_error.unwrap_or(PlanError::NoHeadChunks { vocab: v }))
+}
+
+/// How well a kernel's chosen tiling fits the device (best first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Fit {
+    /// Every rule passes and the surfaces are within the tile cap.
+    Within,
+    /// Every rule passes; a surface is over the cap.
+    OverCap,
+    /// Only the axis caps hold.
+    AxisCaps,
+}
+
+/// Why a shape cannot be tiled for the device, with the numbers that
+/// decide it.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// A tile's program could not be built.
+    #[error("{kernel}: {message}")]
+    Build {
+        kernel: &'static str,
+        message: String,
+    },
+    /// No split of the kernel's tiled axes fits the device's axis caps.
+    #[error(
+        "{kernel}: no tiling fits the device's axis caps (spatial {max_spatial}, channel {max_channel}; {env} sets both): split as far as {axes} allow{plural}, {problem}{keys}",
+        env = ane::rules::MAX_DIM_ENV,
+        axes = .axes.iter().map(|(a, n)| format!("the {a} ({n})")).collect::<Vec<_>>().join(" and "),
+        plural = if .axes.len() == 1 { "s" } else { "" },
+        keys = .attends_over.map_or(String::new(), |seq| format!("; attention reads all {seq} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq")),
+    )]
+    NoTiling {
+        kernel: &'static str,
+        max_spatial: usize,
+        max_channel: usize,
+        /// The axes the kernel tiles, with their extents.
+        axes: Vec<(&'static str, usize)>,
+        /// The last rule finding (the `max-dim` rule's message).
+        problem: String,
+        /// The sequence length, for a kernel whose tiles read every key.
+        attends_over: Option<usize>,
+    },
+    /// The vocabulary offers no chunk count to try.
+    #[error("lm_head: no vocabulary chunking of {vocab} rows to try")]
+    NoHeadChunks { vocab: usize },
+}
+
+/// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
+fn plan_kernel(
+    kind: KernelKind,
+    full: &Shape,
+    o: &KernelOptions,
+    rules: &ane::rules::RuleSet,
+) -> Result<(KernelTiles, Fit), PlanError> {
+    let mut fits_dim = None;
+    let mut passing: Vec<KernelTiles> = vec![];
+    let mut last_problem = String::new();
+    for splits in candidates(kind, full, o) {
+        let shape = tile_shape(kind, full, &splits);
+        if !shape.query_rows_whole() {
+            continue;
+        }
+        let k = build_unfilled(kind, &shape, o).map_err(|e| PlanError::Build {
+            kernel: kind.name(),
+            message: e.to_string(),
+        })?;
+        let findings = ane::rules::check(&k.program, rules);
+        if let Some(f) = findings.iter().find(|f| f.rule == "max-dim") {
+            last_problem = f.message.clone();
+            continue;
+        }
+        let l = &k.layout;
+        let tiles = KernelTiles {
+            kind,
+            tiles: splits.iter().map(|s| s.blocks).product(),
+            splits,
+            shape,
+            input: [l.in_channels, l.in_spatial],
+            output: [l.out_channels, l.out_spatial],
+            flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
+        };
+        let small_enough = o
+            .max_tile_bytes
+            .is_none_or(|cap| tiles.largest_surface() <= cap);
+        if findings.is_empty() && small_enough {
+            return Ok((tiles, Fit::Within));
+        }
+        if findings.is_empty() {
+            // Passes every rule but is larger than asked: a fallback
+            // when no tiling meets the cap.
+            passing.push(tiles);
+            continue;
+        }
+        fits_dim.get_or_insert(tiles);
+    }
+    // Failing the cap, the fewest tiles (candidates come fewest
+    // first) within a quarter of the smallest surface that passes:
+    // where what every tile reads whole dominates (a whole sequence's
+    // keys), more tiles would add evaluations and shrink nothing.
+    let smallest = passing.iter().map(KernelTiles::largest_surface).min();
+    let fallback = smallest.and_then(|m| {
+        passing
+            .into_iter()
+            .find(|t| 4 * t.largest_surface() <= 5 * m)
+    });
+    if let Some(t) = fallback {
+        return Ok((t, Fit::OverCap));
+    }
+    if let Some(t) = fits_dim {
+        return Ok((t, Fit::AxisCaps));
+    }
+    // Attention reads every key in every tile: the sequence is bounded by
+    // the spatial cap, less what a tile lays beside the keys
+    // (`sdpa_forward`: its weights).
+    Err(PlanError::NoTiling {
+        kernel: kind.name(),
+        max_spatial: o.limits.max_spatial,
+        max_channel: o.limits.max_channel,
+        axes: kind
+            .tile_axes()
+            .iter()
+            .map(|a| (a.name(), a.count(full)))
+            .collect(),
+        problem: last_problem,
+        attends_over: attends(kind).then_some(full.seq),
+    })
+}
