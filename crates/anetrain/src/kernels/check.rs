@@ -144,8 +144,8 @@ pub fn check_on_device<D: ane::Device>(
     o: &KernelOptions,
     seed: u64,
     outlier: Option<f32>,
-) -> Result<f32, String> {
-    let k = build(kind, s, o).map_err(|e| e.to_string())?;
+) -> anyhow::Result<f32> {
+    let k = build(kind, s, o)?;
     let mut rng = Rng::new(seed);
     let mut t = random_inputs(&k, &mut rng);
     if let (Some(v), Some(x2)) = (outlier, t.get_mut(&Port::X2)) {
@@ -158,16 +158,14 @@ pub fn check_on_device<D: ane::Device>(
         mil::tensor::round_to_f16_in_place(v);
     }
     let input = pack_all(&k, &t);
-    let p = dev
-        .compile(&k.text(), &k.blob_paths())
-        .map_err(|e| e.to_string())?;
+    let p = dev.compile(&k.text(), &k.blob_paths())?;
     let (ni, no) = dev.io_elems(&p);
-    let mut x = dev.buffer(ni).map_err(|e| e.to_string())?;
-    let mut y = dev.buffer(no).map_err(|e| e.to_string())?;
-    dev.write(&mut x, 0, &input).map_err(|e| e.to_string())?;
-    dev.eval(&p, &x, &mut y).map_err(|e| e.to_string())?;
+    let mut x = dev.buffer(ni)?;
+    let mut y = dev.buffer(no)?;
+    dev.write(&mut x, 0, &input)?;
+    dev.eval(&p, &x, &mut y)?;
     let mut got = vec![0f32; no];
-    dev.read(&y, 0, &mut got).map_err(|e| e.to_string())?;
+    dev.read(&y, 0, &mut got)?;
     let exact = KernelOptions {
         fp16_constants: false,
         ..o.clone()

@@ -455,14 +455,7 @@ impl Shape {
 
     /// `[out, in]` of projection `t`.
     pub fn projection(&self, t: Projection) -> (usize, usize) {
-        let (d, h, q, kv) = (self.dim, self.hidden, self.q_dim(), self.kv_dim());
-        match t {
-            Projection::Q => (q, d),
-            Projection::K | Projection::V => (kv, d),
-            Projection::O => (d, q),
-            Projection::Gate | Projection::Up => (h, d),
-            Projection::Down => (d, h),
-        }
+        t.dims(self.dim, self.hidden, self.q_dim(), self.kv_dim())
     }
 
     pub fn ratio(&self) -> usize {

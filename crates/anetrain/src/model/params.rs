@@ -316,17 +316,24 @@ impl crate::util::choice::Choice for Projection {
 impl Projection {
     /// `[out, in]` of this projection in a model of configuration `cfg`.
     pub fn shape(self, cfg: &ModelConfig) -> (usize, usize) {
-        let d = cfg.hidden_size;
-        let (q, kv) = (
-            cfg.num_attention_heads * cfg.head_dim,
-            cfg.num_key_value_heads * cfg.head_dim,
-        );
+        self.dims(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.q_dim(),
+            cfg.kv_dim(),
+        )
+    }
+
+    /// `(out, in)` of the projection's weight for a model dimension `dim`,
+    /// an FFN of `hidden`, and query and key/value widths `q` and `kv`: the
+    /// one place projection shapes are written.
+    pub fn dims(self, dim: usize, hidden: usize, q: usize, kv: usize) -> (usize, usize) {
         match self {
-            Projection::Q => (q, d),
-            Projection::K | Projection::V => (kv, d),
-            Projection::O => (d, q),
-            Projection::Gate | Projection::Up => (cfg.intermediate_size, d),
-            Projection::Down => (d, cfg.intermediate_size),
+            Projection::Q => (q, dim),
+            Projection::K | Projection::V => (kv, dim),
+            Projection::O => (dim, q),
+            Projection::Gate | Projection::Up => (hidden, dim),
+            Projection::Down => (dim, hidden),
         }
     }
 }

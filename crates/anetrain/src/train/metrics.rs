@@ -55,7 +55,7 @@ impl Metrics {
         Ok(Metrics { file })
     }
 
-    pub(super) fn step(
+    pub(super) fn log_step(
         &mut self,
         step: u64,
         st: &StepStats,

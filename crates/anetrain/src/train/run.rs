@@ -382,7 +382,7 @@ impl Run<'_> {
         let mut grads = zero_grads(model);
         while state.step < r.steps {
             let t0 = Instant::now();
-            let Some(st) = self.step(&mut eng, model, opt, state, &mut rng, &mut grads)? else {
+            let Some(st) = self.advance(&mut eng, model, opt, state, &mut rng, &mut grads)? else {
                 // Stopped mid-step: nothing of the step was kept, so the
                 // state is the last completed step's; save it.
                 metrics.sync()?;
@@ -405,7 +405,7 @@ impl Run<'_> {
             state.step += 1;
             let dt = t0.elapsed().as_secs_f64();
             let tps = st.tokens as f64 / dt;
-            metrics.step(state.step, &st, tps, dt)?;
+            metrics.log_step(state.step, &st, tps, dt)?;
             let mut val = None;
             if s.eval_every > 0
                 && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
@@ -500,7 +500,7 @@ impl Run<'_> {
     /// when a stop was requested before the step's last example: the data
     /// position is put back and nothing else was changed, so the state is
     /// exactly the previous step's.
-    pub(super) fn step<R: KernelRunner>(
+    pub(super) fn advance<R: KernelRunner>(
         &self,
         eng: &mut Engine<R>,
         model: &mut Model,
