@@ -50,7 +50,7 @@ def fail(msg):
 
 # ---------------------------------------------------------------- sampling
 class Rng:
-    """anetrain's SplitMix64 (crates/anetrain/src/rng.rs), bit for bit."""
+    """anetrain's SplitMix64 (crates/anetrain/src/util/rng.rs), bit for bit."""
 
     def __init__(self, state):
         self.state = state & MASK64
@@ -95,7 +95,7 @@ def is_records(path):
 
 
 class Stream:
-    """A token stream cut into windows of seq + 1 (train.rs: load_corpus,
+    """A token stream cut into windows of seq + 1 (train/source.rs: load_corpus,
     next_window)."""
 
     def __init__(self, s, run_dir):
@@ -126,7 +126,7 @@ class Stream:
 
 
 class Records:
-    """JSONL records (records.rs), tokenized by transformers with the run's
+    """JSONL records (data/records.rs), tokenized by transformers with the run's
     tokenizer and chat template, fitted to seq + 1, drawn per epoch."""
 
     def __init__(self, s, run_dir):

@@ -231,7 +231,7 @@ pub struct KernelOptions {
 /// allows cutting further): what a device buffer holds at most, so it
 /// bounds streamed buffers, the host's staging copy and the simulator's
 /// working set to a few tens of megabytes per kernel whatever the model's
-/// size (see `runner::DeviceBuffers`). Tiles share a program, so this
+/// size (see `device::DeviceBuffers`). Tiles share a program, so this
 /// adds device evaluations, not compiles. Both buffer modes run the same
 /// tiles, which is what makes them give the same bits.
 pub const MAX_TILE_BYTES: usize = 16 << 20;

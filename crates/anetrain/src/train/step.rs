@@ -25,7 +25,7 @@ pub struct Backward<'a> {
     /// The factor the loss is multiplied by before its backward (a power
     /// of two for fp16 loss scaling; 1 on the CPU).
     pub loss_scale: f64,
-    /// LoRA dropout's key for the batch (see [`dropout_key`]); `None`
+    /// LoRA dropout's keys for the batch (see [`DropoutKeys`]); `None`
     /// without dropout.
     pub dropout: Option<DropoutKeys>,
 }
