@@ -31,8 +31,25 @@ RUSTC_BOOTSTRAP=1 RUSTFLAGS="$flags" cargo build --target "$triple" \
 
 mkdir -p corpus/mil_parse corpus/npy_parse corpus/model_load
 cp ../crates/mil/tests/data/small.mil corpus/mil_parse/ 2>/dev/null || true
-for target in mil_parse npy_parse model_load; do
+# The three run side by side (each is one thread, and its time limit is
+# wall time); a crash in any fails the script.
+targets=(mil_parse npy_parse model_load)
+pids=()
+for target in "${targets[@]}"; do
   # ASAN_OPTIONS as cargo-fuzz sets them for AddressSanitizer.
   ASAN_OPTIONS=detect_odr_violation=0 "target/$triple/debug/$target" \
-    -max_total_time="$seconds" -rss_limit_mb=4096 "corpus/$target" 2>&1 | tail -1
+    -max_total_time="$seconds" -rss_limit_mb=4096 "corpus/$target" > "target/smoke-$target.log" 2>&1 &
+  pids+=($!)
 done
+rc=0
+for i in "${!targets[@]}"; do
+  status=0
+  wait "${pids[$i]}" || status=$?
+  echo "${targets[$i]}: $(tail -1 "target/smoke-${targets[$i]}.log")"
+  if [ "$status" != 0 ]; then
+    echo "${targets[$i]} exited with status $status:"
+    tail -30 "target/smoke-${targets[$i]}.log"
+    rc=1
+  fi
+done
+exit "$rc"
