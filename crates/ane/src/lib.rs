@@ -10,6 +10,7 @@
 use std::fmt;
 
 pub mod apple;
+pub mod cost;
 pub mod family;
 pub mod probes;
 pub mod rules;

@@ -2,4 +2,5 @@
 //! arithmetic of a step, on the device and on the host ([`work`]).
 
 pub mod memory;
+pub mod timeline;
 pub mod work;

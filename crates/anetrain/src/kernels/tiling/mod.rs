@@ -253,6 +253,10 @@ pub struct KernelTiles {
     pub output: [usize; 2],
     /// FLOPs of one tile's matrix products (counted from its program).
     pub flop: f64,
+    /// Bytes (fp16) of a tile's input surface that hold weights (staged
+    /// once per optimizer step in persistent buffers, per evaluation in
+    /// streamed ones); the rest is activations, written per evaluation.
+    pub weight_bytes: usize,
 }
 
 impl KernelTiles {
@@ -487,6 +491,7 @@ mod tests {
             input: [0, 0],
             output: [0, 0],
             flop: 0.0,
+            weight_bytes: 0,
         };
         assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
         // Tile 5 = hidden block 1, dim block 1.

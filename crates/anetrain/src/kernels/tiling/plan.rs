@@ -242,6 +242,12 @@ fn plan_kernel(
             input: [l.in_channels, l.in_spatial],
             output: [l.out_channels, l.out_spatial],
             flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
+            weight_bytes: l
+                .inputs
+                .iter()
+                .filter(|r| r.port.is_weight())
+                .map(|r| 2 * r.channels.len() * r.spatial.len())
+                .sum(),
         };
         let small_enough = o
             .max_tile_bytes

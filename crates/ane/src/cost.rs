@@ -1,0 +1,365 @@
+//! What a Neural Engine evaluation costs, per chip family: the numbers a
+//! training step's timeline (anetrain's `plan::timeline`) is played with.
+//!
+//!   evaluation = dispatch + flop / (η · gemm_rate(N)) · cliff(W)
+//!   N = ∛(flop/2) (the GEMM of equal work), W = the surfaces' bytes
+//!
+//! Every constant is a published measurement, cited beside it; a family
+//! nobody has measured takes the most conservative published row and says
+//! so ([`Rates::unmeasured`]). Two numbers are not taken from a source but
+//! fitted, on the M4 figures only ([`FITTED`], re-derived by a test): η,
+//! what dynamic weights (weights read from the input surface, not compiled
+//! in) leave of a compiled GEMM's rate, and the host's per-evaluation
+//! overhead around a dispatch (surface locks, fp16 conversion beyond the
+//! copy). `anetrain doctor` measures dispatch, a dynamic-weight matmul and
+//! the staging bandwidth on a Mac and its profile replaces the table's
+//! values ([`Measured`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::family::Family;
+
+/// `(N, milliseconds)` of an N×N×N fp16 GEMM on the engine (2N³ FLOPs),
+/// dispatch included, or of an fp32 `sgemm` on the host's CPU.
+pub type GemmTable = &'static [(f64, f64)];
+
+// ANEForge `bench/results/rooflines/roofline-apple-m1-MacBookAir10_1-bb9e71be3ae6-22b6e4fa.json`
+// ("perf_rooflines" → "gemm", field `lat_ms`; Apple M1, MacBook Air, macOS 15.6.1).
+const M1_ANE_GEMM: GemmTable = &[
+    (512.0, 0.3317),
+    (1024.0, 0.9933),
+    (2048.0, 4.9607),
+    (4096.0, 31.739),
+];
+const M1_CPU_GEMM: GemmTable = &[
+    (512.0, 0.2063),
+    (1024.0, 1.8999),
+    (2048.0, 19.869),
+    (4096.0, 162.02),
+];
+// ANEForge `bench/results/rooflines/roofline-apple-m4-Mac16_12-d4109cd41a75-6779bad2.json`
+// (Apple M4, MacBook Air, macOS 26.2): past 4096 the working set leaves
+// the engine's memory and the rate falls by a third.
+const M4_ANE_GEMM: GemmTable = &[
+    (512.0, 0.2086),
+    (1024.0, 0.7459),
+    (2048.0, 3.5133),
+    (4096.0, 25.286),
+    (6144.0, 135.29),
+    (8192.0, 313.50),
+];
+const M4_CPU_GEMM: GemmTable = &[
+    (512.0, 0.2211),
+    (1024.0, 1.5034),
+    (2048.0, 11.957),
+    (4096.0, 91.598),
+];
+// ANEForge `bench/results/rooflines/roofline-apple-m5-Mac17_3-019d3ac27339-dd5e5c95.json`
+// (Apple M5, Mac17,3, macOS 26.5.2). Its CPU row at 512 (0.77 ms, a
+// quarter of its neighbours' rate) is a cold start and left out: the 1024
+// row's rate holds below it.
+const M5_ANE_GEMM: GemmTable = &[
+    (512.0, 0.1162),
+    (1024.0, 0.4339),
+    (2048.0, 1.9965),
+    (4096.0, 18.930),
+];
+const M5_CPU_GEMM: GemmTable = &[(1024.0, 1.1453), (2048.0, 8.2080), (4096.0, 67.082)];
+
+/// Peak fp16 GEMM of the M1 (MacBook Air) and of the M2 Pro, TFLOP/s:
+/// ANEForge `bench/results/ROOFLINES.md` ("Peak fp16 GEMM"). The M2 and M3
+/// have no published curve; they take the M1's, scaled to the M2 Pro's
+/// lower peak (the most conservative row published).
+const M1_PEAK: f64 = 4.3;
+const M2_PRO_PEAK: f64 = 3.4;
+
+/// The two fitted numbers (see the module comment), from maderix/ANE's
+/// M4 steps (README: Stories110M 91 ms, Qwen3-0.6B 412 ms at seq 256)
+/// costed with the seed's own programs and host work. PR #35 of
+/// maderix/ANE measured a dynamic-weight matmul at 4096 on an M5 at
+/// 1.66–1.76 TFLOP/s, 0.23–0.24 of ANEForge's compiled GEMM at 4096 on
+/// the same chip: an independent check of η, not used to fit it, which
+/// disagrees with the fit by almost 3× (at 4096 the dynamic weights alone
+/// are 32 MB, past the cliff, where our kernels at seq ≤ 1024 never go:
+/// `doctor` measures η at our own shapes).
+pub const FITTED: Fitted = Fitted {
+    dynamic_efficiency: 0.657,
+    host_ms_per_eval: 0.222,
+};
+
+/// Numbers fitted to whole-step measurements rather than measured alone.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Fitted {
+    /// η: a dynamic-weight program's rate over a compiled GEMM's of equal work.
+    pub dynamic_efficiency: f64,
+    /// Host time around each evaluation besides copying bytes (ms).
+    pub host_ms_per_eval: f64,
+}
+
+/// What a family's Neural Engine and host cost, every number cited.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Rates {
+    pub family: Family,
+    /// Per evaluation, whatever the program does (ms).
+    pub dispatch_ms: f64,
+    /// The engine's compiled fp16 GEMM by size, dispatch included.
+    #[serde(skip)]
+    pub ane_gemm: GemmTable,
+    /// The dispatch inside each `ane_gemm` measurement (the table's, kept
+    /// when `doctor`'s measured dispatch replaces `dispatch_ms`).
+    pub gemm_dispatch_ms: f64,
+    /// Scales `ane_gemm`'s rate (an unmeasured family's stand-in curve).
+    pub ane_scale: f64,
+    /// The host's fp32 `sgemm` (Accelerate) by size.
+    #[serde(skip)]
+    pub cpu_gemm: GemmTable,
+    /// Bytes of surfaces a program may touch before its rate falls.
+    pub on_chip_bytes: f64,
+    /// Past `on_chip_bytes`, the rate falls as (bytes / on_chip)^-this.
+    pub cliff_exponent: f64,
+    /// Host copy into or out of a surface (GB/s), and host elementwise
+    /// passes over f32 activations (norms, softmax, AdamW).
+    pub copy_gbs: f64,
+    /// Compiling and loading one program (ms).
+    pub compile_ms: f64,
+    pub fitted: Fitted,
+    /// The constants no source measured on this family (each took the
+    /// most conservative published value).
+    pub unmeasured: Vec<&'static str>,
+}
+
+/// Timing constants `anetrain doctor` measured on this machine's engine;
+/// they replace the table's ([`Rates::with_measured`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Median evaluation of a minimal program (ms).
+    pub dispatch_ms: f64,
+    /// `(flop, milliseconds)` of dynamic-weight matmul programs, dispatch
+    /// included, at shapes the kernels use.
+    pub matmuls: Vec<(f64, f64)>,
+    /// Host writes into an input surface (GB/s).
+    pub write_gbs: f64,
+    /// Compiling and loading one program (ms).
+    pub compile_ms: f64,
+}
+
+/// One evaluation's cost, split as the timeline reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct EvalCost {
+    pub dispatch_ms: f64,
+    pub device_ms: f64,
+}
+
+impl Rates {
+    /// The table's row for `family`.
+    pub fn of(family: Family) -> Rates {
+        let (ane_gemm, cpu_gemm, ane_scale) = match family {
+            Family::M1 => (M1_ANE_GEMM, M1_CPU_GEMM, 1.0),
+            Family::M2 | Family::M3 => (M1_ANE_GEMM, M1_CPU_GEMM, M2_PRO_PEAK / M1_PEAK),
+            Family::M4 => (M4_ANE_GEMM, M4_CPU_GEMM, 1.0),
+            Family::M5 => (M5_ANE_GEMM, M5_CPU_GEMM, 1.0),
+        };
+        let mut unmeasured = vec![];
+        if matches!(family, Family::M2 | Family::M3) {
+            unmeasured.extend(["gemm curve", "dispatch", "on-chip bytes"]);
+        }
+        if family == Family::M2 {
+            unmeasured.push("compile");
+        }
+        let dispatch_ms = match family {
+            Family::M1 | Family::M2 | Family::M3 => 0.23,
+            Family::M4 => 0.095,
+            Family::M5 => 0.07,
+        };
+        Rates {
+            family,
+            // M1: "a 0.23 ms floor" (the ANE guide, arXiv 2606.22283,
+            // roofline chapter), also the value for the unmeasured M2/M3.
+            // M4: 0.095 of 0.101 ms is XPC + IOKit (maderix, "Inside the M4
+            // Apple Neural Engine"; rustane README "~0.095ms"). M5: 0.06–0.08 ms
+            // averaged over ten evaluations at every QoS (maderix/ANE
+            // `training/m5result.md`, test_qos_sweep).
+            dispatch_ms,
+            gemm_dispatch_ms: dispatch_ms,
+            ane_gemm,
+            ane_scale,
+            cpu_gemm,
+            // M4 (Max): best at a 12.5 MB working set, 32 MB at 0.54 of it,
+            // 128 MB at 0.29 (maderix/ANE PR #25 `docs/BENCHMARK_RESULTS.md`):
+            // (W/12.5 MB)^-0.6 passes through both. The M5 is the same H16
+            // engine (maderix/ANE `benchmarks/ANE_BENCHMARK_REPORT.md`, "M5").
+            // M1: a "2 MB working-set threshold" (the ANE guide); the M2/M3
+            // take it, the most conservative.
+            on_chip_bytes: match family {
+                Family::M4 | Family::M5 => 12.5e6,
+                _ => 2.0e6,
+            },
+            cliff_exponent: 0.6,
+            // 2560×2560 fp16 weights (13.1 MB) copied into a surface in
+            // 0.27 ms (apple-neural-engine-field-guide README, measured on
+            // an M3 Max; no other family is published).
+            copy_gbs: 13.1e6 / 0.27e-3 / 1e9,
+            // The static pipeline recompiles its 60 weight-bearing kernels
+            // every 10 steps: M1 Pro 7.9–8.5 s, M3 Ultra ~3.7 s, M4 Pro ~3.5 s,
+            // M5 3.2–3.4 s (maderix/ANE `benchmarks/ANE_BENCHMARK_REPORT.md`,
+            // "Compile/10"), per kernel. The M2 takes the M1's.
+            compile_ms: match family {
+                Family::M1 | Family::M2 => 8.2e3 / 60.0,
+                Family::M3 => 3.7e3 / 60.0,
+                Family::M4 => 3.5e3 / 60.0,
+                Family::M5 => 3.3e3 / 60.0,
+            },
+            fitted: FITTED,
+            unmeasured,
+        }
+    }
+
+    /// The table's row with `fitted` in place of [`FITTED`] (for the fit).
+    pub fn with_fitted(mut self, fitted: Fitted) -> Rates {
+        self.fitted = fitted;
+        self
+    }
+
+    /// The row with what `doctor` measured in place of the table's
+    /// dispatch, staging bandwidth and compile time, and η re-derived from
+    /// the measured matmuls (their compute time against the curve's).
+    pub fn with_measured(mut self, m: &Measured) -> Rates {
+        // The curve nets out the table's own dispatch: η first.
+        let ratios: Vec<f64> = m
+            .matmuls
+            .iter()
+            .filter(|(f, ms)| *f > 0.0 && *ms > m.dispatch_ms)
+            .map(|&(f, ms)| self.compiled_ms(f) / (ms - m.dispatch_ms))
+            .collect();
+        if !ratios.is_empty() {
+            self.fitted.dynamic_efficiency = ratios.iter().sum::<f64>() / ratios.len() as f64;
+        }
+        self.dispatch_ms = m.dispatch_ms;
+        self.copy_gbs = m.write_gbs;
+        self.compile_ms = m.compile_ms;
+        self.unmeasured.clear();
+        self
+    }
+
+    /// Milliseconds of a compiled GEMM's compute for `flop` (dispatch
+    /// taken out), from the family's curve at the GEMM of equal work.
+    pub fn compiled_ms(&self, flop: f64) -> f64 {
+        let n = (flop / 2.0).cbrt();
+        let rate = rate_at(self.ane_gemm, n, self.gemm_dispatch_ms) * self.ane_scale;
+        flop / rate
+    }
+
+    /// One evaluation of a dynamic-weight program of `flop` whose input and
+    /// output surfaces hold `surface_bytes`.
+    pub fn evaluation(&self, flop: f64, surface_bytes: f64) -> EvalCost {
+        // A GEMM of equal work already touches 3·N² fp16 values; a program
+        // whose surfaces are larger pays the cliff on the excess.
+        let n = (flop / 2.0).cbrt();
+        let gemm_bytes = 6.0 * n * n;
+        let over = surface_bytes / gemm_bytes.max(self.on_chip_bytes);
+        let cliff = over.max(1.0).powf(self.cliff_exponent);
+        EvalCost {
+            dispatch_ms: self.dispatch_ms,
+            device_ms: self.compiled_ms(flop) / self.fitted.dynamic_efficiency * cliff,
+        }
+    }
+
+    /// Host fp32 matrix products of `flop` (one `sgemm` of equal work).
+    pub fn host_gemm_ms(&self, flop: f64) -> f64 {
+        if flop <= 0.0 {
+            return 0.0;
+        }
+        let n = (flop / 2.0).cbrt();
+        flop / rate_at(self.cpu_gemm, n, 0.0)
+    }
+
+    /// Host copies or elementwise passes over `bytes`.
+    pub fn copy_ms(&self, bytes: f64) -> f64 {
+        bytes / (self.copy_gbs * 1e6)
+    }
+}
+
+/// FLOPs per millisecond of the table's GEMM at size `n`, `overhead_ms`
+/// (the dispatch inside each measurement) taken out: interpolated in
+/// log N between rows, the end rows' rates beyond them.
+fn rate_at(table: GemmTable, n: f64, overhead_ms: f64) -> f64 {
+    let rate = |&(size, ms): &(f64, f64)| {
+        let compute = (ms - overhead_ms).max(0.1 * ms);
+        2.0 * size * size * size / compute
+    };
+    let first = table.first().expect("a GEMM table has rows");
+    let last = table.last().expect("a GEMM table has rows");
+    if n <= first.0 {
+        return rate(first);
+    }
+    if n >= last.0 {
+        return rate(last);
+    }
+    let i = table
+        .iter()
+        .position(|r| r.0 >= n)
+        .unwrap_or(table.len() - 1);
+    let (a, b) = (&table[i - 1], &table[i]);
+    let t = (n.ln() - a.0.ln()) / (b.0.ln() - a.0.ln());
+    // Interpolate the rate's logarithm: rates change by factors.
+    (rate(a).ln() * (1.0 - t) + rate(b).ln() * t).exp()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_curves_reproduce_their_sources() {
+        // ANEForge's M4 at 2048: 17.18 GFLOP in 3.513 ms; with the
+        // dispatch taken out and added back, the table returns its row.
+        let m4 = Rates::of(Family::M4);
+        let f = 2.0 * 2048f64.powi(3);
+        let ms = m4.compiled_ms(f) + m4.dispatch_ms;
+        assert!((ms - 3.5133).abs() < 1e-9, "{ms}");
+        // Between rows the rate lies between the rows' rates.
+        let r = |n: f64| 2.0 * n.powi(3) / m4.compiled_ms(2.0 * n.powi(3));
+        assert!(r(1500.0) > r(1024.0) && r(1500.0) < r(2048.0));
+        // The host's sgemm: 4096 on an M1 in 162 ms.
+        let m1 = Rates::of(Family::M1);
+        assert!((m1.host_gemm_ms(2.0 * 4096f64.powi(3)) - 162.02).abs() < 1e-6);
+    }
+
+    #[test]
+    fn surfaces_past_the_on_chip_memory_slow_an_evaluation() {
+        let m4 = Rates::of(Family::M4);
+        let f = 2.0 * 512f64.powi(3);
+        let small = m4.evaluation(f, 1e6);
+        let big = m4.evaluation(f, 32e6);
+        let ratio = big.device_ms / small.device_ms;
+        // (32 / 12.5)^0.6 = 1.76: PR #25's 3.53 → 1.89 TFLOP/s is 1.87.
+        assert!((ratio - (32.0f64 / 12.5).powf(0.6)).abs() < 1e-9, "{ratio}");
+        assert_eq!(small.dispatch_ms, 0.095);
+    }
+
+    #[test]
+    fn unmeasured_families_say_so_and_are_no_faster_than_the_slowest_measured() {
+        let (m1, m2) = (Rates::of(Family::M1), Rates::of(Family::M2));
+        assert!(m1.unmeasured.is_empty() && !m2.unmeasured.is_empty());
+        let f = 1e10;
+        assert!(m2.compiled_ms(f) >= m1.compiled_ms(f));
+        assert!(m2.dispatch_ms >= m1.dispatch_ms);
+    }
+
+    #[test]
+    fn measured_constants_replace_the_table() {
+        let m4 = Rates::of(Family::M4);
+        let f = 2.0 * 1024f64.powi(3);
+        // A matmul measured at twice the compiled curve's compute time: η = 0.5.
+        let m = Measured {
+            dispatch_ms: 0.2,
+            matmuls: vec![(f, 0.2 + 2.0 * m4.compiled_ms(f))],
+            write_gbs: 10.0,
+            compile_ms: 40.0,
+        };
+        let r = m4.clone().with_measured(&m);
+        assert!((r.fitted.dynamic_efficiency - 0.5).abs() < 1e-12);
+        assert_eq!((r.dispatch_ms, r.copy_gbs, r.compile_ms), (0.2, 10.0, 40.0));
+        assert!((r.copy_ms(1e7) - 1.0).abs() < 1e-12);
+    }
+}
