@@ -318,8 +318,11 @@ pub fn cpu_brand() -> Option<String> {
 
 /// The chip this profile is saved for: the brand string, or `simulated`.
 pub fn chip_key() -> String {
-    cpu_brand().unwrap_or_else(|| "simulated".into())
+    cpu_brand().unwrap_or_else(|| SIMULATED_CHIP.into())
 }
+
+/// The chip key of a machine without an Apple chip (the simulator's).
+pub const SIMULATED_CHIP: &str = "simulated";
 
 /// `ANETRAIN_SIM_FAMILY` as a family; an unusable value is an error.
 pub fn sim_family_from_env() -> Result<Option<Family>, String> {
@@ -411,7 +414,9 @@ impl Profile {
         let chip = chip_key();
         if let Some(path) = profile_path() {
             if let Some(saved) = load_saved(&path)? {
-                if saved.chip == chip {
+                // A profile taken on the simulator (older builds saved one)
+                // is no measurement of a chip.
+                if saved.chip == chip && saved.chip != SIMULATED_CHIP {
                     return Ok(Profile {
                         family: saved.family,
                         limits: saved.limits,

@@ -119,6 +119,9 @@ pub struct PlanArgs {
     pub backend: Backend,
     pub memory: MemoryOptions,
     pub json: bool,
+    /// The family whose predicted step the text plan shows (default: the
+    /// one in force; every family when none is known).
+    pub family: Option<ane::family::Family>,
 }
 
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
@@ -146,11 +149,24 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         lora.is_none(),
         a.memory.grad_checkpoint,
     )?;
+    let setup = anetrain::plan::timeline::StepSetup {
+        seq,
+        batch: 1,
+        lora: lora.clone(),
+        grad_checkpoint: a.memory.grad_checkpoint,
+        buffers: memory.buffers,
+    };
+    let predicted = anetrain::plan::timeline::predict_families(&cfg, &setup, &opts)?;
     if a.json {
+        let by_family: serde_json::Map<String, serde_json::Value> = predicted
+            .iter()
+            .map(|p| Ok((p.family.clone(), serde_json::to_value(p)?)))
+            .collect::<Result<_>>()?;
         let v = serde_json::json!({
             "shape": shape,
             "plan": plan,
             "work": work,
+            "predicted": by_family,
             "memory": memory.plan,
             "max_memory": memory.limit,
         });
@@ -223,6 +239,29 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         plan.head_work(true).1
     );
     println!("{}", work.describe());
+    let family = match a.family {
+        Some(f) => Some(f),
+        None => {
+            ane::family::Profile::in_force()
+                .map_err(anyhow::Error::msg)?
+                .family
+        }
+    };
+    println!(
+        "predicted step on the Neural Engine ({} device buffers; a cost model of published measurements, docs/benchmarks.md):",
+        memory.buffers.name()
+    );
+    for p in predicted
+        .iter()
+        .filter(|p| family.is_none_or(|f| f.name() == p.family))
+    {
+        println!(
+            "  {}; compiling {} programs once: {:.1} s",
+            p.describe(),
+            plan.programs(),
+            p.compile_ms / 1e3
+        );
+    }
     println!(
         "\nmemory of a training run on {}{}{}:",
         a.backend.name(),
@@ -267,23 +306,26 @@ pub fn run_check(
         "kernel", "fp32 maxabs", "fp32 rel", "fp16 maxabs", "fp16 rel", "time"
     );
     let mut failed = vec![];
-    let rules = if seed_compat {
-        ane::rules::RuleSet::default()
-    } else {
-        ane::rules::RuleSet::for_limits(opts.limits)
-    };
+    // One rule set, one verdict: the rules and limits of the family in
+    // force, as `mil check --family F --strict` applies them, whatever
+    // layout (ours or the seed's) the programs follow.
+    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+    let rules = ane::rules::RuleSet::for_limits(profile.limits);
+    if seed_compat {
+        println!("rules and limits: {}", profile.describe());
+    }
     let mut broken = vec![];
+    let mut broken_rules = std::collections::BTreeSet::new();
     let plan = tiling::plan(&shape, &opts)?;
     for kind in selected(only)? {
         // A tiled kernel is checked at its tile shape (its one program).
         let shape = plan.of(kind).shape;
         let program = anetrain::kernels::build(kind, &shape, &opts)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
-        broken.extend(
-            ane::rules::check(&program.program, &rules)
-                .into_iter()
-                .map(|f| format!("{}: {f}", kind.name())),
-        );
+        for f in ane::rules::check(&program.program, &rules) {
+            broken_rules.insert(f.rule);
+            broken.push(format!("{}: {f}", kind.name()));
+        }
         let t = Instant::now();
         let r = check::check_kernel(kind, &shape, &opts, seed)
             .map_err(|e| anyhow::anyhow!("{}: {e}", kind.name()))?;
@@ -329,13 +371,9 @@ pub fn run_check(
     }
     if !broken.is_empty() {
         problems.push(format!(
-            "{} ANE rule finding(s){}",
+            "{} ANE rule finding(s) ({}; `mil check --family F --strict` on the dumped programs gives the same verdict)",
             broken.len(),
-            if seed_compat {
-                " (the seed's layouts are not padded to the device's minimum surface)"
-            } else {
-                ""
-            }
+            broken_rules.into_iter().collect::<Vec<_>>().join(", ")
         ));
     }
     if !problems.is_empty() {

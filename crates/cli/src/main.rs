@@ -359,9 +359,14 @@ enum KernelsCommand {
         backend: anetrain::device::backend::Backend,
         #[command(flatten)]
         memory: cmd_train::MemoryArgs,
-        /// Print the plan (tiles and memory) as JSON.
+        /// Print the plan (tiles, predicted step per chip family, memory)
+        /// as JSON.
         #[arg(long)]
         json: bool,
+        /// Show the predicted step of this chip family (m1 … m5; default:
+        /// the family in force, or every family when none is known).
+        #[arg(long, value_parser = parse_family)]
+        family: Option<ane::family::Family>,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -758,6 +763,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 backend,
                 memory,
                 json,
+                family,
             } => cmd_kernels::show_plan(cmd_kernels::PlanArgs {
                 model: hub::resolve(&model, hub::Need::Config)?,
                 seq,
@@ -765,6 +771,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 backend,
                 memory: memory.options(),
                 json,
+                family,
             })?,
         },
         Command::Mil { command } => match command {
@@ -861,4 +868,9 @@ fn main() -> ExitCode {
         }
         Err(_) => ExitCode::from(101),
     }
+}
+
+/// `--family m1 … m5`.
+fn parse_family(s: &str) -> Result<ane::family::Family, String> {
+    ane::family::Family::parse(s)
 }

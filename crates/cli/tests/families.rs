@@ -1,5 +1,5 @@
 //! Chip families from the command line: `doctor` probes a simulated M1 and
-//! M5 and saves the profile the next `train` reads; training on a
+//! M5 and saves no profile (the simulator measures no chip); training on a
 //! simulated M1 tracks the CPU engine, on `tiny` and on a model whose
 //! residual stream carries values above the M1's 4094 width-slice clamp.
 
@@ -17,7 +17,7 @@ fn losses(out: &Path) -> Vec<f64> {
 }
 
 #[test]
-fn doctor_probes_each_simulated_family_and_train_reads_the_saved_profile() {
+fn doctor_probes_each_simulated_family_and_leaves_no_profile_behind() {
     let d = tmp();
     let config = d.path().join("config");
     for (family, clamp) in [("m1", true), ("m5", false)] {
@@ -55,14 +55,24 @@ fn doctor_probes_each_simulated_family_and_train_reads_the_saved_profile() {
         assert_eq!(r["ok"], true, "{r}");
         let md = String::from_utf8_lossy(&o.stdout);
         assert!(md.contains("nothing about hardware is shown"), "{md}");
-        let saved: serde_json::Value = serde_json::from_str(
-            &std::fs::read_to_string(config.join("device-profile.json")).unwrap(),
-        )
-        .unwrap();
-        assert_eq!(saved["family"], family);
-        assert_eq!(saved["limits"]["width_slice_clamp"].is_null(), !clamp);
+        // The simulator plays the table back: nothing is saved for later
+        // runs to take as a measurement of this machine.
+        assert!(!config.join("device-profile.json").exists());
+        assert!(r["profile"].as_str().unwrap().contains("not saved"), "{r}");
     }
-    // The next run builds its kernels to the saved (m5) profile.
+    // A profile an older build saved on the simulator is not taken as
+    // measured either.
+    std::fs::create_dir_all(&config).unwrap();
+    std::fs::write(
+        config.join("device-profile.json"),
+        serde_json::json!({
+            "format": 1, "family": "m5", "chip": "simulated", "device": "ane-sim",
+            "limits": serde_json::to_value(ane::family::Family::M5.limits()).unwrap(),
+            "measured_at": 1
+        })
+        .to_string(),
+    )
+    .unwrap();
     let out = d.path().join("run");
     let o = bin()
         .env("ANETRAIN_CONFIG_DIR", &config)
@@ -84,9 +94,62 @@ fn doctor_probes_each_simulated_family_and_train_reads_the_saved_profile() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{e}");
     assert!(
-        e.contains("chip family: m5") && e.contains("measured by `anetrain doctor`"),
+        !e.contains("measured by `anetrain doctor`") && e.contains("no Apple chip detected"),
         "{e}"
     );
+}
+
+/// `kernels check --seed-compat` and `mil check --strict` give one verdict
+/// under a family: the seed's head slices its weights at a width offset,
+/// which M1–M3 clamp.
+#[test]
+fn seed_compatible_programs_get_the_verdict_mil_check_gives() {
+    let d = tmp();
+    let dump = d.path().join("dump");
+    let args = [
+        "--model",
+        "tiny",
+        "--seq",
+        "32",
+        "--seed-compat",
+        "--kernel",
+        "head_forward",
+    ];
+    let o = bin()
+        .env("ANETRAIN_ANE_FAMILY", "m1")
+        .args(["kernels", "check"])
+        .args(args)
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && e.contains("width-offset-slice"),
+        "{e}"
+    );
+    let o = bin()
+        .env("ANETRAIN_ANE_FAMILY", "m1")
+        .args(["kernels", "dump", "--out"])
+        .arg(&dump)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (family, fails) in [("m1", true), ("m4", false)] {
+        let o = bin()
+            .args(["mil", "check", "--strict", "--family", family])
+            .arg(dump.join("head_forward.mil"))
+            .output()
+            .unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(
+            out.contains("FAIL width-offset-slice"),
+            fails,
+            "{family}: {out}"
+        );
+        if fails {
+            assert!(!o.status.success());
+        }
+    }
 }
 
 /// Trains `model` on the CPU and on a simulated M1 (`steps` steps, the same

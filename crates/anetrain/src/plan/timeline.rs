@@ -451,6 +451,29 @@ fn head(p: &Player, cfg: &ModelConfig, full: bool) -> Clock {
     c
 }
 
+/// Our step of `setup` with `opts`' kernels planned to each family's
+/// limits, for every family (families with the same limits share a plan).
+pub fn predict_families(
+    cfg: &ModelConfig,
+    setup: &StepSetup,
+    opts: &crate::kernels::KernelOptions,
+) -> anyhow::Result<Vec<Predicted>> {
+    let shape = crate::kernels::Shape::new(cfg, crate::kernels::compiled_length(setup.seq));
+    let mut plans: Vec<(ane::family::Limits, Plan)> = vec![];
+    let mut out = vec![];
+    for family in ane::family::Family::ALL {
+        let limits = family.limits();
+        if !plans.iter().any(|(l, _)| *l == limits) {
+            let mut o = opts.clone();
+            o.limits = limits;
+            plans.push((limits, crate::kernels::tiling::plan(&shape, &o)?));
+        }
+        let plan = &plans.iter().find(|(l, _)| *l == limits).expect("planned").1;
+        out.push(predict(cfg, plan, setup, &Rates::of(family), None));
+    }
+    Ok(out)
+}
+
 /// A published whole-step time to check the model against.
 #[derive(Clone, Debug, Serialize)]
 pub struct Published {

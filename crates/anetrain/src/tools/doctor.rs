@@ -476,6 +476,9 @@ fn probe_family(
                     .map_or(0, |d| d.as_secs()),
             };
             let note = match ane::family::profile_path() {
+                // The simulator plays a family's table row back: saving it
+                // would make later runs say the chip was measured.
+                _ if device != "ane" => "not saved: measured on the simulator, which says nothing about a chip (ANETRAIN_ANE_FAMILY or --sim-family pick a family's limits)".to_string(),
                 _ if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() => format!(
                     "not saved: {} is set, so the axis caps measured are its",
                     ane::rules::MAX_DIM_ENV
