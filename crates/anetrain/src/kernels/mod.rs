@@ -225,6 +225,10 @@ pub struct KernelOptions {
     /// and output surfaces are at most this many bytes each (`None`: only as far as the
     /// device's limits need; Hugging Face models: [`MAX_TILE_BYTES`]).
     pub max_tile_bytes: Option<usize>,
+    /// The chip family whose cost model ([`ane::cost::Rates`]) chooses
+    /// among the tilings that pass the rules within the cap: the family
+    /// in force, else the M1 (the slowest measured row).
+    pub cost_family: ane::family::Family,
 }
 
 /// The largest tile surface (input or output) the device kernels are built for (where an axis
@@ -319,6 +323,7 @@ pub trait KernelFn {
 impl KernelOptions {
     /// Hugging Face semantics for `cfg`.
     pub fn hf(cfg: &ModelConfig) -> KernelOptions {
+        let profile = ane::family::Profile::in_force();
         KernelOptions {
             rope: Rope::HalfSplit,
             rope_theta: cfg.rope_theta,
@@ -329,12 +334,14 @@ impl KernelOptions {
             fp16_constants: false,
             lora: None,
             min_surface_bytes: ane::rules::MIN_SURFACE_BYTES,
-            limits: ane::family::Profile::in_force()
-                .map(|p| p.limits)
-                .unwrap_or_default(),
+            limits: profile.as_ref().map(|p| p.limits).unwrap_or_default(),
             min_tiles: tiling::min_tiles_from_env(),
             min_seq_tiles: tiling::min_seq_tiles_from_env(),
             max_tile_bytes: Some(MAX_TILE_BYTES),
+            cost_family: profile
+                .ok()
+                .and_then(|p| p.family)
+                .unwrap_or(ane::family::Family::M1),
         }
     }
 
@@ -400,6 +407,8 @@ impl KernelOptions {
             min_tiles: 1,
             min_seq_tiles: 1,
             max_tile_bytes: None,
+            // Untiled: nothing to choose.
+            cost_family: ane::family::Family::M4,
         }
     }
 }

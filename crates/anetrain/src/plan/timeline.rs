@@ -173,18 +173,11 @@ impl Player<'_> {
     }
 
     fn run_tiles(&self, k: &KernelTiles) -> Clock {
-        let r = self.rates;
-        let (inp, out) = k.surface_bytes();
-        let staged = match self.streamed {
-            true => inp,
-            false => inp - k.weight_bytes,
-        };
-        let e = r.evaluation(k.flop, (inp + out) as f64);
-        let n = k.tiles as f64;
+        let c = k.predicted(self.rates, self.streamed);
         Clock {
-            dispatch: n * e.dispatch_ms,
-            device: n * e.device_ms,
-            staging: n * (r.copy_ms((staged + out) as f64) + r.fitted.host_ms_per_eval),
+            dispatch: c.dispatch_ms,
+            device: c.device_ms,
+            staging: c.staging_ms,
             host: 0.0,
             evaluations: k.tiles,
         }
@@ -451,25 +444,22 @@ fn head(p: &Player, cfg: &ModelConfig, full: bool) -> Clock {
     c
 }
 
-/// Our step of `setup` with `opts`' kernels planned to each family's
-/// limits, for every family (families with the same limits share a plan).
+/// Our step of `setup` with `opts`' kernels planned for each family (its
+/// limits, its rates), for every family.
 pub fn predict_families(
     cfg: &ModelConfig,
     setup: &StepSetup,
     opts: &crate::kernels::KernelOptions,
 ) -> anyhow::Result<Vec<Predicted>> {
     let shape = crate::kernels::Shape::new(cfg, crate::kernels::compiled_length(setup.seq));
-    let mut plans: Vec<(ane::family::Limits, Plan)> = vec![];
     let mut out = vec![];
     for family in ane::family::Family::ALL {
-        let limits = family.limits();
-        if !plans.iter().any(|(l, _)| *l == limits) {
-            let mut o = opts.clone();
-            o.limits = limits;
-            plans.push((limits, crate::kernels::tiling::plan(&shape, &o)?));
-        }
-        let plan = &plans.iter().find(|(l, _)| *l == limits).expect("planned").1;
-        out.push(predict(cfg, plan, setup, &Rates::of(family), None));
+        // Each family's limits, and its rates choosing among tilings.
+        let mut o = opts.clone();
+        o.limits = family.limits();
+        o.cost_family = family;
+        let plan = crate::kernels::tiling::plan(&shape, &o)?;
+        out.push(predict(cfg, &plan, setup, &Rates::of(family), None));
     }
     Ok(out)
 }

@@ -268,6 +268,25 @@ impl KernelTiles {
         )
     }
 
+    /// Predicted cost of every tile once under `rates` (staging the
+    /// activations, and the weights too when `streamed`; dispatch;
+    /// compute; reading the outputs): what plans are chosen by, and what
+    /// a step's timeline adds up (`plan::timeline`).
+    pub fn predicted(&self, rates: &ane::cost::Rates, streamed: bool) -> TileCost {
+        let (inp, out) = self.surface_bytes();
+        let staged = match streamed {
+            true => inp,
+            false => inp - self.weight_bytes,
+        };
+        let e = rates.evaluation(self.flop, (inp + out) as f64);
+        let n = self.tiles as f64;
+        TileCost {
+            dispatch_ms: n * e.dispatch_ms,
+            device_ms: n * e.device_ms,
+            staging_ms: n * (rates.copy_ms((staged + out) as f64) + rates.fitted.host_ms_per_eval),
+        }
+    }
+
     /// Bytes of a tile's larger surface: what the tile-size cap bounds.
     pub fn largest_surface(&self) -> usize {
         let (i, o) = self.surface_bytes();
@@ -326,6 +345,20 @@ impl KernelTiles {
         self.indices(t)
             .iter()
             .all(|&(sp, i)| i == 0 || sp.axis == Axis::Seq)
+    }
+}
+
+/// Predicted milliseconds of a kernel's tiles (see [`KernelTiles::predicted`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TileCost {
+    pub dispatch_ms: f64,
+    pub device_ms: f64,
+    pub staging_ms: f64,
+}
+
+impl TileCost {
+    pub fn total(&self) -> f64 {
+        self.dispatch_ms + self.device_ms + self.staging_ms
     }
 }
 

@@ -1,6 +1,6 @@
 //! Planning: for each kernel the tiling whose program passes the device's
-//! rules within the tile cap in the fewest evaluations, and the LM head's
-//! vocabulary chunks.
+//! rules within the tile cap in the least predicted time (the cost model
+//! of `ane::cost`), and the LM head's vocabulary chunks.
 
 use super::*;
 use crate::kernels::build_unfilled;
@@ -60,10 +60,11 @@ pub(super) fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> V
     grids
 }
 
-/// Plans every kernel: the fewest equal tiles whose program passes every
+/// Plans every kernel: among the equal tilings whose program passes every
 /// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
 /// per-axis caps, contraction multiples, …) with surfaces within
-/// `o.max_tile_bytes`; failing the size, the passing tiling with the
+/// `o.max_tile_bytes`, the one predicted fastest on `o.cost_family`
+/// (compared from the fewest tiles up, see [`CHOICE_SPAN`]); failing the size, the passing tiling with the
 /// smallest largest surface; failing the rules, the fewest tiles that at
 /// least fit the axis caps. The LM head's kernels are planned with its
 /// vocabulary chunks ([`plan_head`]). An error names the kernel, the axes
@@ -86,7 +87,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
 
 /// The vocabulary chunks (at least `o.min_tiles`, to exercise chunking on
 /// small vocabularies) for which both head kernels find a tiling within
-/// the rules and `o.max_tile_bytes` in the fewest evaluations per
+/// the rules and `o.max_tile_bytes` in the least predicted time per
 /// sequence (a chunk's sequence tiles count too), and those tilings. Only the counts whose rows change are tried, from the fewest the
 /// head's weights alone allow under the size cap.
 pub fn plan_head(
@@ -106,7 +107,7 @@ pub fn plan_head(
     // Failing the cap at every count: the fewest chunks whose tilings pass
     // the rules, else the fewest that fit the axis caps.
     let (mut over_cap, mut fits_dim) = (None, None);
-    let mut best: Option<(usize, (HeadChunks, Vec<KernelTiles>))> = None;
+    let mut best: Option<(f64, (HeadChunks, Vec<KernelTiles>))> = None;
     let mut last_error = None;
     let mut tried = 0;
     for chunks in fewest..=most {
@@ -147,9 +148,13 @@ pub fn plan_head(
         );
         match worst {
             Fit::Within => {
-                // Evaluations per sequence with a gradient: each chunk's
-                // forward twice and its backward (see `Plan::head_work`).
-                let e = found.0.chunks * (2 * found.1[0].tiles + found.1[1].tiles);
+                // Predicted time per sequence with a gradient: each chunk's
+                // forward (twice over several chunks) and its backward
+                // (see `Plan::head_work`).
+                let rates = ane::cost::Rates::of(o.cost_family);
+                let forwards = if found.0.chunks > 1 { 2.0 } else { 1.0 };
+                let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
+                let e = found.0.chunks as f64 * (forwards * cost(&found.1[0]) + cost(&found.1[1]));
                 if best.as_ref().is_none_or(|(b, _)| e < *b) {
                     best = Some((e, found));
                 }
@@ -209,6 +214,22 @@ pub enum PlanError {
     NoHeadChunks { vocab: usize },
 }
 
+/// Tilings within the cap are compared up to this many times the fewest
+/// tiles that fit, and at most [`CHOICE_COUNT`] of them: past that, more
+/// tiles only add dispatches and shrink products.
+const CHOICE_SPAN: usize = 4;
+const CHOICE_COUNT: usize = 12;
+
+/// The tiling predicted fastest on `o.cost_family` (every tile staged,
+/// as streamed buffers do); the fewest tiles among equals.
+fn cheapest(tilings: Vec<KernelTiles>, o: &KernelOptions) -> Option<KernelTiles> {
+    let rates = ane::cost::Rates::of(o.cost_family);
+    let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
+    tilings
+        .into_iter()
+        .reduce(|best, t| if cost(&t) < cost(&best) { t } else { best })
+}
+
 /// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
 fn plan_kernel(
     kind: KernelKind,
@@ -218,8 +239,16 @@ fn plan_kernel(
 ) -> Result<(KernelTiles, Fit), PlanError> {
     let mut fits_dim = None;
     let mut passing: Vec<KernelTiles> = vec![];
+    let mut within: Vec<KernelTiles> = vec![];
     let mut last_problem = String::new();
     for splits in candidates(kind, full, o) {
+        let tiles: usize = splits.iter().map(|s| s.blocks).product();
+        if within
+            .first()
+            .is_some_and(|w| tiles > CHOICE_SPAN * w.tiles || within.len() >= CHOICE_COUNT)
+        {
+            break;
+        }
         let shape = tile_shape(kind, full, &splits);
         if !shape.query_rows_whole() {
             continue;
@@ -253,7 +282,8 @@ fn plan_kernel(
             .max_tile_bytes
             .is_none_or(|cap| tiles.largest_surface() <= cap);
         if findings.is_empty() && small_enough {
-            return Ok((tiles, Fit::Within));
+            within.push(tiles);
+            continue;
         }
         if findings.is_empty() {
             // Passes every rule but is larger than asked: a fallback
@@ -262,6 +292,9 @@ fn plan_kernel(
             continue;
         }
         fits_dim.get_or_insert(tiles);
+    }
+    if let Some(best) = cheapest(within, o) {
+        return Ok((best, Fit::Within));
     }
     // Failing the cap, the fewest tiles (candidates come fewest
     // first) within a quarter of the smallest surface that passes:
