@@ -97,6 +97,13 @@ fn doctor_probes_each_simulated_family_and_leaves_no_profile_behind() {
         !e.contains("measured by `anetrain doctor`") && e.contains("no Apple chip detected"),
         "{e}"
     );
+    // The predicted step, for the measured families when none is known.
+    assert!(
+        e.contains("predicted on the Neural Engine (no chip family known): m1 ")
+            && e.contains("; m4 ")
+            && e.contains("docs/benchmarks.md"),
+        "{e}"
+    );
 }
 
 /// `kernels check --seed-compat` and `mil check --strict` give one verdict

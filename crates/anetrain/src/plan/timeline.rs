@@ -464,6 +464,55 @@ pub fn predict_families(
     Ok(out)
 }
 
+/// The line `train` prints before its first step on a device backend:
+/// the predicted step on `family` (every measured family when none is
+/// known) and the whole run of `steps` optimizer steps.
+pub fn run_estimate(
+    cfg: &ModelConfig,
+    setup: &StepSetup,
+    opts: &crate::kernels::KernelOptions,
+    family: Option<ane::family::Family>,
+    steps: u64,
+) -> anyhow::Result<String> {
+    let all = predict_families(cfg, setup, opts)?;
+    let shown: Vec<&Predicted> = all
+        .iter()
+        .filter(|p| match family {
+            Some(f) => p.family == f.name(),
+            None => ["m1", "m4", "m5"].contains(&p.family.as_str()),
+        })
+        .collect();
+    let run = |p: &Predicted| {
+        let s = p.step_ms * steps as f64 / 1e3;
+        if s < 10.0 {
+            format!("{s:.1} s")
+        } else if s < 120.0 {
+            format!("{s:.0} s")
+        } else {
+            format!("{:.1} min", s / 60.0)
+        }
+    };
+    let each: Vec<String> = shown
+        .iter()
+        .map(|p| {
+            format!(
+                "{} {:.2} s/step ({} dominates, {:.0} tok/s), {} steps ≈ {}",
+                p.family,
+                p.step_ms / 1e3,
+                p.dominant,
+                p.tokens_per_s,
+                steps,
+                run(p)
+            )
+        })
+        .collect();
+    Ok(format!(
+        "predicted on the Neural Engine{}: {} (a cost model of published measurements, not of this machine: docs/benchmarks.md)",
+        if family.is_none() { " (no chip family known)" } else { "" },
+        each.join("; ")
+    ))
+}
+
 /// A published whole-step time to check the model against.
 #[derive(Clone, Debug, Serialize)]
 pub struct Published {

@@ -107,7 +107,35 @@ pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool)
         false => fresh(&r, &pre.source, report)?,
     };
     report(&Event::Note(pre.plan.plan.line()));
+    if r.settings.backend != Backend::Cpu {
+        report(&Event::Note(predicted_line(&r, &pre)?));
+    }
     dispatch(&r, pre, start, report, stop)
+}
+
+/// The predicted step and run on the chip family in force (the one the
+/// simulator plays, if set) before the first step.
+fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
+    let s = &r.settings;
+    let cfg = &pre.source.config;
+    let setup = crate::plan::timeline::StepSetup {
+        seq: s.seq,
+        batch: s.batch * s.accum,
+        lora: s.lora.clone(),
+        grad_checkpoint: r.memory.grad_checkpoint,
+        buffers: pre.plan.buffers,
+    };
+    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let family = match (s.backend, played) {
+        (Backend::AneSim, Some(f)) => Some(f),
+        _ => {
+            ane::family::Profile::in_force()
+                .map_err(anyhow::Error::msg)?
+                .family
+        }
+    };
+    let opts = KernelOptions::for_run(cfg, s.lora.as_ref());
+    crate::plan::timeline::run_estimate(cfg, &setup, &opts, family, r.steps)
 }
 
 /// What a run checked before creating anything.
