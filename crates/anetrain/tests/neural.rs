@@ -348,6 +348,73 @@ fn sequence_tiles_give_the_untiled_bits() {
     }
 }
 
+/// The attention backward tile by tile (each tile's P and dP handed from
+/// `sdpa_backward1`'s output straight to `sdpa_backward2`'s input) gives
+/// the bits of the two kernels run over the whole layer, tiled by heads
+/// and by blocks of queries or not at all.
+#[test]
+fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
+    use anetrain::device::{attention_backward_in_full, NeuralKernels};
+    use anetrain::kernels::sdpa_backward1::Acts;
+    use anetrain::kernels::tiling::Axis;
+    let mut rng = anetrain::util::rng::Rng::new(7);
+    for (kind, tiles) in [("qwen3", 1), ("qwen3", 2), ("llama", 2)] {
+        let model = Model::load(&fixture(kind).join("model")).unwrap();
+        let cfg = &model.cfg;
+        let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
+        (opts.min_seq_tiles, opts.min_tiles) = (tiles, tiles);
+        let mut runner = NeuralKernels::new(ane::SimDevice::new(), opts);
+        let seq = 60;
+        let shape = Shape::new(cfg, seq);
+        let mut r = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
+        let (q, k, v, da) = (
+            r(cfg.q_dim() * seq),
+            r(cfg.kv_dim() * seq),
+            r(cfg.kv_dim() * seq),
+            r(cfg.q_dim() * seq),
+        );
+        let acts = Acts {
+            q_rope: &q,
+            k_rope: &k,
+            v: &v,
+            da: &da,
+            mask: None,
+        };
+        let dropout = Dropout::default();
+        let a = runner
+            .attention_backward(&model, 1, &shape, &dropout, &acts)
+            .unwrap();
+        let b =
+            attention_backward_in_full(&mut runner, &model, 1, &shape, &dropout, &acts).unwrap();
+        let plan = runner.plan().unwrap();
+        let t1 = plan.of(anetrain::kernels::KernelKind::SdpaBackward1);
+        assert_eq!(
+            t1.splits,
+            plan.of(anetrain::kernels::KernelKind::SdpaBackward2).splits
+        );
+        if tiles > 1 {
+            assert!(
+                t1.splits.iter().any(|s| s.axis == Axis::Seq),
+                "{kind}: {t1:?}"
+            );
+        }
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for (name, x, y) in [
+            ("dv", &a.dv, &b.dv),
+            ("dq", &a.dq, &b.dq),
+            ("dk", &a.dk, &b.dk),
+        ] {
+            assert_eq!(x.len(), y.len(), "{kind} {name}");
+            assert!(
+                bits(x) == bits(y),
+                "{kind}, {tiles} tiles: {name} differs (rel {})",
+                rel(x, y)
+            );
+            assert!(x.iter().all(|v| v.is_finite()) && x.iter().any(|v| *v != 0.0));
+        }
+    }
+}
+
 /// LoRA adapters on all seven projections, tiled: each tile carries its
 /// block of `B` (output split) or of `A` (input split) and the adapter
 /// gradients track the CPU engine as untiled ones do.

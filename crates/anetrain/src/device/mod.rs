@@ -12,7 +12,9 @@ pub use neural::{DeviceBuffers, NeuralKernels};
 use anyhow::Result;
 
 use crate::kernels::tiling::HeadChunks;
-use crate::kernels::{Kernel, LayerWeights, Shape};
+use crate::kernels::{
+    sdpa_backward1, sdpa_backward2, Kernel, LayerWeights, SdpaBackward1, SdpaBackward2, Shape,
+};
 use crate::model::{Model, Projection};
 
 /// LoRA dropout masks of one layer, by [`Projection::index`] (scaled by
@@ -49,6 +51,57 @@ pub trait KernelRunner {
     /// inside the backward (activation checkpointing): forward kernels now
     /// walk the layers downwards.
     fn recomputing(&mut self, _on: bool) {}
+
+    /// The attention backward of `layer`: `sdpa_backward1` (dV and the
+    /// probabilities P and their gradient dP `[heads·S, S]`), then
+    /// `sdpa_backward2` (dQ, dK) on them. A runner whose two kernels share
+    /// their tiles runs them tile by tile, so P and dP never exist whole.
+    fn attention_backward(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &sdpa_backward1::Acts<'_>,
+    ) -> Result<AttentionGrads>
+    where
+        Self: Sized,
+    {
+        attention_backward_in_full(self, model, layer, shape, dropout, acts)
+    }
+}
+
+/// The attention backward's results (see [`KernelRunner::attention_backward`]).
+pub struct AttentionGrads {
+    /// `[KV·HD, S]`, `[heads·HD, S]`, `[KV·HD, S]`, on roped q and k.
+    pub dv: Vec<f32>,
+    pub dq: Vec<f32>,
+    pub dk: Vec<f32>,
+}
+
+/// `sdpa_backward1` over the whole layer, then `sdpa_backward2` on its
+/// whole P and dP.
+pub fn attention_backward_in_full<R: KernelRunner>(
+    runner: &mut R,
+    model: &Model,
+    layer: usize,
+    shape: &Shape,
+    dropout: &Dropout,
+    acts: &sdpa_backward1::Acts<'_>,
+) -> Result<AttentionGrads> {
+    let b1 = runner.run::<SdpaBackward1>(model, layer, shape, dropout, acts)?;
+    let acts2 = sdpa_backward2::Acts {
+        probs: &b1.probs,
+        dp: &b1.dp,
+        q_rope: acts.q_rope,
+        k_rope: acts.k_rope,
+    };
+    let b2 = runner.run::<SdpaBackward2>(model, layer, shape, dropout, &acts2)?;
+    Ok(AttentionGrads {
+        dv: b1.dv,
+        dq: b2.dq,
+        dk: b2.dk,
+    })
 }
 
 /// f32 copies of the projections a kernel multiplies by, for a model whose

@@ -22,12 +22,12 @@ use anyhow::{anyhow, bail, Result};
 
 use crate::kernels::tiling::{self, HeadChunks, Plan};
 use crate::kernels::{
-    build, compiled_length, Activations, Kernel, KernelKind, KernelLayout, KernelOptions,
-    KernelProgram, Outputs, Port, Shape, COLUMN_GROUP,
+    build, compiled_length, sdpa_backward1, Activations, Kernel, KernelKind, KernelLayout,
+    KernelOptions, KernelProgram, Outputs, Port, Shape, COLUMN_GROUP,
 };
 use crate::model::Model;
 
-use super::{Dropout, KernelRunner};
+use super::{AttentionGrads, Dropout, KernelRunner};
 
 /// Copies `[rows, seq]` (or `[heads·seq, seq]` for scores) into the padded
 /// `[rows, sp]` (or `[heads·sp, sp]`) layout, zeros elsewhere.
@@ -395,6 +395,22 @@ fn evaluate<D: Device>(
     Ok(())
 }
 
+/// Tile `t`'s output block `part` of `port` combined into `results`
+/// (concatenated or summed by the plan).
+fn gather(
+    tiles: &tiling::KernelTiles,
+    port: Port,
+    results: &mut BTreeMap<Port, Vec<f32>>,
+    part: Vec<f32>,
+    t: usize,
+) {
+    let acc = results.entry(port).or_default();
+    match tiles.tiles {
+        1 => *acc = part,
+        _ => tiling::combine(tiles, port, acc, part, t),
+    }
+}
+
 /// Read outputs: every output block of kernel `ki`'s last evaluation,
 /// tile `t` combined into `results` (concatenated or summed by the plan).
 fn read_outputs<D: Device>(
@@ -411,11 +427,7 @@ fn read_outputs<D: Device>(
         device
             .read(&set.outputs[ki], blk.channels.start * l.out_spatial, &mut v)
             .map_err(|e| anyhow!("{e}"))?;
-        let acc = results.entry(blk.port).or_default();
-        match tiles.tiles {
-            1 => *acc = v,
-            _ => tiling::combine(tiles, blk.port, acc, v, t),
-        }
+        gather(tiles, blk.port, results, v, t);
     }
     Ok(())
 }
@@ -633,6 +645,131 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let sp = self.padded(seq)?;
         self.build_set(model, sp)?;
         Ok(self.sets[&sp].plan.head)
+    }
+
+    /// Tile by tile when the two kernels share their tiles: each tile's
+    /// P and dP go from `sdpa_backward1`'s output surface straight into
+    /// `sdpa_backward2`'s input, and only dV, dQ and dK are gathered.
+    fn attention_backward(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &sdpa_backward1::Acts<'_>,
+    ) -> Result<AttentionGrads> {
+        let sp = self.padded(shape.seq)?;
+        self.build_set(model, sp)?;
+        let shares_tiles = self.sets.get(&sp).is_some_and(|set| {
+            let (t1, t2) = (
+                set.plan.of(KernelKind::SdpaBackward1),
+                set.plan.of(KernelKind::SdpaBackward2),
+            );
+            let (l1, l2) = (
+                &set.kernels[kind_index(KernelKind::SdpaBackward1)].0.layout,
+                &set.kernels[kind_index(KernelKind::SdpaBackward2)].0.layout,
+            );
+            t1.splits == t2.splits
+                && [Port::Probs, Port::Dp].iter().all(|&p| {
+                    l2.region(p).spatial.len() == l1.out_spatial
+                        && l1
+                            .outputs
+                            .iter()
+                            .any(|b| b.port == p && b.channels.len() == l2.region(p).channels.len())
+                })
+        });
+        if !shares_tiles || dropout.iter().any(Option::is_some) {
+            return super::attention_backward_in_full(self, model, layer, shape, dropout, acts);
+        }
+        let (k1, k2) = (
+            kind_index(KernelKind::SdpaBackward1),
+            kind_index(KernelKind::SdpaBackward2),
+        );
+        let layers = model.cfg.num_hidden_layers;
+        let seq = shape.seq;
+        let ntiles = self.sets[&sp].plan.of(KernelKind::SdpaBackward1).tiles;
+        let indices = self.buffer_indices(layers, ntiles);
+        let set = self
+            .sets
+            .get_mut(&sp)
+            .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
+        let (l1, l2) = (
+            set.kernels[k1].0.layout.clone(),
+            set.kernels[k2].0.layout.clone(),
+        );
+        let ports1 = acts.ports();
+        let ports2 = [(Port::QRope, acts.q_rope), (Port::KRope, acts.k_rope)];
+        let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
+        let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
+        for t in 0..ntiles {
+            let unit = Unit { layer, tile: t };
+            let b = indices[layer * ntiles + t];
+            let tile = Tile { t, seq, sp };
+            stage_weights(&mut self.device, set, k1, model, unit, b)?;
+            write_activations(
+                &mut self.device,
+                set,
+                k1,
+                b,
+                &ports1,
+                &self.opts,
+                &mut rope,
+                tile,
+            )?;
+            evaluate(&mut self.device, set, k1, b, model, None)?;
+            stage_weights(&mut self.device, set, k2, model, unit, b)?;
+            for blk in &l1.outputs {
+                let mut v = vec![0f32; blk.channels.len() * l1.out_spatial];
+                self.device
+                    .read(
+                        &set.outputs[k1],
+                        blk.channels.start * l1.out_spatial,
+                        &mut v,
+                    )
+                    .map_err(|e| anyhow!("{e}"))?;
+                match blk.port {
+                    // This tile's rows of P and dP: the next kernel's input.
+                    Port::Probs | Port::Dp => {
+                        write_region(&mut self.device, &mut set.inputs[k2][b], &l2, blk.port, &v)?
+                    }
+                    port => gather(
+                        set.plan.of(KernelKind::SdpaBackward1),
+                        port,
+                        &mut results,
+                        v,
+                        t,
+                    ),
+                }
+            }
+            write_activations(
+                &mut self.device,
+                set,
+                k2,
+                b,
+                &ports2,
+                &self.opts,
+                &mut rope,
+                tile,
+            )?;
+            evaluate(&mut self.device, set, k2, b, model, None)?;
+            read_outputs(&mut self.device, set, k2, t, &mut results)?;
+        }
+        let mut take = |port: Port| {
+            results
+                .remove(&port)
+                .map(|v| crop(port, &v, seq, sp))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "attention backward: '{}' is missing from the layouts",
+                        port.name()
+                    )
+                })
+        };
+        Ok(AttentionGrads {
+            dv: take(Port::Dv)?,
+            dq: take(Port::Dq)?,
+            dk: take(Port::Dk)?,
+        })
     }
 
     fn run<K: Kernel>(

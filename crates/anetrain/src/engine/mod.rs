@@ -544,8 +544,11 @@ impl<R: KernelRunner> Engine<R> {
             },
         )?;
         let (q_rope, k_rope) = (a.q_rope.get(), a.k_rope.get());
-        let b1 = self.run::<kernels::SdpaBackward1>(
-            c,
+        let g = self.runner.attention_backward(
+            c.model,
+            c.layer,
+            &c.shape,
+            &c.acts.masks,
             &kernels::sdpa_backward1::Acts {
                 q_rope: &q_rope,
                 k_rope: &k_rope,
@@ -555,19 +558,10 @@ impl<R: KernelRunner> Engine<R> {
                 mask: None,
             },
         )?;
-        let dv = b1.dv;
-        let b2 = self.run::<kernels::SdpaBackward2>(
-            c,
-            &kernels::sdpa_backward2::Acts {
-                probs: &b1.probs,
-                dp: &b1.dp,
-                q_rope: &q_rope,
-                k_rope: &k_rope,
-            },
-        )?;
         // RoPE is a rotation: its backward is the inverse rotation.
         let unrope = |g: &[f32]| maths::apply_rope(g, hd, seq, cos, sin, self.opts.rope, -1.0);
-        let (mut dq, mut dk) = (unrope(&b2.dq), unrope(&b2.dk));
+        let (mut dq, mut dk) = (unrope(&g.dq), unrope(&g.dk));
+        let dv = g.dv;
         if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
             let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
             let gq = base_grad(c.model, grads, qn, scratch);

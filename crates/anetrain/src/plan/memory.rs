@@ -28,7 +28,7 @@ use crate::util::choice::Choice;
 
 use crate::device::DeviceBuffers;
 use crate::device::HEAD_CHUNK_ROWS;
-use crate::kernels::{tiling, KernelOptions, Shape};
+use crate::kernels::{tiling, KernelKind, KernelOptions, Shape};
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
 use crate::model::source::ModelSource;
@@ -314,9 +314,18 @@ fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
     let cfg = r.cfg;
     let (d, v, s) = (cfg.hidden_size as u64, cfg.vocab_size as u64, r.seq as u64);
     // A layer's backward: upstream gradients of every width, and the
-    // attention probabilities and their gradient [heads·S, S], which the
-    // CPU twin and the device path both hold in f32.
-    let scores = 2 * cfg.num_attention_heads as u64 * s * s * 4;
+    // attention probabilities and their gradient [heads·S, S] in f32: whole
+    // on the CPU; on a device whose two attention-backward kernels share
+    // their tiles, one tile's block at a time, handed from one kernel's
+    // output to the other's input (`KernelRunner::attention_backward`).
+    let tiled_scores = plan.and_then(|p| {
+        let (b1, b2) = (
+            p.of(KernelKind::SdpaBackward1),
+            p.of(KernelKind::SdpaBackward2),
+        );
+        (b1.splits == b2.splits).then(|| (b1.shape.score_channels() * b1.shape.seq * 4) as u64)
+    });
+    let scores = tiled_scores.unwrap_or(2 * cfg.num_attention_heads as u64 * s * s * 4);
     let backward = scores + layer_act_bytes(cfg, false) * s;
     // The head: a logits chunk (the device's chunks or the CPU
     // engine's), its head rows converted, xf scaled, dxf and a chunk's

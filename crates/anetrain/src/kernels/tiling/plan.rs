@@ -73,7 +73,17 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
     let rules = ane::rules::RuleSet::for_limits(o.limits);
     let mut kernels = Vec::new();
     for kind in KernelKind::ALL.into_iter().filter(|k| !k.is_head()) {
-        kernels.push(plan_kernel(kind, full, o, &rules)?.0);
+        // sdpa_backward2 takes sdpa_backward1's tiles where they pass, so
+        // the runner can hand each tile's P and dP straight from one to
+        // the other (`KernelRunner::attention_backward`).
+        let prefer = match kind {
+            KernelKind::SdpaBackward2 => kernels
+                .iter()
+                .find(|k: &&KernelTiles| k.kind == KernelKind::SdpaBackward1)
+                .map(|k| k.splits.clone()),
+            _ => None,
+        };
+        kernels.push(plan_kernel(kind, full, o, &rules, prefer)?.0);
     }
     let (head, head_kernels) = plan_head(full, o, &rules)?;
     kernels.extend(head_kernels);
@@ -128,7 +138,7 @@ pub fn plan_head(
         let planned: Result<Vec<_>, PlanError> =
             [KernelKind::HeadForward, KernelKind::HeadBackward]
                 .into_iter()
-                .map(|kind| plan_kernel(kind, &shape, o, rules))
+                .map(|kind| plan_kernel(kind, &shape, o, rules, None))
                 .collect();
         let planned = match planned {
             Ok(p) => p,
@@ -236,12 +246,18 @@ fn plan_kernel(
     full: &Shape,
     o: &KernelOptions,
     rules: &ane::rules::RuleSet,
+    prefer: Option<Vec<Split>>,
 ) -> Result<(KernelTiles, Fit), PlanError> {
     let mut fits_dim = None;
     let mut passing: Vec<KernelTiles> = vec![];
     let mut within: Vec<KernelTiles> = vec![];
     let mut last_problem = String::new();
-    for splits in candidates(kind, full, o) {
+    let preferred = prefer.is_some();
+    let mut list = candidates(kind, full, o);
+    if let Some(p) = prefer {
+        list.insert(0, p);
+    }
+    for (i, splits) in list.into_iter().enumerate() {
         let tiles: usize = splits.iter().map(|s| s.blocks).product();
         if within
             .first()
@@ -282,6 +298,9 @@ fn plan_kernel(
             .max_tile_bytes
             .is_none_or(|cap| tiles.largest_surface() <= cap);
         if findings.is_empty() && small_enough {
+            if preferred && i == 0 {
+                return Ok((tiles, Fit::Within));
+            }
             within.push(tiles);
             continue;
         }
