@@ -672,7 +672,13 @@ fn build_with(
 
 fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<KernelProgram> {
     let layout = layout_of::<K>(s, o);
-    let mut g = Gen::new(&layout);
+    // Seed-compatible programs stay the seed's; without `concat` there is
+    // no way to pad.
+    let multiple = match o.seed_compat || !o.limits.concat {
+        true => 1,
+        false => o.limits.inner_multiple,
+    };
+    let mut g = Gen::new(&layout).with_contraction_multiple(multiple);
     let blocks = K::mil(&mut g, s, o)?;
     let outputs = if o.joins_outputs() {
         let mut out = match blocks.as_slice() {
@@ -720,7 +726,14 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<
                     let heads = n[BLOB_ROT.len()..n.len() - 4].parse().unwrap_or(1);
                     rope_rotation(heads, s.head_dim, o.rope)
                 }
-                n if n.starts_with(BLOB_ZEROS) => vec![0.0; layout.out_padding() * s.seq],
+                // `zeros_{d0}x{d1}….bin`: as many zeros as the dims hold.
+                n if n.starts_with(BLOB_ZEROS) => {
+                    let count = n[BLOB_ZEROS.len()..n.len() - 4]
+                        .split('x')
+                        .map(|d| d.parse::<usize>().unwrap_or(0))
+                        .product();
+                    vec![0.0; count]
+                }
                 _ => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).1,
             };
             (name, mil::blob::encode(&data))

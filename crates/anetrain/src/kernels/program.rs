@@ -28,6 +28,9 @@ pub struct Gen<'a> {
     regions: std::collections::HashMap<Port, Value>,
     /// The input viewed as `[1, C, W/view, view]`, once made.
     grouped: Option<Value>,
+    /// Matmul contractions are padded with zeros to a multiple of this
+    /// (1: as they are; see [`Gen::matmul`]).
+    contraction_multiple: usize,
 }
 
 fn key(v: &[i64]) -> String {
@@ -51,7 +54,14 @@ impl<'a> Gen<'a> {
             blobs: vec![],
             regions: Default::default(),
             grouped: None,
+            contraction_multiple: 1,
         }
+    }
+
+    /// Pad every matmul contraction with zeros to a multiple of `m`.
+    pub fn with_contraction_multiple(mut self, m: usize) -> Gen<'a> {
+        self.contraction_multiple = m.max(1);
+        self
     }
 
     pub fn ints(&mut self, prefix: &str, v: &[i64]) -> Result<Value> {
@@ -143,9 +153,43 @@ impl<'a> Gen<'a> {
         self.b.transpose(out, x, &p)
     }
 
+    /// `x·y` (either transposed). A contraction that is not a multiple of
+    /// the device's (32 on every family: a head dimension of 48 or 16)
+    /// gave silent zeros (maderix/ANE PR #47): both operands are extended
+    /// along it with zero columns, which adds exact zeros to every sum.
     pub fn matmul(&mut self, out: &str, x: &Value, y: &Value, tx: bool, ty: bool) -> Result<Value> {
+        let (rx, ry) = (x.dims().len(), y.dims().len());
+        let (ax, ay) = (
+            if tx { rx - 2 } else { rx - 1 },
+            if ty { ry - 1 } else { ry - 2 },
+        );
+        let k = x.dims()[ax];
+        let m = self.contraction_multiple;
         let (fx, fy) = (self.flag(tx)?, self.flag(ty)?);
-        self.b.matmul(out, x, y, &fx, &fy)
+        if k.is_multiple_of(m) || rx != 4 || ry != 4 {
+            return self.b.matmul(out, x, y, &fx, &fy);
+        }
+        let to = k.next_multiple_of(m);
+        let xp = self.pad_with_zeros(&format!("{out}_xk"), x, ax, to)?;
+        let yp = self.pad_with_zeros(&format!("{out}_yk"), y, ay, to)?;
+        self.b.matmul(out, &xp, &yp, &fx, &fy)
+    }
+
+    /// `x` extended along `axis` to `to` with zeros (a constant blob).
+    fn pad_with_zeros(&mut self, out: &str, x: &Value, axis: usize, to: usize) -> Result<Value> {
+        let mut dims = [0usize; 4];
+        dims.copy_from_slice(x.dims());
+        dims[axis] = to - dims[axis];
+        let file = format!(
+            "{}{}.bin",
+            super::BLOB_ZEROS,
+            dims.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("x")
+        );
+        let zeros = self.blob(&format!("{out}_zeros"), dims, &file)?;
+        self.concat(out, &[x, &zeros], axis as i64)
     }
 
     pub fn scalar(&mut self, name: &str, v: f64) -> Result<Value> {
