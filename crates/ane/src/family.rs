@@ -261,6 +261,9 @@ pub struct Profile {
     pub family: Option<Family>,
     pub limits: Limits,
     pub source: Source,
+    /// Timing constants `doctor` measured on this chip, if any.
+    #[serde(default)]
+    pub timing: Option<crate::cost::Measured>,
 }
 
 /// What `doctor` saves: the measured limits and what they were measured on.
@@ -277,6 +280,10 @@ pub struct SavedProfile {
     pub limits: Limits,
     /// When it was measured (seconds since the Unix epoch).
     pub measured_at: u64,
+    /// Dispatch, dynamic-weight matmul, staging and compile times measured
+    /// by [`crate::timing::measure`] (absent in profiles of older builds).
+    #[serde(default)]
+    pub timing: Option<crate::cost::Measured>,
 }
 
 /// The saved profile's format version.
@@ -382,6 +389,7 @@ impl Profile {
             family: Some(family),
             limits: family.limits(),
             source,
+            timing: None,
         }
     }
 
@@ -391,6 +399,7 @@ impl Profile {
             family: None,
             limits: Limits::conservative(),
             source: Source::Conservative(reason.into()),
+            timing: None,
         }
     }
 
@@ -421,6 +430,7 @@ impl Profile {
                         family: saved.family,
                         limits: saved.limits,
                         source: Source::Saved(path.display().to_string()),
+                        timing: saved.timing,
                     });
                 }
             }
@@ -496,9 +506,20 @@ mod tests {
             device: "ane-sim".into(),
             limits: Family::M2.limits(),
             measured_at: 1,
+            timing: Some(crate::cost::Measured {
+                dispatch_ms: 0.2,
+                matmuls: vec![(1e9, 0.5), (2e9, 0.9)],
+                write_gbs: 30.0,
+                compile_ms: 45.0,
+            }),
         };
         save(&p, &path).unwrap();
-        assert_eq!(load_saved(&path).unwrap(), Some(p));
+        assert_eq!(load_saved(&path).unwrap(), Some(p.clone()));
+        // A profile of an older build, without timing, still reads.
+        let mut old = serde_json::to_value(&p).unwrap();
+        old.as_object_mut().unwrap().remove("timing");
+        std::fs::write(&path, old.to_string()).unwrap();
+        assert_eq!(load_saved(&path).unwrap().unwrap().timing, None);
         std::fs::write(&path, "{").unwrap();
         let e = load_saved(&path).unwrap_err();
         assert!(

@@ -14,6 +14,7 @@ pub mod cost;
 pub mod family;
 pub mod probes;
 pub mod rules;
+pub mod timing;
 
 pub use apple::AneDevice;
 

@@ -55,6 +55,18 @@ fn doctor_probes_each_simulated_family_and_leaves_no_profile_behind() {
         assert_eq!(r["ok"], true, "{r}");
         let md = String::from_utf8_lossy(&o.stdout);
         assert!(md.contains("nothing about hardware is shown"), "{md}");
+        // No timing is measured on the simulator: the report shows the
+        // table's constants and says so.
+        assert!(r["timing"]["measured"].is_null(), "{r}");
+        assert!(r["timing"]["note"]
+            .as_str()
+            .unwrap()
+            .contains("not measured"));
+        assert_eq!(
+            r["timing"]["table"]["dispatch_ms"],
+            if family == "m1" { 0.23 } else { 0.07 }
+        );
+        assert!(md.contains("| dispatch per evaluation (ms) |") && md.contains("not measured"));
         // The simulator plays the table back: nothing is saved for later
         // runs to take as a measurement of this machine.
         assert!(!config.join("device-profile.json").exists());

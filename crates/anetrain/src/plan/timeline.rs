@@ -452,6 +452,7 @@ pub fn predict_families(
     opts: &crate::kernels::KernelOptions,
 ) -> anyhow::Result<Vec<Predicted>> {
     let shape = crate::kernels::Shape::new(cfg, crate::kernels::compiled_length(setup.seq));
+    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
     let mut out = vec![];
     for family in ane::family::Family::ALL {
         // Each family's limits, and its rates choosing among tilings.
@@ -459,9 +460,25 @@ pub fn predict_families(
         o.limits = family.limits();
         o.cost_family = family;
         let plan = crate::kernels::tiling::plan(&shape, &o)?;
-        out.push(predict(cfg, &plan, setup, &Rates::of(family), None));
+        out.push(predict(
+            cfg,
+            &plan,
+            setup,
+            &rates_for(family, &profile),
+            None,
+        ));
     }
     Ok(out)
+}
+
+/// `family`'s rates: the table's, with what `doctor` measured on this
+/// chip in their place when the profile in force carries timing for it.
+pub fn rates_for(family: ane::family::Family, profile: &ane::family::Profile) -> Rates {
+    let table = Rates::of(family);
+    match (&profile.timing, profile.family) {
+        (Some(m), Some(f)) if f == family => table.with_measured(m),
+        _ => table,
+    }
 }
 
 /// The line `train` prints before its first step on a device backend:
@@ -707,6 +724,36 @@ pub fn validate() -> anyhow::Result<Vec<Validation>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `doctor` measured on this chip replaces the table's row for
+    /// its family only.
+    #[test]
+    fn measured_timing_replaces_the_table_for_its_family() {
+        use ane::family::{Family, Profile, Source};
+        let mut p = Profile::of(Family::M4, Source::Env);
+        p.timing = Some(ane::cost::Measured {
+            dispatch_ms: 0.5,
+            matmuls: vec![],
+            write_gbs: 5.0,
+            compile_ms: 10.0,
+        });
+        let (m4, m5) = (rates_for(Family::M4, &p), rates_for(Family::M5, &p));
+        assert_eq!((m4.dispatch_ms, m4.copy_gbs), (0.5, 5.0));
+        assert_eq!(m5.dispatch_ms, Rates::of(Family::M5).dispatch_ms);
+        // Slower dispatch and staging: a slower predicted step.
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let (sd, seq) = (
+            SeedStep {
+                vocab: 256,
+                optimizer: true,
+                fused_mha: false,
+            },
+            64,
+        );
+        let table = predict_seed(&cfg, seq, sd, &Rates::of(Family::M4)).unwrap();
+        let measured = predict_seed(&cfg, seq, sd, &m4).unwrap();
+        assert!(measured.dispatch_ms > table.dispatch_ms && measured.staging_ms > table.staging_ms);
+    }
 
     #[test]
     fn the_fitted_constants_are_the_fit_of_the_m4_steps() {

@@ -103,12 +103,93 @@ pub struct Report {
     pub contradictions: Vec<String>,
     /// Where the measured profile was saved (later runs use it), or why not.
     pub profile: String,
+    /// The cost model's timing constants: measured on the device beside
+    /// the table's (see [`ane::timing`]).
+    pub timing: Timing,
     pub kernels: Vec<KernelResult>,
     pub training: Option<TrainingResult>,
     /// One line per problem, naming the kernel or step.
     pub failures: Vec<String>,
     pub ok: bool,
     pub verdict: String,
+}
+
+/// The cost model's constants on this machine: the table's row for the
+/// family, and what the timing probes measured on a Neural Engine (`None`
+/// on the simulator, whose timings describe the host, not a chip).
+#[derive(Clone, Debug, Serialize)]
+pub struct Timing {
+    pub family: Option<String>,
+    pub table: TimingRow,
+    pub measured: Option<TimingRow>,
+    /// Why nothing was measured, or the error that stopped the probes.
+    pub note: String,
+}
+
+/// One set of the constants the timeline is most sensitive to.
+#[derive(Clone, Debug, Serialize)]
+pub struct TimingRow {
+    pub dispatch_ms: f64,
+    /// η: a dynamic-weight product's rate over a compiled GEMM's.
+    pub dynamic_efficiency: f64,
+    pub write_gbs: f64,
+    pub compile_ms: f64,
+}
+
+impl TimingRow {
+    fn of(r: &ane::cost::Rates) -> TimingRow {
+        TimingRow {
+            dispatch_ms: r.dispatch_ms,
+            dynamic_efficiency: r.fitted.dynamic_efficiency,
+            write_gbs: r.copy_gbs,
+            compile_ms: r.compile_ms,
+        }
+    }
+}
+
+/// The timing probes on the Neural Engine (within their own three
+/// compiles), beside the table's row for `family`; on any other device,
+/// the table alone and a line saying nothing was measured.
+fn measure_timing(
+    device: &str,
+    family: Option<ane::family::Family>,
+    progress: &mut dyn FnMut(&str),
+) -> (Timing, Option<ane::cost::Measured>) {
+    let table_family = family.unwrap_or(ane::family::Family::M1);
+    let table = ane::cost::Rates::of(table_family);
+    let mut t = Timing {
+        family: family.map(|f| f.name().to_string()),
+        table: TimingRow::of(&table),
+        measured: None,
+        note: String::new(),
+    };
+    if device != "ane" {
+        t.note = "not measured: the simulator's timings describe this host, not a chip; the cost model uses the table".into();
+        progress(&format!("timing {}", t.note));
+        return (t, None);
+    }
+    let measured = ane::AneDevice::open()
+        .map_err(|e| e.to_string())
+        .and_then(|mut d| ane::timing::measure(&mut d, 50, &ane::timing::MATMUL_SHAPES));
+    match measured {
+        Ok(m) => {
+            let row = TimingRow::of(&table.clone().with_measured(&m));
+            progress(&format!(
+                "timing dispatch {:.3} ms (table {:.3}), η {:.2} (table {:.2}), writes {:.1} GB/s (table {:.1}), compile {:.0} ms (table {:.0})",
+                row.dispatch_ms, t.table.dispatch_ms, row.dynamic_efficiency, t.table.dynamic_efficiency,
+                row.write_gbs, t.table.write_gbs, row.compile_ms, t.table.compile_ms
+            ));
+            t.measured = Some(row);
+            t.note =
+                "measured on the device; saved with the profile, later predictions use it".into();
+            (t, Some(m))
+        }
+        Err(e) => {
+            t.note = format!("the timing probes failed: {e}");
+            progress(&format!("timing: {}", t.note));
+            (t, None)
+        }
+    }
 }
 
 /// Output of a command, trimmed, or `unknown`.
@@ -357,13 +438,10 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         ("ane-sim", Some(f)) => f.limits(),
         _ => profile.limits,
     };
-    let (probes, contradictions, profile_note) = probe_family(
-        device,
-        &expected,
-        sim_family.or(profile.family),
-        &mut failures,
-        progress,
-    );
+    let family = sim_family.or(profile.family);
+    let (timing, measured) = measure_timing(device, family, progress);
+    let (probes, contradictions, profile_note) =
+        probe_family(device, &expected, family, measured, &mut failures, progress);
     let kernels = check_kernels(req, plan.as_ref(), &full, &o, ane, &mut failures, progress)?;
     let training =
         (req.steps > 0).then(|| train_side_by_side(req, device, &mut failures, progress));
@@ -388,6 +466,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
         probes,
         contradictions,
         profile: profile_note,
+        timing,
         kernels,
         training,
         failures,
@@ -428,6 +507,7 @@ fn probe_family(
     device: &str,
     expected: &ane::family::Limits,
     family: Option<ane::family::Family>,
+    timing: Option<ane::cost::Measured>,
     failures: &mut Vec<String>,
     progress: &mut dyn FnMut(&str),
 ) -> (Option<ane::probes::ProbeReport>, Vec<String>, String) {
@@ -474,6 +554,7 @@ fn probe_family(
                 measured_at: std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs()),
+                timing,
             };
             let note = match ane::family::profile_path() {
                 // The simulator plays a family's table row back: saving it
@@ -676,6 +757,34 @@ impl Report {
             }
             let _ = writeln!(m, "\nDevice profile: {}\n", self.profile);
         }
+        let t = &self.timing;
+        let _ = writeln!(
+            m,
+            "Timing for the cost model (docs/benchmarks.md; table row: {}): {}\n\n| constant | table | measured |\n|---|---:|---:|",
+            t.family.as_deref().unwrap_or("m1, no family known"),
+            t.note
+        );
+        let rows: [(&str, fn(&TimingRow) -> f64, usize); 4] = [
+            ("dispatch per evaluation (ms)", |r| r.dispatch_ms, 3),
+            (
+                "η, dynamic-weight matmul / compiled GEMM",
+                |r| r.dynamic_efficiency,
+                2,
+            ),
+            ("surface writes (GB/s)", |r| r.write_gbs, 1),
+            ("compile per program (ms)", |r| r.compile_ms, 0),
+        ];
+        for (name, get, p) in rows {
+            let _ = writeln!(
+                m,
+                "| {name} | {:.p$} | {} |",
+                get(&t.table),
+                t.measured
+                    .as_ref()
+                    .map_or("not measured".into(), |r| format!("{:.p$}", get(r)))
+            );
+        }
+        let _ = writeln!(m);
         let _ = writeln!(
             m,
             "| kernel | tiles | input KiB | output KiB | compile ms | eval ms (median) | max rel. error vs ane-sim | status |\n|---|---:|---:|---:|---:|---:|---:|---|"
