@@ -87,6 +87,8 @@ pub struct Predicted {
     pub compile_ms: f64,
     /// The phase that takes the most time.
     pub dominant: &'static str,
+    /// The same step by pass, as `bench` measures it.
+    pub passes: Passes,
     /// Table constants no source measured on this family.
     pub unmeasured: Vec<&'static str>,
 }
@@ -110,6 +112,18 @@ impl Predicted {
             }
         )
     }
+}
+
+/// A predicted step by pass: the layers' forward (without the recompute
+/// `--grad-checkpoint` adds to the backward), the LM head and loss, the
+/// layers' backward with the weight gradients the device does not hide,
+/// and the optimizer (with re-staging of persistent weights).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Passes {
+    pub forward_ms: f64,
+    pub loss_ms: f64,
+    pub backward_ms: f64,
+    pub optimizer_ms: f64,
 }
 
 /// The step's clock: phases summed along the critical path.
@@ -335,51 +349,58 @@ pub fn predict(
     backward.add(&p.host_passes(6.0 * d * s), 1.0);
 
     let layers = cfg.num_hidden_layers as f64;
-    let mut step = Clock::default();
-    step.add(&forward, layers);
     let full = lora.is_none();
+    // One row: the layers' forward, the head and loss, the layers' backward.
+    let mut fwd = Clock::default();
+    fwd.add(&forward, layers);
+    let mut loss = Clock::default();
     match seed {
-        None => step.add(&head(&p, cfg, full), 1.0),
+        None => loss.add(&head(&p, cfg, full), 1.0),
         Some(sd) => {
             // The classifier on the host (train.m): logits, the loss, the
             // input gradient; the embedding's gradient joins the queue.
             let v = sd.vocab as f64;
-            step.host += rates.host_gemm_ms(2.0 * v * d * s) * 2.0;
-            step.add(&p.host_passes(4.0 * v * s), 1.0);
+            loss.host += rates.host_gemm_ms(2.0 * v * d * s) * 2.0;
+            loss.add(&p.host_passes(4.0 * v * s), 1.0);
         }
     }
-    step.add(&backward, layers);
+    let mut bwd = Clock::default();
+    bwd.add(&backward, layers);
     if let Some(sd) = seed {
         // The queue of weight gradients runs beside the whole backward;
         // what it has left when the layers are done is waited for.
         let queue = rates.host_gemm_ms(projection_gradients(cfg, tokens))
             + rates.host_gemm_ms(2.0 * sd.vocab as f64 * d * s);
-        step.host += (queue - layers * backward.total()).max(0.0);
+        bwd.host += (queue - bwd.total()).max(0.0);
     }
-    let optimizer = seed.is_none_or(|sd| sd.optimizer);
-    if optimizer {
-        step.add(
+    // Once per optimizer step: AdamW, and with persistent buffers the new
+    // weights staged again.
+    let mut update = Clock::default();
+    if seed.is_none_or(|sd| sd.optimizer) {
+        update.add(
             &p.host_passes(ADAMW_PASSES * trainable_params(cfg, lora)),
             1.0,
         );
         if full && !p.streamed && seed.is_none() {
-            // Persistent buffers hold the old weights: stage them again.
             let bytes: usize = plan
                 .kernels
                 .iter()
                 .map(|k| k.weight_bytes * k.tiles * plan.units(k.kind, cfg.num_hidden_layers))
                 .sum();
-            step.staging += rates.copy_ms(bytes as f64);
+            update.staging += rates.copy_ms(bytes as f64);
         }
     }
     let batch = setup.batch as f64;
     let mut out = Clock::default();
-    out.add(&step, batch);
-    if optimizer {
-        // One update per optimizer step, not per row.
-        let update = p.host_passes(ADAMW_PASSES * trainable_params(cfg, lora));
-        out.host -= (batch - 1.0) * update.host;
+    for (c, n) in [(&fwd, batch), (&loss, batch), (&bwd, batch), (&update, 1.0)] {
+        out.add(c, n);
     }
+    let passes = Passes {
+        forward_ms: batch * fwd.total(),
+        loss_ms: batch * loss.total(),
+        backward_ms: batch * bwd.total(),
+        optimizer_ms: update.total(),
+    };
     let step_ms = out.total();
     let phases = [
         ("dispatch", out.dispatch),
@@ -407,6 +428,7 @@ pub fn predict(
         evaluations: out.evaluations,
         compile_ms: programs as f64 * rates.compile_ms,
         dominant,
+        passes,
         unmeasured: rates.unmeasured.clone(),
     }
 }

@@ -396,8 +396,49 @@ fn report(
             a.memory.grad_checkpoint,
         )?),
     };
+    // The cost model's step of the same run, by pass beside the measured
+    // phases: on the simulator it describes a chip, not this host.
+    let predicted = match a.backend {
+        Backend::Cpu => None,
+        _ => {
+            let setup = crate::plan::timeline::StepSetup {
+                seq: a.seq,
+                batch: a.batch,
+                lora: model.lora.as_ref().map(|l| l.cfg.clone()),
+                grad_checkpoint: a.memory.grad_checkpoint,
+                buffers: plan.buffers,
+            };
+            let opts = crate::kernels::KernelOptions::for_model(model);
+            let all = crate::plan::timeline::predict_families(&model.cfg, &setup, &opts)?;
+            let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+            let family = match (a.backend, played) {
+                (Backend::AneSim, Some(f)) => Some(f),
+                _ => {
+                    ane::family::Profile::in_force()
+                        .map_err(anyhow::Error::msg)?
+                        .family
+                }
+            };
+            let shown: serde_json::Map<String, serde_json::Value> = all
+                .into_iter()
+                .filter(|p| match family {
+                    Some(f) => p.family == f.name(),
+                    None => ["m1", "m4", "m5"].contains(&p.family.as_str()),
+                })
+                .map(|p| Ok((p.family.clone(), serde_json::to_value(&p)?)))
+                .collect::<Result<_>>()?;
+            Some(json!({
+                "by_family": shown,
+                "note": match a.backend {
+                    Backend::Ane => "predicted for this chip's family; the measured phases are beside it",
+                    _ => "predicted for a chip; the simulator's measured phases describe this host",
+                },
+            }))
+        }
+    };
     let gflop = |f: f64| f / 1e9;
     Ok(json!({
+        "predicted": predicted,
         "model": a.model, "backend": a.backend.name(),
         "seq": a.seq, "batch": a.batch, "steps": a.steps, "threads": linalg::threads(),
         "median_step_s": med, "min_step_s": min,
@@ -500,5 +541,15 @@ mod tests {
         let host = sim["host_gflop"].as_f64().unwrap();
         assert!(host <= 0.05 * device, "{sim}");
         assert_eq!(sim["host_weight_gradient_gflop"].as_f64(), Some(0.0));
+        // The cost model's step beside the measured phases, by pass.
+        let m4 = &sim["predicted"]["by_family"]["m4"];
+        let passes = &m4["passes"];
+        let sum: f64 = ["forward_ms", "loss_ms", "backward_ms", "optimizer_ms"]
+            .iter()
+            .map(|k| passes[k].as_f64().unwrap())
+            .sum();
+        let step = m4["step_ms"].as_f64().unwrap();
+        assert!((sum - step).abs() <= 1e-9 * step, "{sim}");
+        assert!(sim["phases_median_s"]["forward"].as_f64().is_some());
     }
 }
