@@ -764,7 +764,8 @@ impl Report {
             t.family.as_deref().unwrap_or("m1, no family known"),
             t.note
         );
-        let rows: [(&str, fn(&TimingRow) -> f64, usize); 4] = [
+        type Get = fn(&TimingRow) -> f64;
+        let rows: [(&str, Get, usize); 4] = [
             ("dispatch per evaluation (ms)", |r| r.dispatch_ms, 3),
             (
                 "η, dynamic-weight matmul / compiled GEMM",
