@@ -823,7 +823,7 @@ fn main() -> ExitCode {
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
-        eprintln!("internal error: {msg}{at} (this is a bug in anetrain; please report it)");
+        progress::say!("internal error: {msg}{at} (this is a bug in anetrain; please report it)");
     }));
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -842,6 +842,18 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // A printing command whose reader goes away ends as Unix tools do,
+    // killed by SIGPIPE (status 141) without a message; Rust ignores the
+    // signal, so every write would fail and panic instead. A training run
+    // keeps it ignored: its progress stops printing, the run goes on.
+    #[cfg(unix)]
+    if !matches!(cli.command, Command::Train(_)) {
+        // SAFETY: restores the default disposition of one signal before the
+        // command starts any thread; no handler is involved.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     if let Err(e) = linalg::check_env() {
         eprintln!("error: {e}");
         return ExitCode::from(1);
@@ -858,12 +870,12 @@ fn main() -> ExitCode {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(e)) if e.downcast_ref::<anetrain::train::Interrupted>().is_some() => {
             // Stopped as asked, the last step saved: a plain line, not an error.
-            eprintln!("{e}");
+            progress::say!("{e}");
             ExitCode::from(130)
         }
         Ok(Err(e)) => {
             let chain: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-            eprintln!("error: {}", chain.join(": "));
+            progress::say!("error: {}", chain.join(": "));
             ExitCode::from(1)
         }
         Err(_) => ExitCode::from(101),

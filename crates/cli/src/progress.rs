@@ -8,6 +8,33 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use anetrain::train::Event;
 
+/// Set once stderr's reader has gone (a closed pipe: `| head`, a closed
+/// terminal): nothing more is printed, and the run goes on.
+static STDERR_GONE: AtomicBool = AtomicBool::new(false);
+
+/// Writes to stderr. A write that fails ends printing for the rest of the
+/// process, never the process: a training run outlives its reader.
+pub fn to_stderr(args: std::fmt::Arguments) {
+    if STDERR_GONE.load(Ordering::Relaxed) {
+        return;
+    }
+    let mut e = std::io::stderr().lock();
+    if e.write_fmt(args).and_then(|()| e.flush()).is_err() {
+        STDERR_GONE.store(true, Ordering::Relaxed);
+    }
+}
+
+/// `eprintln!` through [`to_stderr`].
+macro_rules! say {
+    () => {
+        $crate::progress::to_stderr(format_args!("\n"))
+    };
+    ($($t:tt)*) => {
+        $crate::progress::to_stderr(format_args!("{}\n", format_args!($($t)*)))
+    };
+}
+pub(crate) use say;
+
 /// Set by SIGINT/SIGTERM: abandon the step in progress, checkpoint the last
 /// completed one, stop.
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -24,11 +51,9 @@ pub fn stop_flag() -> &'static AtomicBool {
             if STOP.swap(true, Ordering::SeqCst) {
                 // A fresh run without a checkpoint leaves no directory.
                 if anetrain::train::abandon_fresh_run() {
-                    eprintln!(
-                        "\nstopped at once; nothing was saved (the new run directory is removed)"
-                    );
+                    say!("\nstopped at once; nothing was saved (the new run directory is removed)");
                 } else {
-                    eprintln!("\nstopped at once; the last saved checkpoint is intact");
+                    say!("\nstopped at once; the last saved checkpoint is intact");
                 }
                 std::process::exit(130);
             }
@@ -58,7 +83,7 @@ impl Progress {
     /// Ends an open progress bar's line.
     fn close_bar(&mut self) {
         if std::mem::take(&mut self.bar_open) {
-            eprintln!();
+            say!();
         }
     }
 
@@ -74,13 +99,13 @@ impl Progress {
                 resumed_at,
                 steps,
             } => {
-                eprintln!(
+                say!(
                     "training {model} ({:.2}M parameters) on {train_tokens} train / {val_tokens} val tokens -> {}",
                     *params as f64 / 1e6,
                     out.display()
                 );
                 if let Some((rank, alpha, names, trainable)) = lora {
-                    eprintln!(
+                    say!(
                         "LoRA rank {rank} alpha {alpha} on {}: {:.3}M trainable parameters ({:.2}% of the base)",
                         names.join(","),
                         *trainable as f64 / 1e6,
@@ -88,20 +113,20 @@ impl Progress {
                     );
                 }
                 if let Some(step) = resumed_at {
-                    eprintln!("resumed at step {step} of {steps}");
+                    say!("resumed at step {step} of {steps}");
                 }
             }
             Event::Note(text) => {
                 self.close_bar();
-                eprintln!("note: {text}");
+                say!("note: {text}");
             }
             Event::Warning(text) => {
                 self.close_bar();
-                eprintln!("warning: {text}");
+                say!("warning: {text}");
             }
             Event::Skipped { step, reason } => {
                 self.close_bar();
-                eprintln!("step {step}: {reason}");
+                say!("step {step}: {reason}");
             }
             Event::Step {
                 step,
@@ -117,21 +142,20 @@ impl Progress {
                 if self.tty {
                     let width = 24;
                     let filled = (width as f64 * *step as f64 / *steps as f64) as usize;
-                    eprint!(
+                    to_stderr(format_args!(
                         "\r[{}{}] {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}   ",
                         "#".repeat(filled),
                         "-".repeat(width - filled),
-                    );
+                    ));
                     self.bar_open = true;
                     if val.is_some() || step == steps {
                         self.close_bar();
                     }
                 } else if step.is_multiple_of(self.log_every) || step == steps || val.is_some() {
-                    eprintln!(
+                    say!(
                         "step {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
                     );
                 }
-                let _ = std::io::stderr().flush();
             }
             Event::Finished { steps, out } => {
                 self.close_bar();
@@ -139,13 +163,13 @@ impl Progress {
                     .ok()
                     .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
                 match adapter {
-                    Some(a) => eprintln!(
+                    Some(a) => say!(
                         "done: {steps} steps, LoRA adapter in {} (use it: anetrain generate --model {} --adapter {})",
                         out.display(),
                         a["base_model_name_or_path"].as_str().unwrap_or("BASE"),
                         out.display()
                     ),
-                    None => eprintln!("done: {steps} steps, model in {}", out.display()),
+                    None => say!("done: {steps} steps, model in {}", out.display()),
                 }
             }
         }
