@@ -266,6 +266,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         },
         steps: a.steps,
         out,
+        out_is_default: a.out.is_none(),
         resume: a.resume,
         tokenizer: a
             .tokenizer

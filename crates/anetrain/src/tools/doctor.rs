@@ -369,6 +369,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         adamw: Default::default(),
         steps: req.steps,
         out: out.clone(),
+        out_is_default: false,
         resume: false,
         tokenizer: None,
         save_every: 0,

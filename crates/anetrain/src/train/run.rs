@@ -10,7 +10,6 @@ use anyhow::{bail, Context, Result};
 use super::checkpoint::{self, TrainerState};
 use super::metrics::Metrics;
 use super::optim::{self, AdamW, LossScaler};
-use super::run_dir::NewRunDir;
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
 use super::source::{load_corpus, next_examples, val_loss, Corpus};
 use super::step;
@@ -98,10 +97,16 @@ fn starting_model(source: &ModelSource, cfg: &ModelConfig, s: &TrainSettings) ->
 /// receives every [`Event`]; when `stop` becomes true the run abandons the
 /// step in progress at the next sequence, saves the last completed step
 /// and returns an error saying how to resume.
-pub fn train(r: TrainRequest, report: &mut dyn FnMut(&Event), stop: &AtomicBool) -> Result<f64> {
+pub fn train(
+    mut r: TrainRequest,
+    report: &mut dyn FnMut(&Event),
+    stop: &AtomicBool,
+) -> Result<f64> {
     let pre = preflight(&r)?;
-    // Removed again if this run fails before its first checkpoint.
-    let _created = NewRunDir::create(&r.out)?;
+    // Held by this process for the run's life, and removed again if this
+    // run fails before its first checkpoint.
+    let (out, _created, _lock) = super::run_dir::claim(&r.out, r.out_is_default, r.resume)?;
+    r.out = out;
     let start = match r.resume {
         true => resume(&r, &pre.source, report)?,
         false => fresh(&r, &pre.source, report)?,

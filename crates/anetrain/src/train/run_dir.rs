@@ -53,21 +53,49 @@ pub(super) static FRESH_RUN: std::sync::Mutex<Option<(PathBuf, PathBuf)>> =
 
 impl NewRunDir {
     pub(super) fn create(dir: &Path) -> Result<NewRunDir> {
-        let created = dir
-            .ancestors()
-            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
-            .last()
-            .map(Path::to_path_buf);
+        let created = Self::missing(dir);
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
+        Ok(Self::made(dir, created))
+    }
+
+    /// Creates `dir` itself only if it does not exist (its parents as
+    /// needed): `None` when another run has it already.
+    fn create_new(dir: &Path) -> Result<Option<NewRunDir>> {
+        let created = Self::missing(dir);
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("cannot create '{}'", parent.display()))?;
+        }
+        match std::fs::create_dir(dir) {
+            Ok(()) => Ok(Some(Self::made(dir, created))),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("cannot create '{}'", dir.display())),
+        }
+    }
+
+    /// The outermost of `dir` and its ancestors that does not exist yet.
+    fn missing(dir: &Path) -> Option<PathBuf> {
+        dir.ancestors()
+            .take_while(|a| !a.as_os_str().is_empty() && !a.exists())
+            .last()
+            .map(Path::to_path_buf)
+    }
+
+    fn made(dir: &Path, created: Option<PathBuf>) -> NewRunDir {
         if let Some(top) = &created {
             *FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some((dir.to_path_buf(), top.clone()));
         }
-        Ok(NewRunDir {
+        NewRunDir {
             dir: dir.to_path_buf(),
             created,
-        })
+        }
+    }
+
+    /// Never removed: the directory turned out to be another run's.
+    fn keep(mut self) {
+        self.created = None;
     }
 }
 
@@ -76,10 +104,107 @@ impl Drop for NewRunDir {
         *FRESH_RUN.lock().unwrap_or_else(|e| e.into_inner()) = None;
         if let Some(top) = &self.created {
             if !checkpoint::state_path(&self.dir).exists() {
-                let _ = std::fs::remove_dir_all(top);
+                remove_created(&self.dir, top);
             }
         }
     }
+}
+
+/// Removes `dir`, then each parent up to `top` that is left empty (a
+/// parent such as `runs/` may hold another run's directory by now).
+fn remove_created(dir: &Path, top: &Path) {
+    let _ = std::fs::remove_dir_all(dir);
+    for a in dir.ancestors().skip(1) {
+        if !a.starts_with(top) || std::fs::remove_dir(a).is_err() {
+            break;
+        }
+    }
+}
+
+/// The file in a run directory whose lock the training process holds for
+/// the run's life (its pid inside, for the message of the run refused).
+pub const LOCK_FILE: &str = ".lock";
+
+/// An exclusive lock on a run directory, held until dropped (or the
+/// process ends): a second run into the same directory is refused.
+pub(super) struct RunLock(#[allow(dead_code)] std::fs::File);
+
+impl RunLock {
+    pub(super) fn acquire(dir: &Path) -> Result<RunLock> {
+        use std::io::{Read, Write};
+        let path = dir.join(LOCK_FILE);
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .with_context(|| format!("cannot open '{}'", path.display()))?;
+        match f.try_lock() {
+            Ok(()) => {
+                f.set_len(0)
+                    .and_then(|()| writeln!(f, "{}", std::process::id()))
+                    .with_context(|| format!("cannot write '{}'", path.display()))?;
+                Ok(RunLock(f))
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut pid = String::new();
+                let _ = f.read_to_string(&mut pid);
+                anyhow::bail!(
+                    "'{}' is in use by another training run (pid {}); wait for it to finish, or choose another --out",
+                    dir.display(),
+                    pid.trim()
+                )
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(e).with_context(|| format!("cannot lock '{}'", path.display()))
+            }
+        }
+    }
+}
+
+/// Claims the run directory `out` for this process: created if it does
+/// not exist and locked for the run's life. With `default_name`, a name
+/// another run has taken gets the first free suffix (`-2`, `-3`, …), so
+/// runs started in the same second never share a directory; returns the
+/// directory claimed. A directory another process is training in is
+/// refused; so is a fresh run into one that holds a run by the time the
+/// lock is taken.
+pub(super) fn claim(
+    out: &Path,
+    default_name: bool,
+    resume: bool,
+) -> Result<(PathBuf, NewRunDir, RunLock)> {
+    let (dir, made) = if default_name && !resume {
+        let mut n = 1;
+        loop {
+            let dir = match n {
+                1 => out.to_path_buf(),
+                _ => PathBuf::from(format!("{}-{n}", out.display())),
+            };
+            if let Some(made) = NewRunDir::create_new(&dir)? {
+                break (dir, made);
+            }
+            n += 1;
+        }
+    } else {
+        (out.to_path_buf(), NewRunDir::create(out)?)
+    };
+    let lock = match RunLock::acquire(&dir) {
+        Ok(l) => l,
+        Err(e) => {
+            made.keep();
+            return Err(e);
+        }
+    };
+    if !resume && checkpoint::state_path(&dir).exists() {
+        made.keep();
+        anyhow::bail!(
+            "'{}' already holds a training run; pass --resume to continue it or choose another --out",
+            dir.display()
+        );
+    }
+    Ok((dir, made, lock))
 }
 
 /// For a process about to exit at once (a second signal): removes the
@@ -107,6 +232,31 @@ pub(super) fn remove_fresh_run() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A default name another run has taken gets a suffix; a directory
+    /// another process holds is refused in one line naming its pid and
+    /// left in place; a created directory is removed with only the parents
+    /// left empty.
+    #[test]
+    fn run_directories_are_claimed_once() {
+        let d = tempfile::tempdir().unwrap();
+        let base = d.path().join("runs/tiny-20261206-031500");
+        let (a, _made_a, _lock_a) = claim(&base, true, false).unwrap();
+        assert_eq!(a, base);
+        let (b, made_b, lock_b) = claim(&base, true, false).unwrap();
+        assert_eq!(b, d.path().join("runs/tiny-20261206-031500-2"));
+        // The same directory, asked for by name while its run holds it.
+        let e = claim(&base, false, false).err().unwrap().to_string();
+        assert!(
+            e.contains("in use by another training run")
+                && e.contains(&std::process::id().to_string()),
+            "{e}"
+        );
+        assert!(base.is_dir(), "the holder's directory stays");
+        // A failed run's directory goes; `runs/` stays for the other run.
+        drop((made_b, lock_b));
+        assert!(!b.exists() && base.is_dir());
+    }
 
     /// What a second signal's immediate exit does to a fresh run: removes
     /// the directories the run created while no checkpoint exists, keeps

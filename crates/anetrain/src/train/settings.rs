@@ -78,6 +78,9 @@ pub struct TrainRequest {
     pub adamw: AdamWConfig,
     pub steps: u64,
     pub out: PathBuf,
+    /// `out` is the default name (`default_out`): taken already, it gets
+    /// the first free suffix.
+    pub out_is_default: bool,
     pub resume: bool,
     pub tokenizer: Option<PathBuf>,
     pub save_every: u64,
