@@ -69,6 +69,21 @@ pub fn chip_family_line(backend: Backend) -> Result<Option<String>> {
     }))
 }
 
+/// The chip family a run on `backend` is predicted for: the one the
+/// simulator plays (`ANETRAIN_SIM_FAMILY`) on `ane-sim`, else the family
+/// in force; `None` when no family is known.
+pub fn predicted_family(backend: Backend) -> Result<Option<ane::family::Family>> {
+    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    Ok(match (backend, played) {
+        (Backend::AneSim, Some(f)) => Some(f),
+        _ => {
+            ane::family::Profile::in_force()
+                .map_err(anyhow::Error::msg)?
+                .family
+        }
+    })
+}
+
 /// Whether the private-API Neural Engine device opens here.
 pub fn ane_available() -> bool {
     ane::AneDevice::available()

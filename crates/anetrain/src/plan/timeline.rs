@@ -503,6 +503,17 @@ pub fn rates_for(family: ane::family::Family, profile: &ane::family::Profile) ->
     }
 }
 
+/// The predictions a report shows: `family`'s, or when none is known the
+/// measured families' (M1, M4, M5).
+pub fn shown(all: Vec<Predicted>, family: Option<ane::family::Family>) -> Vec<Predicted> {
+    all.into_iter()
+        .filter(|p| match family {
+            Some(f) => p.family == f.name(),
+            None => ["m1", "m4", "m5"].contains(&p.family.as_str()),
+        })
+        .collect()
+}
+
 /// The line `train` prints before its first step on a device backend:
 /// the predicted step on `family` (every measured family when none is
 /// known) and the whole run of `steps` optimizer steps.
@@ -513,14 +524,7 @@ pub fn run_estimate(
     family: Option<ane::family::Family>,
     steps: u64,
 ) -> anyhow::Result<String> {
-    let all = predict_families(cfg, setup, opts)?;
-    let shown: Vec<&Predicted> = all
-        .iter()
-        .filter(|p| match family {
-            Some(f) => p.family == f.name(),
-            None => ["m1", "m4", "m5"].contains(&p.family.as_str()),
-        })
-        .collect();
+    let shown = shown(predict_families(cfg, setup, opts)?, family);
     let run = |p: &Predicted| {
         let s = p.step_ms * steps as f64 / 1e3;
         if s < 10.0 {

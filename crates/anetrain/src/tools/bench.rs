@@ -410,23 +410,12 @@ fn report(
             };
             let opts = crate::kernels::KernelOptions::for_model(model);
             let all = crate::plan::timeline::predict_families(&model.cfg, &setup, &opts)?;
-            let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
-            let family = match (a.backend, played) {
-                (Backend::AneSim, Some(f)) => Some(f),
-                _ => {
-                    ane::family::Profile::in_force()
-                        .map_err(anyhow::Error::msg)?
-                        .family
-                }
-            };
-            let shown: serde_json::Map<String, serde_json::Value> = all
-                .into_iter()
-                .filter(|p| match family {
-                    Some(f) => p.family == f.name(),
-                    None => ["m1", "m4", "m5"].contains(&p.family.as_str()),
-                })
-                .map(|p| Ok((p.family.clone(), serde_json::to_value(&p)?)))
-                .collect::<Result<_>>()?;
+            let family = backend::predicted_family(a.backend)?;
+            let shown: serde_json::Map<String, serde_json::Value> =
+                crate::plan::timeline::shown(all, family)
+                    .into_iter()
+                    .map(|p| Ok((p.family.clone(), serde_json::to_value(&p)?)))
+                    .collect::<Result<_>>()?;
             Some(json!({
                 "by_family": shown,
                 "note": match a.backend {

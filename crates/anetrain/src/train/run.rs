@@ -130,15 +130,7 @@ fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
         grad_checkpoint: r.memory.grad_checkpoint,
         buffers: pre.plan.buffers,
     };
-    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
-    let family = match (s.backend, played) {
-        (Backend::AneSim, Some(f)) => Some(f),
-        _ => {
-            ane::family::Profile::in_force()
-                .map_err(anyhow::Error::msg)?
-                .family
-        }
-    };
+    let family = backend::predicted_family(s.backend)?;
     let opts = KernelOptions::for_run(cfg, s.lora.as_ref());
     crate::plan::timeline::run_estimate(cfg, &setup, &opts, family, r.steps)
 }
