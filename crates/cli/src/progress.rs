@@ -140,13 +140,11 @@ impl Progress {
                 let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
                 let eta = fmt_duration(*eta_s);
                 if self.tty {
-                    let width = 24;
-                    let filled = (width as f64 * *step as f64 / *steps as f64) as usize;
-                    to_stderr(format_args!(
-                        "\r[{}{}] {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}   ",
-                        "#".repeat(filled),
-                        "-".repeat(width - filled),
-                    ));
+                    let text = format!(
+                        "{step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
+                    );
+                    let line = bar_line(terminal_columns(), *step as f64 / *steps as f64, &text);
+                    to_stderr(format_args!("\r{line}"));
                     self.bar_open = true;
                     if val.is_some() || step == steps {
                         self.close_bar();
@@ -176,6 +174,52 @@ impl Progress {
     }
 }
 
+/// Columns of the terminal stderr draws on: its window size, else
+/// `$COLUMNS`, else 80.
+fn terminal_columns() -> usize {
+    #[cfg(unix)]
+    {
+        // SAFETY: `winsize` is plain integers, for which all-zero is valid.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        // SAFETY: TIOCGWINSZ fills the `winsize` it is given and reads
+        // nothing else; a failure leaves it zero.
+        let ok = unsafe { libc::ioctl(libc::STDERR_FILENO, libc::TIOCGWINSZ, &mut ws) } == 0;
+        if ok && ws.ws_col > 0 {
+            return ws.ws_col as usize;
+        }
+    }
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse().ok())
+        .filter(|&c| c > 0)
+        .unwrap_or(80)
+}
+
+/// The progress line for a terminal of `cols` columns, `done` (0–1) of
+/// the run behind `text`: a bar of up to 24 cells where it fits, the text
+/// cut at the last column otherwise, padded to clear what a longer line
+/// left, and never reaching the last column (where a terminal wraps).
+fn bar_line(cols: usize, done: f64, text: &str) -> String {
+    let room = cols.saturating_sub(1);
+    let text_len = text.chars().count();
+    // "[" + cells + "] " + text
+    let cells = room.saturating_sub(text_len + 3).min(24);
+    let mut line = match cells >= 8 {
+        true => {
+            let filled = ((cells as f64 * done.clamp(0.0, 1.0)) as usize).min(cells);
+            format!(
+                "[{}{}] {text}",
+                "#".repeat(filled),
+                "-".repeat(cells - filled)
+            )
+        }
+        false => text.chars().take(room).collect(),
+    };
+    let len = line.chars().count();
+    line.extend(std::iter::repeat_n(' ', room.saturating_sub(len).min(3)));
+    line
+}
+
 impl Drop for Progress {
     /// An error message after an interrupted bar starts on its own line.
     fn drop(&mut self) {
@@ -189,5 +233,40 @@ fn fmt_duration(secs: f64) -> String {
         format!("{}h{:02}m", s / 3600, s % 3600 / 60)
     } else {
         format!("{}m{:02}s", s / 60, s % 60)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bar_line;
+
+    /// The line fits the terminal, bar and all where there is room, the
+    /// text alone (cut) where there is not.
+    #[test]
+    fn the_progress_line_fits_the_terminal() {
+        let text = "102/120 loss 6.3244 lr 3.34e-5 3490 tok/s ETA 0m02s";
+        for cols in [20, 40, 60, 80, 120] {
+            let l = bar_line(cols, 0.85, text);
+            assert!(
+                l.chars().count() < cols,
+                "{cols}: '{l}' ({})",
+                l.chars().count()
+            );
+        }
+        let wide = bar_line(120, 0.5, text);
+        assert!(
+            wide.starts_with("[############------------] 102/120"),
+            "{wide}"
+        );
+        let narrow = bar_line(60, 0.5, text);
+        assert!(
+            narrow.starts_with("102/120 loss") && !narrow.contains('['),
+            "{narrow}"
+        );
+        let eighty = bar_line(80, 1.0, text);
+        assert!(
+            eighty.starts_with("[####") && eighty.contains("ETA 0m02s"),
+            "{eighty}"
+        );
     }
 }
