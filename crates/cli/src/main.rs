@@ -33,7 +33,7 @@ fn choice<T: Choice + Clone + Send + Sync>() -> impl clap::builder::TypedValuePa
 /// Train Llama and Qwen3 language models on the Apple Neural Engine — or on
 /// any CPU, with a simulated ANE that runs the exact MIL programs in fp16.
 #[derive(Parser)]
-#[command(name = "anetrain", version, about, long_about = None)]
+#[command(name = "anetrain", version, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -464,3 +464,17 @@ fn info_spells_backends_as_the_flag_does() {
     let name = line.trim_start_matches("default backend: ");
     assert!(["cpu", "ane-sim", "ane"].contains(&name), "{line}");
 }
+
+/// The top-level `--help` says what the tool does, not how the crate is
+/// built.
+#[test]
+fn the_top_level_help_describes_the_tool() {
+    let o = bin().arg("--help").output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let first = out.lines().next().unwrap_or("");
+    assert!(
+        first.contains("Train Llama and Qwen3") && first.contains("Neural Engine"),
+        "{out}"
+    );
+    assert!(!out.contains("over the anetrain library"), "{out}");
+}
