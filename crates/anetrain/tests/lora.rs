@@ -171,7 +171,8 @@ fn adapters_save_load_and_merge() {
     let lora = model.lora.as_ref().unwrap();
     let tmp_dir = tempfile::tempdir().unwrap();
     let tmp = tmp_dir.path().join("adapter");
-    lora.save(&tmp, "base").unwrap();
+    lora.save(&tmp, &anetrain::model::lora::AdapterBase::named("base"))
+        .unwrap();
     let back = Lora::load(&model.cfg, &tmp).unwrap();
     assert_eq!(back.cfg, lora.cfg);
     for (a, b) in back.params.iter().zip(&lora.params) {

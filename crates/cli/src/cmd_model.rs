@@ -12,7 +12,7 @@ use anetrain::engine::generate::{generate, generate_with_engine, GenerateOptions
 use anetrain::engine::Engine;
 use anetrain::model::generation::{GenerationConfig, Sampling};
 use anetrain::model::lora::Lora;
-use anetrain::model::Model;
+use anetrain::model::{Model, StoredDtype};
 use anetrain::train::step::eval_loss;
 use anyhow::{bail, Context, Result};
 
@@ -37,22 +37,66 @@ fn load_model(dir: &Path, adapter: Option<&Path>, merge: bool) -> Result<Model> 
     Ok(model)
 }
 
-/// `anetrain merge`: base + adapter → a plain model directory.
-pub fn merge(model: &Path, adapter: &Path, out: &Path) -> Result<()> {
+pub struct MergeArgs {
+    pub model: PathBuf,
+    pub adapter: PathBuf,
+    pub out: PathBuf,
+    /// `f32`, `f16` or `bf16`; `None`: the base's.
+    pub dtype: Option<String>,
+    pub force: bool,
+}
+
+/// `anetrain merge`: base + adapter → a plain model directory, its weights
+/// in the base's dtype unless told otherwise.
+pub fn merge(a: MergeArgs) -> Result<()> {
+    let (model, adapter, out) = (&a.model, &a.adapter, &a.out);
+    if out.is_file() {
+        bail!(
+            "--out '{}' is a file; name a directory to write the merged model into",
+            out.display()
+        );
+    }
+    let occupied = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
+    if occupied && !a.force {
+        bail!(
+            "'{}' already holds files; pass --force to write the merged model over them, or name a new directory",
+            out.display()
+        );
+    }
+    let dtype = match a.dtype.as_deref() {
+        Some("f16") => StoredDtype::F16,
+        Some("bf16") => StoredDtype::BF16,
+        Some(_) => StoredDtype::F32,
+        None => base_dtype(model)?,
+    };
     let merged = load_model(model, Some(adapter), true)?;
-    merged.save(out)?;
+    merged.save_as(out, dtype)?;
     let tok = model.join("tokenizer.json");
     if tok.is_file() {
         Tokenizer::load(&tok)?.save_to_dir(out, merged.cfg.max_position_embeddings)?;
     }
     anetrain::model::generation::copy_generation_config(model, out)?;
     eprintln!(
-        "merged '{}' into '{}' -> {}",
+        "merged '{}' into '{}' -> {} ({})",
         adapter.display(),
         model.display(),
-        out.display()
+        out.display(),
+        dtype.name()
     );
     Ok(())
+}
+
+/// The dtype a model directory's weights are stored in: that of its
+/// largest tensor (its first file's, for a sharded model).
+fn base_dtype(dir: &Path) -> Result<StoredDtype> {
+    let file = match dir.join("model.safetensors") {
+        f if f.is_file() => f,
+        _ => anetrain::model::safetensor_files(dir)?
+            .into_iter()
+            .next()
+            .with_context(|| format!("'{}' holds no safetensors weights", dir.display()))?,
+    };
+    anetrain::model::tensor_file::largest_dtype(&file)
 }
 
 /// `anetrain export gguf`: the model, its adapter merged in, as one GGUF

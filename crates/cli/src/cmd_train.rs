@@ -1,16 +1,16 @@
 //! `anetrain train`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anetrain::data::tokens::TokenDtype;
 use anetrain::device::backend::Backend;
 use anetrain::device::DeviceBuffers;
 use anetrain::model::config::ModelConfig;
-use anetrain::model::lora::LoraConfig;
+use anetrain::model::lora::{Lora, LoraConfig};
 use anetrain::model::Projection;
 use anetrain::train::optim::AdamWConfig;
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
-use anyhow::Result;
+use anyhow::{bail, Context, Result};
 
 /// How JSONL records are read (`train` and `eval`).
 #[derive(clap::Args, Debug)]
@@ -171,6 +171,22 @@ pub struct TrainArgs {
         help_heading = "LoRA"
     )]
     lora_targets: Vec<Projection>,
+    /// Start LoRA from this adapter directory (a LoRA run, or any PEFT
+    /// adapter of --model) instead of fresh adapters: its rank, α,
+    /// dropout and projections, its weights as step 0. The adapter must
+    /// name --model as its base (--any-base to apply it anyway).
+    #[arg(
+        long,
+        value_name = "DIR",
+        conflicts_with = "lora_rank",
+        help_heading = "LoRA"
+    )]
+    init_adapter: Option<PathBuf>,
+    #[command(flatten)]
+    any_base: crate::base_check::AnyBase,
+    /// Not a train flag: `--init-adapter` starts from an adapter.
+    #[arg(long, hide = true)]
+    adapter: Option<PathBuf>,
     #[command(flatten)]
     memory: MemoryArgs,
 }
@@ -214,18 +230,30 @@ fn max_memory(v: &str) -> Result<u64, String> {
 
 pub fn run(a: TrainArgs) -> Result<()> {
     let lr = a.lr.unwrap_or(match a.model.as_str() {
-        _ if a.lora_rank.is_some() => 2e-4,
+        _ if a.lora_rank.is_some() || a.init_adapter.is_some() => 2e-4,
         "tiny" => 3e-3,
         m if ModelConfig::preset(m).is_some() => 5e-4,
         _ => 2e-5,
     });
-    let lora = a.lora_rank.map(|rank| LoraConfig {
-        rank,
-        alpha: a.lora_alpha.unwrap_or(2.0 * rank as f64),
-        dropout: a.lora_dropout,
-        targets: a.lora_targets.clone(),
-        rslora: false,
-    });
+    if let Some(dir) = &a.adapter {
+        bail!(
+            "train starts from an adapter with --init-adapter {} (--adapter applies one in eval, generate, merge and export)",
+            dir.display()
+        );
+    }
+    let lora = match &a.init_adapter {
+        Some(dir) => {
+            crate::base_check::check(Path::new(&a.model), Some(dir), a.any_base)?;
+            Some(Lora::read_config(&dir.join("adapter_config.json"))?)
+        }
+        None => a.lora_rank.map(|rank| LoraConfig {
+            rank,
+            alpha: a.lora_alpha.unwrap_or(2.0 * rank as f64),
+            dropout: a.lora_dropout,
+            targets: a.lora_targets.clone(),
+            rslora: false,
+        }),
+    };
     // The run is named after the model as given; a Hub id is read from its
     // snapshot in the Hugging Face cache (downloaded first if need be).
     let out = a
@@ -234,6 +262,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .unwrap_or_else(|| train::default_out(&a.model));
     let model = crate::hub::resolve(&a.model, crate::hub::Need::Model)?;
     let settings = TrainSettings {
+        hub_id: (model != a.model).then(|| a.model.clone()),
         model,
         backend: a.backend.unwrap_or_else(Backend::platform_default),
         data: a.data.clone(),
@@ -251,6 +280,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
         lora,
+        init_adapter: a.init_adapter.as_deref().map(absolute).transpose()?,
         mask_prompt: a.records.mask_prompt,
         keys: a.records.keys(),
         loss_scale: a.loss_scale,
@@ -278,6 +308,12 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let stop = crate::progress::stop_flag();
     train::train(request, &mut |e| progress.event(e), stop)?;
     Ok(())
+}
+
+/// `path` made absolute (a run resumed from elsewhere still finds it).
+fn absolute(path: &Path) -> Result<PathBuf> {
+    path.canonicalize()
+        .with_context(|| format!("adapter directory '{}' does not exist", path.display()))
 }
 
 /// `--loss-scale`: a power of two from 1 to 2^30, so scaling and unscaling

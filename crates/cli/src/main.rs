@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod awake;
+mod base_check;
 mod cmd_doctor;
 mod cmd_kernels;
 mod cmd_mil;
@@ -99,6 +100,8 @@ enum Command {
         /// A LoRA adapter directory (PEFT format) to apply to --model.
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
+        #[command(flatten)]
+        any_base: base_check::AnyBase,
         /// Engine [default: ane where available, else cpu].
         #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>())]
         backend: Option<anetrain::device::backend::Backend>,
@@ -141,6 +144,8 @@ enum Command {
         /// A LoRA adapter directory (PEFT format) to apply to --model.
         #[arg(long, value_name = "DIR")]
         adapter: Option<PathBuf>,
+        #[command(flatten)]
+        any_base: base_check::AnyBase,
         /// Engine [default: ane where available, else cpu]. The CPU engine
         /// decodes with a KV cache; the Neural Engine paths rerun the
         /// compiled kernels over the whole (padded) sequence per token.
@@ -187,9 +192,18 @@ enum Command {
         /// The adapter directory (adapter_config.json + adapter_model.safetensors).
         #[arg(long)]
         adapter: PathBuf,
+        #[command(flatten)]
+        any_base: base_check::AnyBase,
         /// Output model directory.
         #[arg(long)]
         out: PathBuf,
+        /// Tensor type of the merged weights: f32, f16 or bf16 [default:
+        /// the base's]. The merge itself is computed in f32.
+        #[arg(long, value_parser = ["f32", "f16", "bf16"])]
+        dtype: Option<String>,
+        /// Write into --out even if it already holds files.
+        #[arg(long)]
+        force: bool,
     },
     /// Write a model for other runtimes (llama.cpp, Ollama, LM Studio).
     Export {
@@ -285,6 +299,8 @@ enum ExportCommand {
         /// A LoRA adapter directory (a LoRA run) to merge in first.
         #[arg(long)]
         adapter: Option<PathBuf>,
+        #[command(flatten)]
+        any_base: base_check::AnyBase,
         /// The file to write.
         #[arg(long, value_name = "FILE.gguf")]
         out: PathBuf,
@@ -648,28 +664,40 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Merge {
             model,
             adapter,
+            any_base,
             out,
-        } => cmd_model::merge(
-            &hub::resolve_path(&model, hub::Need::Model)?,
-            &adapter,
-            &out,
-        )?,
+            dtype,
+            force,
+        } => {
+            base_check::check(&model, Some(&adapter), any_base)?;
+            cmd_model::merge(cmd_model::MergeArgs {
+                model: hub::resolve_path(&model, hub::Need::Model)?,
+                adapter,
+                out,
+                dtype,
+                force,
+            })?
+        }
         Command::Export {
             command:
                 ExportCommand::Gguf {
                     model,
                     adapter,
+                    any_base,
                     out,
                     ty,
                     force,
                 },
-        } => cmd_model::export_gguf(
-            &hub::resolve_path(&model, hub::Need::Model)?,
-            adapter.as_deref(),
-            &out,
-            anetrain::tools::gguf::ExportType::parse(&ty)?,
-            force,
-        )?,
+        } => {
+            base_check::check(&model, adapter.as_deref(), any_base)?;
+            cmd_model::export_gguf(
+                &hub::resolve_path(&model, hub::Need::Model)?,
+                adapter.as_deref(),
+                &out,
+                anetrain::tools::gguf::ExportType::parse(&ty)?,
+                force,
+            )?
+        }
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
             plot::plot(&run, &out)?;
@@ -686,11 +714,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             tokenizer,
             max_windows,
             adapter,
+            any_base,
             backend,
             split,
             records,
         } => cmd_model::eval(cmd_model::EvalArgs {
-            adapter,
+            adapter: base_check::checked(&model, adapter, any_base)?,
             backend: backend.unwrap_or_else(anetrain::device::backend::Backend::platform_default),
             model: hub::resolve_path(&model, hub::Need::Model)?,
             data,
@@ -714,10 +743,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
             seed,
             tokenizer,
             adapter,
+            any_base,
             backend,
             chat,
         } => cmd_model::run_generate(cmd_model::GenerateArgs {
-            adapter,
+            adapter: base_check::checked(&model, adapter, any_base)?,
             backend: backend.unwrap_or_else(anetrain::device::backend::Backend::platform_default),
             model: hub::resolve_path(&model, hub::Need::Model)?,
             prompt,

@@ -162,9 +162,13 @@ impl Progress {
                     .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
                 match adapter {
                     Some(a) => say!(
-                        "done: {steps} steps, LoRA adapter in {} (use it: anetrain generate --model {} --adapter {})",
+                        "done: {steps} steps, LoRA adapter in {} (use it: anetrain generate --model {}{} --adapter {})",
                         out.display(),
                         a["base_model_name_or_path"].as_str().unwrap_or("BASE"),
+                        a["revision"]
+                            .as_str()
+                            .map(|r| format!("@{r}"))
+                            .unwrap_or_default(),
                         out.display()
                     ),
                     None => say!("done: {steps} steps, model in {}", out.display()),

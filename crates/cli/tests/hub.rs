@@ -297,6 +297,17 @@ fn a_hub_model_downloads_trains_chats_and_then_runs_from_the_cache() {
             .unwrap()
     };
     let (_, err) = ok(train(&server.endpoint, &run, "80"));
+    // The adapter names its base by the Hub id, as PEFT does, not by the
+    // snapshot directory of this machine's cache; so does the hint.
+    let adapter: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(adapter["base_model_name_or_path"], "test-org/chat-tiny");
+    assert!(adapter["revision"].is_null(), "{adapter}");
+    assert!(
+        err.contains("anetrain generate --model test-org/chat-tiny --adapter"),
+        "{err}"
+    );
     for f in [
         "config.json",
         "tokenizer.json",

@@ -105,6 +105,24 @@ enum TargetModules {
 }
 
 /// A and B of one adapted projection, as indices into [`Lora::params`].
+/// The base model an adapter records in its config, as PEFT records it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterBase {
+    /// `base_model_name_or_path`: a Hub id, a directory or a preset.
+    pub name: String,
+    /// `revision`: the Hub revision, when not the default branch.
+    pub revision: Option<String>,
+}
+
+impl AdapterBase {
+    pub fn named(name: &str) -> AdapterBase {
+        AdapterBase {
+            name: name.to_string(),
+            revision: None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdapterIds {
     pub a: usize,
@@ -199,12 +217,13 @@ impl Lora {
     }
 
     /// `adapter_config.json` as PEFT writes it.
-    pub fn peft_config(&self, base_model: &str) -> serde_json::Value {
+    pub fn peft_config(&self, base: &AdapterBase) -> serde_json::Value {
         let modules: Vec<&str> = self.cfg.targets.iter().map(|t| t.module()).collect();
         serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": base_model,
+            "base_model_name_or_path": base.name,
+            "revision": base.revision,
             "r": self.cfg.rank,
             "lora_alpha": self.cfg.alpha,
             "lora_dropout": self.cfg.dropout,
@@ -238,7 +257,7 @@ impl Lora {
     }
 
     /// Writes a PEFT adapter directory (each file atomically).
-    pub fn save(&self, dir: &Path, base_model: &str) -> Result<()> {
+    pub fn save(&self, dir: &Path, base_model: &AdapterBase) -> Result<()> {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
         let bytes = self.safetensors_bytes()?;

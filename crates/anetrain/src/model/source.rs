@@ -81,7 +81,7 @@ mod tests {
         let cfg = ModelConfig::preset("tiny").unwrap();
         std::fs::write(
             tmp.path().join("config.json"),
-            crate::model::hf_config_json(&cfg),
+            crate::model::hf_config_json(&cfg, crate::model::StoredDtype::F32),
         )
         .unwrap();
         let spec = tmp.path().to_str().unwrap();

@@ -142,6 +142,58 @@ pub fn encode(tensors: &[(&str, &[usize], &[f32])], metadata: &[(&str, &str)]) -
     safetensors::serialize(views, info).map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))
 }
 
+/// [`encode`] with every tensor stored as `dtype` (rounded to nearest,
+/// ties to even, as PyTorch's `.to(dtype)` rounds). Refuses a value that
+/// is finite in f32 but not in `dtype` (beyond f16's ±65504), naming it.
+pub fn encode_as(
+    tensors: &[(&str, &[usize], &[f32])],
+    metadata: &[(&str, &str)],
+    dtype: StoredDtype,
+) -> Result<Vec<u8>> {
+    let (st, convert): (Dtype, fn(f32) -> [u8; 2]) = match dtype {
+        StoredDtype::F32 => return encode(tensors, metadata),
+        StoredDtype::F16 => (Dtype::F16, |v| f16::from_f32(v).to_le_bytes()),
+        StoredDtype::BF16 => (Dtype::BF16, |v| bf16::from_f32(v).to_le_bytes()),
+    };
+    let mut bytes = Vec::with_capacity(tensors.len());
+    for (name, _, data) in tensors {
+        let b: Vec<u8> = data.iter().flat_map(|v| convert(*v)).collect();
+        let back = |c: &[u8]| match st {
+            Dtype::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            _ => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        };
+        if let Some(i) = b.chunks_exact(2).position(|c| !back(c).is_finite()) {
+            bail!(
+                "tensor '{name}' holds {} at index {i}, beyond what {} can hold; write f32 or bf16 instead",
+                data[i],
+                dtype.name()
+            );
+        }
+        bytes.push(b);
+    }
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| Ok((*name, TensorView::new(st, shape.to_vec(), b)?)))
+        .collect::<Result<Vec<_>, SafeTensorError>>()
+        .map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))?;
+    let info: Option<HashMap<String, String>> = (!metadata.is_empty()).then(|| {
+        metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    });
+    safetensors::serialize(views, info).map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))
+}
+
+/// The dtype of the largest tensor in a safetensors file (a model's
+/// matrices), read from its header alone.
+pub fn largest_dtype(path: &Path) -> Result<StoredDtype> {
+    let mapped = map(path)?;
+    let largest = mapped.values().max_by_key(|(_, s)| s.len);
+    Ok(largest.map(|(_, s)| s.dtype).unwrap_or(StoredDtype::F32))
+}
+
 /// Writes f32 tensors with optional metadata to `w` as safetensors, as it
 /// goes: the header, then each tensor's bytes straight from its slice. The
 /// same file `encode` makes (tensors in the order given), without holding

@@ -310,13 +310,25 @@ impl Model {
     /// Saves as a Hugging Face model directory (f32 safetensors) that
     /// `transformers` loads unchanged. Refuses to write non-finite weights.
     pub fn save(&self, dir: &Path) -> Result<()> {
+        self.save_as(dir, StoredDtype::F32)
+    }
+
+    /// [`Model::save`] with the weights stored as `dtype` (and the config's
+    /// `torch_dtype` saying so).
+    pub fn save_as(&self, dir: &Path, dtype: StoredDtype) -> Result<()> {
         self.check_finite("save")?;
+        let tensors: Vec<(&str, &[usize], &[f32])> = self
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+            .collect();
+        let bytes = tensor_file::encode_as(&tensors, &[("format", "pt")], dtype)?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
-        write_atomic(&dir.join("model.safetensors"), &self.safetensors_bytes()?)?;
+        write_atomic(&dir.join("model.safetensors"), &bytes)?;
         write_atomic(
             &dir.join("config.json"),
-            hf_config_json(&self.cfg).as_bytes(),
+            hf_config_json(&self.cfg, dtype).as_bytes(),
         )?;
         Ok(())
     }
@@ -377,7 +389,7 @@ pub fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
 }
 
 /// A `config.json` `transformers` reads back to the same architecture.
-pub fn hf_config_json(c: &ModelConfig) -> String {
+pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
     let (arch, model_type) = match c.arch {
         Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         Arch::Llama => ("LlamaForCausalLM", "llama"),
@@ -401,7 +413,11 @@ pub fn hf_config_json(c: &ModelConfig) -> String {
         "attention_bias": false,
         "attention_dropout": 0.0,
         "mlp_bias": false,
-        "torch_dtype": "float32",
+        "torch_dtype": match dtype {
+            StoredDtype::F32 => "float32",
+            StoredDtype::F16 => "float16",
+            StoredDtype::BF16 => "bfloat16",
+        },
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "use_cache": true,

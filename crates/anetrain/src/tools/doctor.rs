@@ -343,6 +343,7 @@ fn kernel_on<D: Device>(
 /// Losses of `steps` training steps of `model` on `backend`.
 fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64>, String> {
     let settings = TrainSettings {
+        hub_id: None,
         model: req.model.clone(),
         backend,
         data: None,
@@ -360,6 +361,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         eval_every: 0,
         eval_windows: 1,
         lora: None,
+        init_adapter: None,
         mask_prompt: false,
         keys: Default::default(),
         loss_scale: None,

@@ -217,27 +217,43 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
                 &dir.join(&state.model_file),
                 "adapter_model.safetensors",
             )?;
-            // A base directory is recorded by its absolute path, so the
-            // adapter finds it from any working directory.
-            let given = state.settings["model"].as_str().unwrap_or_default();
-            let base = match std::path::Path::new(given).canonicalize() {
-                Ok(p) if p.is_dir() => p.display().to_string(),
-                _ => given.to_string(),
-            };
             write_atomic(
                 &out.join("adapter_config.json"),
-                serde_json::to_string_pretty(&lora.peft_config(&base))?.as_bytes(),
+                serde_json::to_string_pretty(&lora.peft_config(&adapter_base(state)))?.as_bytes(),
             )?;
         }
         None => {
             publish(out, &dir.join(&state.model_file), "model.safetensors")?;
             write_atomic(
                 &out.join("config.json"),
-                crate::model::hf_config_json(&model.cfg).as_bytes(),
+                crate::model::hf_config_json(&model.cfg, crate::model::StoredDtype::F32).as_bytes(),
             )?;
         }
     }
     Ok(())
+}
+
+/// The base an adapter records, as PEFT's `from_pretrained` reads it: a
+/// Hub id as the user gave it (`base_model_name_or_path` the repository,
+/// `revision` beside it unless `main`), else a directory by its absolute
+/// path (found from any working directory), else a preset's name.
+fn adapter_base(state: &TrainerState) -> crate::model::lora::AdapterBase {
+    use crate::model::lora::AdapterBase;
+    if let Some(id) = state.settings["hub_id"].as_str() {
+        return match id.split_once('@') {
+            Some((repo, rev)) if rev != "main" => AdapterBase {
+                name: repo.to_string(),
+                revision: Some(rev.to_string()),
+            },
+            Some((repo, _)) => AdapterBase::named(repo),
+            None => AdapterBase::named(id),
+        };
+    }
+    let given = state.settings["model"].as_str().unwrap_or_default();
+    match std::path::Path::new(given).canonicalize() {
+        Ok(p) if p.is_dir() => AdapterBase::named(&p.display().to_string()),
+        _ => AdapterBase::named(given),
+    }
 }
 
 /// Makes `src` the top-level file `name` atomically (hard link, or a copy

@@ -78,11 +78,14 @@ pub enum Event {
     Finished { steps: u64, out: PathBuf },
 }
 
-/// Attaches fresh adapters when the run trains LoRA.
+/// Attaches the adapters a LoRA run starts from: `--init-adapter`'s, else
+/// fresh ones.
 fn with_adapters(mut model: Model, s: &TrainSettings) -> Result<Model> {
-    if let Some(l) = &s.lora {
-        model.lora = Some(Lora::init(&model.cfg, l.clone(), s.seed)?);
-    }
+    model.lora = match (&s.init_adapter, &s.lora) {
+        (Some(dir), _) => Some(Lora::load(&model.cfg, dir)?),
+        (None, Some(l)) => Some(Lora::init(&model.cfg, l.clone(), s.seed)?),
+        (None, None) => None,
+    };
     Ok(model)
 }
 

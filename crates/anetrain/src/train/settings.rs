@@ -40,7 +40,13 @@ impl crate::util::choice::Choice for Sample {
 /// Settings that define a run; a resume must repeat them (except `steps`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainSettings {
+    /// The model's directory (a Hub id resolved to its cached snapshot),
+    /// or a preset's name.
     pub model: String,
+    /// The Hub id `ORG/NAME[@REVISION]` the model was given as, if it was:
+    /// an adapter records it as its base (as PEFT does), so it is portable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hub_id: Option<String>,
     pub backend: Backend,
     pub data: Option<PathBuf>,
     pub token_dtype: TokenDtype,
@@ -60,6 +66,10 @@ pub struct TrainSettings {
     /// LoRA adapters instead of full training.
     #[serde(default)]
     pub lora: Option<LoraConfig>,
+    /// The adapter LoRA starts from (`--init-adapter`) instead of fresh
+    /// adapters; `lora` is then its configuration.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_adapter: Option<PathBuf>,
     /// JSONL records: the loss counts only the completion.
     #[serde(default)]
     pub mask_prompt: bool,
@@ -182,6 +192,11 @@ pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
     ("--mask-prompt", |s, _| s.mask_prompt.to_string()),
     ("--prompt-key", |s, _| s.keys.prompt.clone()),
     ("--completion-key", |s, _| s.keys.completion.clone()),
+    ("--init-adapter", |s, _| {
+        s.init_adapter
+            .as_ref()
+            .map_or_else(|| "(none)".into(), |p| p.display().to_string())
+    }),
     ("--lora-rank", |s, _| lora_shown(s, |l| l.rank.to_string())),
     ("--lora-alpha", |s, _| {
         lora_shown(s, |l| l.alpha.to_string())
