@@ -320,3 +320,116 @@ fn an_unloadable_mkl_path_is_one_line() {
         );
     }
 }
+
+/// What a first-timer gives by mistake gets a line that says what it is
+/// and what to give instead, and what is harmless is accepted: a byte-order
+/// mark, `config.json` for its directory.
+#[test]
+fn first_mistakes_are_named_for_what_they_are() {
+    let t = tempfile::tempdir().unwrap();
+    let chat_model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/chat/model");
+    let m = s(&chat_model);
+    let file = |name: &str, text: &[u8]| {
+        let p = t.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.to_str().unwrap().to_string()
+    };
+    let out = t.path().join("run");
+    let train_on = |model: &str, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = ["train", "--model", model, "--steps", "1", "--seq", "16"]
+            .map(String::from)
+            .to_vec();
+        a.extend(["--out", s(&out)].map(String::from));
+        a.extend(extra.iter().map(|x| x.to_string()));
+        a
+    };
+    let train = |extra: &[&str]| train_on(m, extra);
+    let fails_with = |args: Vec<String>, needles: &[&str]| {
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        fails(&a, needles);
+        assert!(!out.exists(), "{args:?} left {}", out.display());
+    };
+    // Tables and other text are not token ids.
+    let csv = file("rows.csv", b"prompt,completion\nhi,there\n");
+    fails_with(
+        train(&["--data", &csv]),
+        &["rows.csv", "CSV table", "JSONL"],
+    );
+    let log = file("notes.log", b"some notes\nmore notes\n");
+    fails_with(train(&["--data", &log]), &["notes.log", "is text", ".txt"]);
+    // Chat roles templates do not know, named with the usual ones.
+    let roles = file(
+        "roles.jsonl",
+        br#"{"messages": [{"role": "human", "content": "hi"}, {"role": "bot", "content": "yo"}]}"#,
+    );
+    fails_with(
+        train(&["--data", &roles]),
+        &["line 1", "\"human\"", "\"user\""],
+    );
+    // --mask-prompt: a conversation ends with the reply; text has no prompt.
+    let ends = file(
+        "ends.jsonl",
+        br#"{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]}"#,
+    );
+    fails_with(
+        train(&["--data", &ends, "--mask-prompt"]),
+        &["line 1", "ends with a \"user\" message", "--mask-prompt"],
+    );
+    let text = file("text.jsonl", b"{\"text\": \"hello there\"}\n");
+    fails_with(
+        train(&["--data", &text, "--mask-prompt"]),
+        &["text records", "no prompt"],
+    );
+    // The first bad record is reported, every time.
+    let mut many = String::new();
+    for i in 0..64 {
+        let role = if i % 7 == 3 { "bot" } else { "user" };
+        many.push_str(&format!(
+            "{{\"messages\": [{{\"role\": \"{role}\", \"content\": \"q\"}}, {{\"role\": \"assistant\", \"content\": \"a\"}}]}}\n"
+        ));
+    }
+    let many = file("many.jsonl", many.as_bytes());
+    for _ in 0..4 {
+        fails_with(train(&["--data", &many]), &["line 4:"]);
+    }
+    // Paths: a weights file, a directory without a tokenizer, an adapter.
+    let weights = chat_model.join("model.safetensors");
+    fails_with(train_on(s(&weights), &[]), &["is a file", "give", m]);
+    fails_with(
+        train(&["--tokenizer", s(t.path())]),
+        &["is a directory without tokenizer.json"],
+    );
+    // Flags: the one that is wrong, the limit as given, the model's length
+    // before the device's tiling.
+    fails_with(train(&["--accum", "0"]), &["--accum must be at least 1"]);
+    fails_with(
+        train(&["--backend", "ane-sim", "--max-memory", "1K"]),
+        &["the limit is 1 kB"],
+    );
+    let long = [
+        "train",
+        "--model",
+        m,
+        "--seq",
+        "20000",
+        "--backend",
+        "ane-sim",
+    ];
+    fails_with(
+        long.map(String::from).to_vec(),
+        &["--seq 20000 exceeds the model's max_position_embeddings"],
+    );
+    // Accepted: a byte-order mark before JSONL, and config.json naming its
+    // directory.
+    let bom = file("bom.jsonl", b"\xef\xbb\xbf{\"text\": \"hello there\"}\n");
+    let config = chat_model.join("config.json");
+    for a in [train(&["--data", &bom]), train_on(s(&config), &[])] {
+        let o = bin().args(&a).output().unwrap();
+        assert!(
+            o.status.success(),
+            "{a:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}

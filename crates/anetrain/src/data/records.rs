@@ -150,6 +150,9 @@ pub fn read_file(
         anyhow::anyhow!("'{}' line {line}: not UTF-8 text", path.display())
     })?;
     let shown = path.display().to_string();
+    // A byte-order mark, as Windows editors write one: read past it, as
+    // Python's `utf-8-sig` does.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
     let mut parsed: Vec<(usize, Map<String, Value>)> = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -189,16 +192,25 @@ pub fn read_file(
             keys.completion
         );
     }
+    if mask_prompt && format == Format::Text {
+        bail!(
+            "'{shown}' holds text records, which have no prompt to mask: --mask-prompt applies to prompt/completion and chat records"
+        );
+    }
     for (line, obj) in &parsed {
-        check(obj, format, keys).map_err(|e| anyhow!("'{shown}' line {line}: {e}"))?;
+        check(obj, format, keys, mask_prompt).map_err(|e| anyhow!("'{shown}' line {line}: {e}"))?;
     }
     let eos = tok.eos().map(|e| e.1);
-    let examples = parsed
+    // Tokenized in parallel; the first bad record in the file's order is
+    // the one reported, run after run.
+    let tokenized: Vec<Result<Example>> = parsed
         .par_iter()
-        .map(|(line, obj)| {
-            tokenize(obj, format, keys, tok, eos, mask_prompt)
-                .map_err(|e| anyhow!("'{shown}' line {line}: {e}"))
-        })
+        .map(|(_, obj)| tokenize(obj, format, keys, tok, eos, mask_prompt))
+        .collect();
+    let examples = tokenized
+        .into_iter()
+        .zip(&parsed)
+        .map(|(r, (line, _))| r.map_err(|e| anyhow!("'{shown}' line {line}: {e}")))
         .collect::<Result<Vec<_>>>()?;
     Ok(RecordFile {
         path: path.to_path_buf(),
@@ -227,8 +239,31 @@ fn describe_keys(obj: &Map<String, Value>) -> String {
     format!("the fields {}", names.join(", "))
 }
 
-/// Checks a record has its format's fields, of the right types.
-fn check(obj: &Map<String, Value>, format: Format, keys: &Keys) -> Result<()> {
+/// The roles chat templates know (transformers' chat templating guide;
+/// `developer`, `function` and `ipython` are OpenAI's and Llama 3's).
+const ROLES: &[&str] = &[
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "developer",
+    "function",
+    "ipython",
+];
+
+/// Other datasets' names for them (ShareGPT's `from` values and others).
+const ROLE_ALIASES: &[(&str, &str)] = &[
+    ("human", "user"),
+    ("gpt", "assistant"),
+    ("bot", "assistant"),
+    ("model", "assistant"),
+    ("ai", "assistant"),
+];
+
+/// Checks a record has its format's fields, of the right types; a chat's
+/// roles are ones templates know, and with `mask_prompt` (the loss on the
+/// last reply) it ends with the assistant's.
+fn check(obj: &Map<String, Value>, format: Format, keys: &Keys, mask_prompt: bool) -> Result<()> {
     let string = |key: &str| match obj.get(key) {
         Some(Value::String(_)) => Ok(()),
         Some(_) => bail!("\"{key}\" is not a string"),
@@ -258,14 +293,33 @@ fn check(obj: &Map<String, Value>, format: Format, keys: &Keys) -> Result<()> {
                 let Value::Object(m) = m else {
                     bail!("message {i} is not an object");
                 };
-                match m.get("role") {
-                    Some(Value::String(_)) => {}
+                let role = match m.get("role") {
+                    Some(Value::String(r)) => r.as_str(),
                     Some(_) => bail!("message {i}: \"role\" is not a string"),
                     None => bail!("message {i} has no \"role\""),
+                };
+                if !ROLES.contains(&role) {
+                    let hint = match ROLE_ALIASES.iter().find(|(a, _)| *a == role) {
+                        Some((_, r)) => format!(" (write \"{r}\" for \"{role}\")"),
+                        None => String::new(),
+                    };
+                    bail!(
+                        "message {i} has the role \"{role}\", which chat templates do not know: use \"system\", \"user\", \"assistant\" or \"tool\"{hint}"
+                    );
                 }
                 if !m.contains_key("content") {
                     bail!("message {i} has no \"content\"");
                 }
+            }
+            let last = list
+                .last()
+                .and_then(|m| m.get("role"))
+                .and_then(Value::as_str);
+            if mask_prompt && last != Some("assistant") {
+                bail!(
+                    "the conversation ends with a \"{}\" message; with --mask-prompt the loss is on the last reply, so a conversation must end with an \"assistant\" message",
+                    last.unwrap_or_default()
+                );
             }
             match obj.get("tools") {
                 None | Some(Value::Null) | Some(Value::Array(_)) => Ok(()),

@@ -20,7 +20,18 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// Loads a `tokenizer.json`, or the one in the directory `path` names
+    /// (a model directory), with the chat template and config beside it.
     pub fn load(path: &Path) -> Result<Tokenizer> {
+        let inside = path.join("tokenizer.json");
+        let path = match path.is_dir() {
+            true if inside.is_file() => inside.as_path(),
+            true => bail!(
+                "tokenizer '{}' is a directory without tokenizer.json; give a tokenizer.json file, a model directory holding one, or a Hub id",
+                path.display()
+            ),
+            false => path,
+        };
         if !path.is_file() {
             bail!("tokenizer '{}' does not exist", path.display());
         }

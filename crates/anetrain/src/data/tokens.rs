@@ -183,7 +183,7 @@ pub fn open_tokens(
     if is_text(path) {
         return Ok(Tokens::Owned(load_tokens(path, dtype, tokenizer, vocab)?));
     }
-    refuse_json(path)?;
+    refuse_non_tokens(path)?;
     let t = map_token_file(path, dtype)?;
     if let Some(i) = (0..t.len()).find(|&i| t.get(i) as usize >= vocab) {
         bail!(
@@ -195,25 +195,58 @@ pub fn open_tokens(
     Ok(t)
 }
 
-/// A `.json` file (or one that starts like JSON) given where token ids are
-/// read: records go in JSONL, one per line, and are read from `.jsonl`
-/// files or a directory of them.
-fn refuse_json(path: &Path) -> Result<()> {
-    let json_name = path.extension().is_some_and(|e| e == "json");
-    let mut head = [0u8; 64];
+/// What is not a raw token file, given where token ids are read: a `.json`
+/// file (or one that starts like JSON), whose records go in JSONL, one per
+/// line; and any other text (a CSV or TSV table, a text file of another
+/// extension), which read as ids would be numbers out of the vocabulary.
+/// Text is told by its first 4 KiB: UTF-8 without a NUL byte. A token
+/// file of u16 or u32 ids has NULs (every id below 256 or 65536) or bytes
+/// that are not UTF-8 long before that.
+fn refuse_non_tokens(path: &Path) -> Result<()> {
+    const FORMATS: &str = "--data takes JSONL records (one JSON object per line, in a .jsonl file or a directory of train.jsonl/valid.jsonl), text (.txt/.md), or a raw token file";
+    let ext = path
+        .extension()
+        .map(|e| e.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
+    let mut head = vec![0u8; 4096];
     let n = std::fs::File::open(path)
         .and_then(|mut f| std::io::Read::read(&mut f, &mut head))
         .unwrap_or(0);
-    let first = head[..n].iter().find(|b| !b.is_ascii_whitespace());
+    let head = &head[..n];
+    let first = head.iter().find(|b| !b.is_ascii_whitespace());
+    let utf8 = match std::str::from_utf8(head) {
+        Ok(_) => true,
+        // A character cut by the 4 KiB boundary.
+        Err(e) => e.error_len().is_none(),
+    };
+    let text = n > 0 && utf8 && !head.contains(&0);
     let looks_json = matches!(first, Some(b'[' | b'{'))
-        && std::str::from_utf8(&head[..n]).is_ok_and(|s| s.contains('"') || s.trim() == "[]");
-    if json_name || looks_json {
+        && std::str::from_utf8(head).is_ok_and(|s| s.contains('"') || s.trim() == "[]");
+    if ext == "json" || looks_json {
+        bail!("'{}' is JSON, not token ids: {FORMATS}", path.display());
+    }
+    if ["csv", "tsv", "parquet", "arrow"].contains(&ext.as_str()) || text {
+        let what = match ext.as_str() {
+            "csv" | "tsv" | "parquet" | "arrow" => format!("a {} table", ext.to_uppercase()),
+            _ => "text".to_string(),
+        };
         bail!(
-            "'{}' is JSON, not token ids: --data takes JSONL records (one JSON object per line, in a .jsonl file or a directory of train.jsonl/valid.jsonl), text (.txt/.md), or a raw token file",
+            "'{}' is {what}, not token ids: {FORMATS}; write each row as a JSONL record such as {{\"text\": ...}} or {{\"prompt\": ..., \"completion\": ...}}, or name a text file .txt",
             path.display()
         );
     }
     Ok(())
+}
+
+/// A text file's contents, past a byte-order mark if it starts with one
+/// (as Python's `utf-8-sig` reads).
+fn read_text(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read '{}' as UTF-8 text", path.display()))?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
 }
 
 /// Whether `path` is read as text (tokenized) rather than as token ids.
@@ -237,11 +270,9 @@ pub fn load_tokens(
                 path.display()
             )
         })?;
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read '{}' as UTF-8 text", path.display()))?;
-        tok.encode(&text)?
+        tok.encode(&read_text(path)?)?
     } else {
-        refuse_json(path)?;
+        refuse_non_tokens(path)?;
         read_token_file(path, dtype)?
     };
     check_ids(&ids, vocab, &format!("'{}'", path.display()))?;
@@ -266,9 +297,7 @@ pub fn tokenize_file(
     output: &Path,
     dtype: TokenDtype,
 ) -> Result<usize> {
-    let text = std::fs::read_to_string(input)
-        .with_context(|| format!("cannot read '{}' as UTF-8 text", input.display()))?;
-    let ids = tok.encode(&text)?;
+    let ids = tok.encode(&read_text(input)?)?;
     let mut bytes = Vec::with_capacity(ids.len() * 4);
     for &t in &ids {
         match dtype {

@@ -111,6 +111,54 @@ impl<'de> Deserialize<'de> for Count {
     }
 }
 
+/// The model directory `path` names: a directory holding `config.json`,
+/// or `config.json` itself (its directory is meant). Anything else is a
+/// one-line error saying what to give: a weights file, a LoRA run (its
+/// base and how to use it), a directory without a config.
+pub fn model_directory(path: &Path) -> Result<std::path::PathBuf> {
+    let parent = || {
+        path.parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    };
+    if path.is_file() {
+        if path.file_name().is_some_and(|n| n == "config.json") {
+            return Ok(parent());
+        }
+        bail!(
+            "'{}' is a file; a model is the directory holding config.json and the weights: give '{}'",
+            path.display(),
+            parent().display()
+        );
+    }
+    if !path.is_dir() {
+        bail!("model directory '{}' does not exist", path.display());
+    }
+    let adapter = path.join("adapter_config.json");
+    if !path.join("config.json").is_file() && adapter.is_file() {
+        // A LoRA run directory: say so, and how to use it.
+        let base = std::fs::read_to_string(&adapter)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .and_then(|v| v["base_model_name_or_path"].as_str().map(str::to_string))
+            .unwrap_or_else(|| "BASE".into());
+        bail!(
+            "'{}' is a LoRA adapter, not a model: use --model {base} --adapter {} (train: --init-adapter {} to continue training it)",
+            path.display(),
+            path.display(),
+            path.display()
+        );
+    }
+    if !path.join("config.json").is_file() {
+        bail!(
+            "'{}' has no config.json: a model directory holds config.json and its safetensors weights (a Hugging Face model directory)",
+            path.display()
+        );
+    }
+    Ok(path.to_path_buf())
+}
+
 impl ModelConfig {
     /// A built-in configuration by name.
     pub fn preset(name: &str) -> Option<ModelConfig> {
@@ -179,8 +227,11 @@ impl ModelConfig {
             return Ok(c);
         }
         let p = Path::new(spec);
-        if p.is_dir() {
-            return ModelConfig::from_file(&p.join("config.json"));
+        let weights = p.extension().is_some_and(|e| {
+            ["safetensors", "bin", "gguf", "pt", "pth"].contains(&&*e.to_string_lossy())
+        });
+        if p.is_dir() || (p.is_file() && weights) {
+            return ModelConfig::from_file(&model_directory(p)?.join("config.json"));
         }
         if p.is_file() {
             return ModelConfig::from_file(p);

@@ -26,9 +26,14 @@ impl ModelSource {
     /// as [`ModelConfig::resolve`]'s, with its suggestions).
     pub fn resolve(spec: &str) -> Result<ModelSource> {
         let config = ModelConfig::resolve(spec)?;
-        let dir = ModelConfig::preset(spec)
-            .is_none()
-            .then(|| PathBuf::from(spec));
+        let dir = match ModelConfig::preset(spec) {
+            Some(_) => None,
+            // `…/config.json` names its directory.
+            None if Path::new(spec).ends_with("config.json") => {
+                Some(crate::model::config::model_directory(Path::new(spec))?)
+            }
+            None => Some(PathBuf::from(spec)),
+        };
         Ok(ModelSource {
             spec: spec.to_string(),
             dir,

@@ -180,23 +180,7 @@ impl Model {
     /// shapes, decoded or mapped. (Long because every check names the file
     /// and the tensor where it fails.)
     fn load_with(dir: &Path, frozen: bool) -> Result<Model> {
-        if !dir.is_dir() {
-            bail!("model directory '{}' does not exist", dir.display());
-        }
-        let adapter = dir.join("adapter_config.json");
-        if !dir.join("config.json").is_file() && adapter.is_file() {
-            // A LoRA run directory: say so, and how to use it.
-            let base = std::fs::read_to_string(&adapter)
-                .ok()
-                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-                .and_then(|v| v["base_model_name_or_path"].as_str().map(str::to_string))
-                .unwrap_or_else(|| "BASE".into());
-            bail!(
-                "'{}' is a LoRA adapter, not a model: use --model {base} --adapter {}",
-                dir.display(),
-                dir.display()
-            );
-        }
+        let dir = &crate::model::config::model_directory(dir)?;
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let files = safetensor_files(dir)?;
         let mut found: BTreeMap<String, (Source, String)> = BTreeMap::new();

@@ -93,10 +93,12 @@ const PROCESS_BYTES: u64 = 50 << 20;
 /// pre-tokenizer's tables).
 const TOKENIZER_PER_FILE_BYTE: u64 = 13;
 
-/// Bytes for people: GB to two places, or MB below a GB.
+/// Bytes for people: GB to two places, MB below a GB, kB below a MB.
 pub fn size(b: u64) -> String {
     match b {
-        0..1_000_000_000 => format!("{:.0} MB", b as f64 / 1e6),
+        0..1_000 => format!("{b} bytes"),
+        1_000..1_000_000 => format!("{:.0} kB", b as f64 / 1e3),
+        1_000_000..1_000_000_000 => format!("{:.0} MB", b as f64 / 1e6),
         _ => format!("{:.2} GB", b as f64 / 1e9),
     }
 }

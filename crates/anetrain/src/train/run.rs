@@ -153,6 +153,13 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
     let s = &r.settings;
     validate(s, r)?;
     let source = ModelSource::resolve(&s.model)?;
+    if s.seq > source.config.max_position_embeddings {
+        bail!(
+            "--seq {} exceeds the model's max_position_embeddings ({})",
+            s.seq,
+            source.config.max_position_embeddings
+        );
+    }
     if s.backend != Backend::Cpu {
         // A model the device cannot run, even tiled, fails before any work.
         let o = KernelOptions::for_run(&source.config, s.lora.as_ref());
@@ -274,13 +281,6 @@ fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event))
         cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
     }
     let model = starting_model(source, &cfg, s)?;
-    if s.seq > model.cfg.max_position_embeddings {
-        bail!(
-            "--seq {} exceeds the model's max_position_embeddings ({})",
-            s.seq,
-            model.cfg.max_position_embeddings
-        );
-    }
     let opt = AdamW::new(&model, r.adamw);
     let state = TrainerState {
         format: checkpoint::FORMAT,

@@ -102,8 +102,14 @@ pub struct TrainRequest {
 pub use crate::plan::memory::MemoryOptions;
 
 pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
-    if s.seq < 1 || s.batch < 1 || s.accum < 1 || r.steps < 1 {
-        bail!("--seq, --batch, --accum and --steps must all be at least 1");
+    let counts = [
+        ("--seq", s.seq as u64),
+        ("--batch", s.batch as u64),
+        ("--accum", s.accum as u64),
+        ("--steps", r.steps),
+    ];
+    if let Some((flag, _)) = counts.iter().find(|(_, n)| *n < 1) {
+        bail!("{flag} must be at least 1");
     }
     if let Some(d) = &s.data {
         if d.is_dir() && !d.join("train.jsonl").is_file() {
