@@ -206,6 +206,9 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
     let file = records_file(path, a.split.as_deref())?;
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?;
     let rf = records::read_file(&file, &tok, &a.keys, a.mask_prompt)?;
+    if let Some(w) = rf.unmasked_warning(a.mask_prompt) {
+        eprintln!("warning: {w}");
+    }
     for e in &rf.examples {
         tokens::check_ids(
             &e.tokens,

@@ -200,10 +200,11 @@ pub struct MemoryArgs {
     /// more kernel work; the same losses and weights, bit for bit).
     #[arg(long, help_heading = "Memory")]
     pub grad_checkpoint: bool,
-    /// Device input buffers: one per layer and kernel, staged once per step
-    /// (persistent), or two per kernel refilled layer by layer while the
-    /// device runs (streamed) [default: persistent when the run's memory
-    /// plan with them fits in a quarter of --max-memory, else streamed].
+    /// Device input buffers: one per layer, kernel and tile, staged once
+    /// per step (persistent), or one per kernel refilled tile by tile and
+    /// layer by layer while a host thread prepares the next (streamed)
+    /// [default: persistent when the run's memory plan with them fits in a
+    /// quarter of --max-memory, else streamed].
     #[arg(long, value_parser = crate::choice::<DeviceBuffers>(), help_heading = "Memory")]
     pub device_buffers: Option<DeviceBuffers>,
     /// Refuse to start a run whose memory plan exceeds this (e.g. 14G,
@@ -262,7 +263,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .unwrap_or_else(|| train::default_out(&a.model));
     let model = crate::hub::resolve(&a.model, crate::hub::Need::Model)?;
     let settings = TrainSettings {
-        hub_id: (model != a.model).then(|| a.model.clone()),
+        // Resolved through the Hub cache (not a local path or preset).
+        hub_id: (model != a.model && !Path::new(&a.model).exists()).then(|| a.model.clone()),
         model,
         backend: a.backend.unwrap_or_else(Backend::platform_default),
         data: a.data.clone(),

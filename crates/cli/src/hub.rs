@@ -100,7 +100,13 @@ fn offline() -> bool {
 /// like a Hub id: the command's own error then names it); otherwise the
 /// snapshot directory of the Hub model it names, downloaded if needed.
 pub fn resolve(spec: &str, need: Need) -> Result<String> {
-    if anetrain::model::config::ModelConfig::preset(spec).is_some() || Path::new(spec).exists() {
+    let path = Path::new(spec);
+    if path.is_file() && path.file_name().is_some_and(|n| n == "config.json") {
+        // `DIR/config.json` names the model directory.
+        let dir = path.parent().filter(|p| !p.as_os_str().is_empty());
+        return Ok(dir.unwrap_or(Path::new(".")).to_string_lossy().into_owned());
+    }
+    if anetrain::model::config::ModelConfig::preset(spec).is_some() || path.exists() {
         return Ok(spec.to_string());
     }
     let Some(id) = HubId::parse(spec) else {

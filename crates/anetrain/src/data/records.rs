@@ -87,6 +87,19 @@ pub struct RecordFile {
     pub examples: Vec<Example>,
 }
 
+impl RecordFile {
+    /// A line saying `--mask-prompt` changes nothing here: text records
+    /// have no prompt, so every token of them counts.
+    pub fn unmasked_warning(&self, mask_prompt: bool) -> Option<String> {
+        (mask_prompt && self.format == Format::Text).then(|| {
+            format!(
+                "'{}' holds text records, which have no prompt: --mask-prompt changes nothing for them (it masks the prompt of prompt/completion and chat records)",
+                self.path.display()
+            )
+        })
+    }
+}
+
 /// The files of a dataset: a directory with `train.jsonl` (and optional
 /// `valid.jsonl`, `test.jsonl`) or one `.jsonl` file (training only).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -190,11 +203,6 @@ pub fn read_file(
             tok.path.display(),
             keys.prompt,
             keys.completion
-        );
-    }
-    if mask_prompt && format == Format::Text {
-        bail!(
-            "'{shown}' holds text records, which have no prompt to mask: --mask-prompt applies to prompt/completion and chat records"
         );
     }
     for (line, obj) in &parsed {

@@ -71,6 +71,9 @@ pub(super) fn load_records(
     let mut templated = false;
     let mut read = |file: &Path| -> Result<Vec<Example>> {
         let f = records::read_file(file, tok, &s.keys, s.mask_prompt)?;
+        if let Some(w) = f.unmasked_warning(s.mask_prompt) {
+            note(Event::Warning(w));
+        }
         templated |= f.format != records::Format::Text && tok.chat.is_some();
         for e in &f.examples {
             tokens::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
