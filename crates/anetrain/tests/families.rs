@@ -36,6 +36,7 @@ fn gqa() -> ModelConfig {
         qk_norm: true,
         bos_token_id: None,
         eos_token_id: None,
+        quantization: None,
     }
 }
 

@@ -45,6 +45,7 @@ fn config(
         qk_norm,
         bos_token_id: None,
         eos_token_id: None,
+        quantization: None,
     }
 }
 

@@ -67,7 +67,7 @@ pub fn merge(a: MergeArgs) -> Result<()> {
         Some("f16") => StoredDtype::F16,
         Some("bf16") => StoredDtype::BF16,
         Some(_) => StoredDtype::F32,
-        None => base_dtype(model)?,
+        None => anetrain::plan::memory::file_dtype(model)?,
     };
     let merged = load_model(model, Some(adapter), true)?;
     merged.save_as(out, dtype)?;
@@ -84,19 +84,6 @@ pub fn merge(a: MergeArgs) -> Result<()> {
         dtype.name()
     );
     Ok(())
-}
-
-/// The dtype a model directory's weights are stored in: that of its
-/// largest tensor (its first file's, for a sharded model).
-fn base_dtype(dir: &Path) -> Result<StoredDtype> {
-    let file = match dir.join("model.safetensors") {
-        f if f.is_file() => f,
-        _ => anetrain::model::safetensor_files(dir)?
-            .into_iter()
-            .next()
-            .with_context(|| format!("'{}' holds no safetensors weights", dir.display()))?,
-    };
-    anetrain::model::tensor_file::largest_dtype(&file)
 }
 
 /// `anetrain export gguf`: the model, its adapter merged in, as one GGUF

@@ -37,6 +37,10 @@ pub struct ModelConfig {
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// MLX's affine quantization of the checkpoint's matrices, when it has
+    /// one (`crate::model::quant`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<crate::model::quant::Quantization>,
 }
 
 /// Names accepted by `--model` besides a directory.
@@ -178,6 +182,7 @@ impl ModelConfig {
             qk_norm: false,
             bos_token_id: None,
             eos_token_id: None,
+            quantization: None,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -196,6 +201,7 @@ impl ModelConfig {
                 qk_norm: true,
                 bos_token_id: None,
                 eos_token_id: None,
+                quantization: None,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -216,6 +222,7 @@ impl ModelConfig {
                 qk_norm: true,
                 bos_token_id: None,
                 eos_token_id: None,
+                quantization: None,
             },
             _ => return None,
         })
@@ -275,6 +282,7 @@ impl ModelConfig {
         if !v.is_object() {
             bail!("expected a JSON object");
         }
+        let quantization = crate::model::quant::Quantization::from_config(&v)?;
         let hf: HfConfig = serde_path_to_error::deserialize(v).map_err(|e| {
             let inner = e.inner().to_string();
             match inner.strip_prefix("missing field `") {
@@ -355,6 +363,7 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
             eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
+            quantization,
         };
         cfg.validate()?;
         Ok(cfg)

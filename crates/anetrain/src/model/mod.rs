@@ -5,6 +5,7 @@ pub mod config;
 pub mod generation;
 pub mod lora;
 pub mod params;
+pub mod quant;
 pub mod source;
 pub mod tensor_file;
 mod weights;

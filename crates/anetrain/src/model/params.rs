@@ -55,6 +55,11 @@ impl StoredDtype {
 /// shared by every tensor of the file and lives as long as any of them;
 /// pages are read from the file as they are touched and, being clean, the
 /// kernel can drop them under memory pressure instead of swapping.
+///
+/// A quantized matrix (`affine`) keeps its packed words here (`start` is
+/// their offset, `len` the count of values they hold, `dtype` that of its
+/// scales) and its scales and biases beside them: it is dequantized as it
+/// is read, so the base stays at its quantized size.
 #[derive(Clone)]
 pub struct Stored {
     pub map: Arc<memmap2::Mmap>,
@@ -63,6 +68,19 @@ pub struct Stored {
     /// Number of elements.
     pub len: usize,
     pub dtype: StoredDtype,
+    /// MLX's affine quantization of a matrix, when it is stored so.
+    pub affine: Option<Arc<Affine>>,
+}
+
+/// How a quantized matrix's words decode (`crate::model::quant`).
+#[derive(Clone, Debug)]
+pub struct Affine {
+    pub spec: crate::model::quant::QuantSpec,
+    /// Values per row.
+    pub cols: usize,
+    /// `[rows, cols/group_size]` each.
+    pub scales: Stored,
+    pub biases: Stored,
 }
 
 impl std::fmt::Debug for Stored {
@@ -90,6 +108,48 @@ impl Stored {
         &self.map[self.start + range.start * b..self.start + range.end * b]
     }
 
+    /// Element `i` in f32 (of a float tensor).
+    fn get(&self, i: usize) -> f32 {
+        let mut v = [0f32];
+        self.convert(i..i + 1, &mut v);
+        v[0]
+    }
+
+    /// Elements `range` of a quantized matrix, dequantized into `out`:
+    /// row by row, each row's bit stream read in place.
+    fn dequantize(&self, a: &Affine, range: Range<usize>, out: &mut [f32]) {
+        use crate::model::quant::{dequantize_value, get};
+        use rayon::prelude::*;
+        let (cols, spec) = (a.cols, a.spec);
+        let (row_bytes, groups) = (spec.words(cols) * 4, cols / spec.group_size);
+        let first_row = range.start / cols;
+        let last_row = (range.end - 1) / cols;
+        // Each task owns the part of `out` in one row.
+        let mut parts: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut rest = out;
+        for r in first_row..=last_row {
+            let lo = range.start.max(r * cols);
+            let hi = range.end.min((r + 1) * cols);
+            let (part, tail) = rest.split_at_mut(hi - lo);
+            parts.push((lo, part));
+            rest = tail;
+        }
+        parts.into_par_iter().for_each(|(lo, part)| {
+            let (row, c0) = (lo / cols, lo % cols);
+            let bytes = &self.map[self.start + row * row_bytes..][..row_bytes];
+            let (mut g, mut scale, mut bias) = (usize::MAX, 0f32, 0f32);
+            for (k, o) in part.iter_mut().enumerate() {
+                let c = c0 + k;
+                if c / spec.group_size != g {
+                    g = c / spec.group_size;
+                    scale = a.scales.get(row * groups + g);
+                    bias = a.biases.get(row * groups + g);
+                }
+                *o = dequantize_value(get(bytes, c, spec.bits), scale, bias, self.dtype);
+            }
+        });
+    }
+
     /// Elements `range` converted to f32 into `out` (same length).
     pub fn convert(&self, range: Range<usize>, out: &mut [f32]) {
         use rayon::prelude::*;
@@ -98,6 +158,12 @@ impl Stored {
             range.len(),
             "conversion target of the wrong length"
         );
+        if let Some(a) = &self.affine {
+            if !range.is_empty() {
+                self.dequantize(a, range, out);
+            }
+            return;
+        }
         // Blocks of 64 Ki elements in parallel: a 4B model's largest
         // projection (25 M values) converts at memory speed.
         const BLOCK: usize = 1 << 16;
@@ -125,6 +191,16 @@ impl Stored {
     /// on the bits: an all-ones exponent).
     pub fn first_non_finite(&self) -> Option<usize> {
         use rayon::prelude::*;
+        if let Some(a) = &self.affine {
+            // Every q is finite: a value is bad where its group's scale or
+            // bias is; the group's first element is named.
+            let g = [a.scales.first_non_finite(), a.biases.first_non_finite()]
+                .into_iter()
+                .flatten()
+                .min()?;
+            let groups = a.cols / a.spec.group_size;
+            return Some(g / groups * a.cols + g % groups * a.spec.group_size);
+        }
         let raw = self.bytes(0..self.len);
         let b = self.dtype.bytes();
         let bad = |c: &[u8]| match self.dtype {
@@ -137,6 +213,10 @@ impl Stored {
 
     /// Bytes of the tensor in the file.
     pub fn file_bytes(&self) -> usize {
+        if let Some(a) = &self.affine {
+            let rows = self.len / a.cols;
+            return rows * a.spec.words(a.cols) * 4 + a.scales.file_bytes() + a.biases.file_bytes();
+        }
         self.len * self.dtype.bytes()
     }
 }

@@ -77,10 +77,26 @@ pub fn read(path: &Path) -> Result<BTreeMap<String, Tensor>> {
     parse(&bytes).with_context(|| format!("'{}'", path.display()))
 }
 
+/// A tensor of a mapped file: values in a float dtype, or the packed
+/// `uint32` words of a quantized matrix (offset in the mapping, count).
+pub enum Mapped {
+    Values(Vec<usize>, Stored),
+    Words(Vec<usize>, std::sync::Arc<memmap2::Mmap>, usize),
+}
+
+impl Mapped {
+    pub fn shape(&self) -> &[usize] {
+        match self {
+            Mapped::Values(s, _) | Mapped::Words(s, _, _) => s,
+        }
+    }
+}
+
 /// Maps a safetensors file and returns its tensors as [`Stored`] views of
 /// the mapping, in the file's dtype (nothing is decoded or copied; the
-/// header is validated as [`parse`] does). Errors name the file.
-pub fn map(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Stored)>> {
+/// header is validated as [`parse`] does), and packed `uint32` words as
+/// they are. Errors name the file.
+pub fn map(path: &Path) -> Result<BTreeMap<String, Mapped>> {
     let file =
         std::fs::File::open(path).with_context(|| format!("cannot read '{}'", path.display()))?;
     // Safety: the file is opened read-only; a model file changed by another
@@ -95,22 +111,30 @@ pub fn map(path: &Path) -> Result<BTreeMap<String, (Vec<usize>, Stored)>> {
     let base = map.as_ptr() as usize;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
+        let start = view.data().as_ptr() as usize - base;
         let dtype = match view.dtype() {
             Dtype::F32 => StoredDtype::F32,
             Dtype::F16 => StoredDtype::F16,
             Dtype::BF16 => StoredDtype::BF16,
+            Dtype::U32 => {
+                let words = view.data().len() / 4;
+                out.insert(name, Mapped::Words(view.shape().to_vec(), map.clone(), start));
+                debug_assert!(words * 4 == view.data().len());
+                continue;
+            }
             d => bail!(
-                "'{}': tensor '{name}' has dtype {d}; only F32, F16 and BF16 are supported",
+                "'{}': tensor '{name}' has dtype {d}; only F32, F16 and BF16 (and MLX's packed U32) are supported",
                 path.display()
             ),
         };
         let stored = Stored {
             map: map.clone(),
-            start: view.data().as_ptr() as usize - base,
+            start,
             len: view.data().len() / dtype.bytes(),
             dtype,
+            affine: None,
         };
-        out.insert(name, (view.shape().to_vec(), stored));
+        out.insert(name, Mapped::Values(view.shape().to_vec(), stored));
     }
     Ok(out)
 }
@@ -184,14 +208,6 @@ pub fn encode_as(
             .collect()
     });
     safetensors::serialize(views, info).map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))
-}
-
-/// The dtype of the largest tensor in a safetensors file (a model's
-/// matrices), read from its header alone.
-pub fn largest_dtype(path: &Path) -> Result<StoredDtype> {
-    let mapped = map(path)?;
-    let largest = mapped.values().max_by_key(|(_, s)| s.len);
-    Ok(largest.map(|(_, s)| s.dtype).unwrap_or(StoredDtype::F32))
 }
 
 /// Writes f32 tensors with optional metadata to `w` as safetensors, as it

@@ -184,11 +184,20 @@ impl Model {
         let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
         let files = safetensor_files(dir)?;
         let mut found: BTreeMap<String, (Source, String)> = BTreeMap::new();
+        // A quantized checkpoint is always read mapped, dequantized as it
+        // is used (or, loaded in full, once below).
+        let quantized = cfg.quantization.is_some();
         for f in &files {
             let file = f.display().to_string();
-            if frozen {
-                for (name, (shape, s)) in tensor_file::map(f)? {
-                    found.insert(name, (Source::Mapped(shape, s), file.clone()));
+            if frozen || quantized {
+                for (name, t) in tensor_file::map(f)? {
+                    let source = match t {
+                        tensor_file::Mapped::Values(shape, s) => Source::Mapped(shape, s),
+                        tensor_file::Mapped::Words(shape, map, start) => {
+                            Source::Words(shape, map, start)
+                        }
+                    };
+                    found.insert(name, (source, file.clone()));
                 }
             } else {
                 for (name, t) in tensor_file::read(f)? {
@@ -196,6 +205,7 @@ impl Model {
                 }
             }
         }
+        fold_quantized(&mut found, cfg.quantization.as_ref())?;
         let mut m = layout(&cfg);
         let expected: BTreeSet<&str> = m.params.iter().map(|p| p.name.as_str()).collect();
         for name in found.keys() {
@@ -241,13 +251,17 @@ impl Model {
                         s.convert(i..i + 1, &mut v);
                         return Err(bad(i, v[0]));
                     }
-                    if p.shape.len() == 1 {
+                    if p.shape.len() == 1 || !frozen {
                         p.data = vec![0f32; s.len];
                         s.convert(0..s.len, &mut p.data);
                     } else {
                         p.stored = Some(s);
                     }
                 }
+                Source::Words(..) => bail!(
+                    "'{file}': tensor '{}' holds packed uint32 words without the \".scales\" and \".biases\" of MLX's quantization",
+                    p.name
+                ),
             }
         }
         Ok(m)
@@ -322,13 +336,89 @@ impl Model {
 enum Source {
     Decoded(tensor_file::Tensor),
     Mapped(Vec<usize>, Stored),
+    /// Packed quantized words (shape, mapping, byte offset), until folded
+    /// with their scales and biases.
+    Words(Vec<usize>, std::sync::Arc<memmap2::Mmap>, usize),
+}
+
+/// Folds each quantized module's `weight` (packed words), `scales` and
+/// `biases` into one stored matrix of its dequantized shape `[rows, cols]`,
+/// quantized as `config.json` says for that module; every shape and dtype
+/// is checked, naming the file and tensor.
+fn fold_quantized(
+    found: &mut BTreeMap<String, (Source, String)>,
+    q: Option<&crate::model::quant::Quantization>,
+) -> Result<()> {
+    let modules: Vec<String> = found
+        .keys()
+        .filter_map(|k| k.strip_suffix(".scales").map(str::to_string))
+        .collect();
+    for module in modules {
+        let file = found[&format!("{module}.scales")].1.clone();
+        let spec = q.and_then(|q| q.of(&module)).with_context(|| {
+            format!(
+                "'{file}': '{module}' is quantized (it has .scales), but config.json's \"quantization\" does not say how"
+            )
+        })?;
+        let mut take = |part: &str| {
+            found
+                .remove(&format!("{module}.{part}"))
+                .map(|(s, _)| s)
+                .with_context(|| format!("'{file}': '{module}.{part}' is missing"))
+        };
+        let (words, scales, biases) = (take("weight")?, take("scales")?, take("biases")?);
+        let (
+            Source::Words(wshape, map, start),
+            Source::Mapped(sshape, scales),
+            Source::Mapped(bshape, biases),
+        ) = (words, scales, biases)
+        else {
+            bail!("'{file}': '{module}' is not stored as MLX quantizes: uint32 .weight, float .scales and .biases");
+        };
+        let [rows, words] = wshape[..] else {
+            bail!("'{file}': '{module}.weight' has shape {wshape:?}; a quantized matrix is 2-D");
+        };
+        let cols = words * 32 / spec.bits as usize;
+        let groups = cols / spec.group_size;
+        if words * 32 % spec.bits as usize != 0
+            || !spec.fits(cols)
+            || sshape != [rows, groups]
+            || bshape != sshape
+            || scales.dtype != biases.dtype
+        {
+            bail!(
+                "'{file}': '{module}' does not hold {}-bit groups of {}: .weight {wshape:?}, .scales {sshape:?} ({}), .biases {bshape:?} ({})",
+                spec.bits,
+                spec.group_size,
+                scales.dtype.name(),
+                biases.dtype.name()
+            );
+        }
+        let stored = Stored {
+            map,
+            start,
+            len: rows * cols,
+            dtype: scales.dtype,
+            affine: Some(std::sync::Arc::new(crate::model::params::Affine {
+                spec,
+                cols,
+                scales,
+                biases,
+            })),
+        };
+        found.insert(
+            format!("{module}.weight"),
+            (Source::Mapped(vec![rows, cols], stored), file),
+        );
+    }
+    Ok(())
 }
 
 impl Source {
     fn shape(&self) -> &[usize] {
         match self {
             Source::Decoded(t) => &t.shape,
-            Source::Mapped(shape, _) => shape,
+            Source::Mapped(shape, _) | Source::Words(shape, _, _) => shape,
         }
     }
 }

@@ -428,11 +428,15 @@ pub fn file_dtype(model: &Path) -> anyhow::Result<StoredDtype> {
         return Ok(StoredDtype::BF16);
     }
     for f in &crate::model::safetensor_files(model)? {
-        if let Some((_, (_, s))) = crate::model::tensor_file::map(f)?
-            .into_iter()
-            .find(|(_, (shape, _))| shape.len() == 2)
-        {
-            return Ok(s.dtype);
+        use crate::model::tensor_file::Mapped;
+        let first = crate::model::tensor_file::map(f)?
+            .into_values()
+            .find_map(|t| match t {
+                Mapped::Values(shape, s) if shape.len() == 2 => Some(s.dtype),
+                _ => None,
+            });
+        if let Some(dtype) = first {
+            return Ok(dtype);
         }
     }
     anyhow::bail!("'{}' holds no weight matrices", model.display())

@@ -114,6 +114,7 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         // llama2.c models use the Llama SentencePiece ids.
         bos_token_id: Some(1.into()),
         eos_token_id: Some(2.into()),
+        quantization: None,
     };
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)

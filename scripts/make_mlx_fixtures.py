@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""MLX-quantized fixtures: testdata/mlx/.
+
+Quantizes the small Qwen3 model of testdata/chat/model with mlx-lm's
+`convert` (mlx's CPU backend on Linux, `pip install "mlx[cpu]" mlx-lm`) in
+several widths, group sizes and dtypes, one of them with mlx-lm's mixed
+3/6-bit recipe (per-module entries in config.json), and records what mlx
+computes from each, so `cargo test` checks anetrain against it without
+Python:
+
+  testdata/mlx/<variant>/config.json, model.safetensors(.index.json)
+      exactly as `mlx_lm.convert -q` writes them;
+  testdata/mlx/<variant>/expected.safetensors
+      `mx.dequantize` of two quantized matrices (f32); the logits of
+      mlx-lm's own model (its quantized matmuls, in the checkpoint's dtype)
+      on TOKENS, and of the same model dequantized and run in f32;
+  testdata/mlx/expected.json
+      the variants, the tokens and the versions.
+
+Run from the repository root: python3 scripts/make_mlx_fixtures.py
+"""
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm import load
+from mlx_lm.utils import dequantize_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCE = os.path.join(ROOT, "testdata", "chat", "model")
+OUT = os.path.join(ROOT, "testdata", "mlx")
+TOKENS = [1, 17, 42, 5, 99, 200, 7, 311, 64, 12, 150, 3, 77, 250, 8, 31]
+# name: (bits, group size, dtype, recipe)
+VARIANTS = {
+    "q4-g32-f32": (4, 32, "float32", None),
+    "q8-g64-f32": (8, 64, "float32", None),
+    "q3-g32-bf16": (3, 32, "bfloat16", None),
+    "q6-g64-bf16": (6, 64, "bfloat16", None),
+    "q2-g32-f16": (2, 32, "float16", None),
+    "mixed36-g32-bf16": (3, 32, "bfloat16", "mixed_3_6"),
+}
+# Matrices whose dequantized values are recorded (the embedding is the
+# head too: the model ties them).
+CHECKED = ["model.embed_tokens", "model.layers.1.mlp.down_proj"]
+
+
+def main():
+    shutil.rmtree(OUT, ignore_errors=True)
+    os.makedirs(OUT)
+    for name, (bits, group, dtype, recipe) in VARIANTS.items():
+        out = os.path.join(OUT, name)
+        cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", SOURCE]
+        cmd += ["--mlx-path", out, "-q", "--q-bits", str(bits), "--q-group-size", str(group)]
+        cmd += ["--dtype", dtype]
+        if recipe:
+            cmd += ["--quant-predicate", recipe]
+        subprocess.run(cmd, check=True, capture_output=True)
+        # Weights and config only: the tokenizer is testdata/chat/model's.
+        for f in os.listdir(out):
+            if f not in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+                os.remove(os.path.join(out, f))
+        weights = mx.load(os.path.join(out, "model.safetensors"))
+        config = json.load(open(os.path.join(out, "config.json")))
+        expected = {}
+        for module in CHECKED:
+            if f"{module}.scales" not in weights:
+                continue
+            spec = config["quantization"].get(module, config["quantization"])
+            w = mx.dequantize(
+                weights[f"{module}.weight"],
+                weights[f"{module}.scales"],
+                weights[f"{module}.biases"],
+                group_size=spec["group_size"],
+                bits=spec["bits"],
+            )
+            expected[f"{module}.dequantized"] = w.astype(mx.float32)
+        model, _ = load(out)
+        logits = model(mx.array([TOKENS]))[0]
+        expected["logits"] = logits.astype(mx.float32)
+        # The same model dequantized (mx.dequantize, in the checkpoint's
+        # dtype) and run in f32: what anetrain computes.
+        model = dequantize_model(model)
+        model.set_dtype(mx.float32)
+        expected["logits_f32"] = model(mx.array([TOKENS]))[0].astype(mx.float32)
+        mx.save_safetensors(os.path.join(out, "expected.safetensors"), expected)
+        print(name, {k: tuple(v.shape) for k, v in expected.items()})
+    versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
+    json.dump(
+        {"tokens": TOKENS, "variants": list(VARIANTS), "source": "testdata/chat/model", **versions},
+        open(os.path.join(OUT, "expected.json"), "w"),
+        indent=1,
+    )
+
+
+if __name__ == "__main__":
+    main()
