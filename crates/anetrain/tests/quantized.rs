@@ -182,3 +182,45 @@ fn quantizing_gives_the_words_mlx_lm_wrote() {
         assert!(quantized >= 8, "{v}: {quantized} modules quantized");
     }
 }
+
+/// The point of a quantized base: Qwen3-8B in 4 bits (mlx-community's
+/// Qwen3-8B-4bit shape: groups of 64, bf16 scales) with LoRA rank 16 and
+/// `--grad-checkpoint` plans within a 16 GB Mac's memory up to 2048 tokens
+/// on the Neural Engine path, its base counted at its quantized size (a
+/// plan estimate: no 8B run was measured here). The bf16 base alone would
+/// be 16.4 GB.
+#[test]
+fn an_8b_4bit_base_plans_within_16_gb() {
+    use anetrain::device::backend::Backend;
+    use anetrain::model::lora::LoraConfig;
+    use anetrain::model::source::ModelSource;
+    use anetrain::plan::memory::{MemoryOptions, RunPlan};
+    let path = root().join("configs/qwen3-8b-4bit.json");
+    let source = ModelSource::resolve(path.to_str().unwrap()).unwrap();
+    let lora = LoraConfig {
+        rank: 16,
+        alpha: 32.0,
+        dropout: 0.0,
+        targets: anetrain::model::Projection::ALL.to_vec(),
+        rslora: false,
+    };
+    let memory = MemoryOptions {
+        grad_checkpoint: true,
+        device_buffers: None,
+        max_memory: Some(16_000_000_000),
+    };
+    let run = RunPlan::new(&source, 2048, Some(&lora), Backend::AneSim, &memory).unwrap();
+    let base = run
+        .plan
+        .resident
+        .iter()
+        .find(|p| p.name == "base weights")
+        .unwrap()
+        .bytes;
+    eprintln!(
+        "Qwen3-8B 4-bit LoRA r16 at 2048: base {base}, peak {}",
+        run.plan.total
+    );
+    assert!(base < 5_000_000_000, "{base}");
+    assert!(run.plan.total < 16_000_000_000, "{}", run.plan.total);
+}

@@ -46,30 +46,52 @@ pub struct MergeArgs {
     pub force: bool,
 }
 
-/// `anetrain merge`: base + adapter → a plain model directory, its weights
-/// in the base's dtype unless told otherwise.
-pub fn merge(a: MergeArgs) -> Result<()> {
-    let (model, adapter, out) = (&a.model, &a.adapter, &a.out);
+/// Refuses `--out` when it is a file, or a directory that holds files and
+/// `force` is not given (`what`: the model written there).
+fn writable_dir(out: &Path, force: bool, what: &str) -> Result<()> {
     if out.is_file() {
         bail!(
-            "--out '{}' is a file; name a directory to write the merged model into",
+            "--out '{}' is a file; name a directory to write the {what} into",
             out.display()
         );
     }
     let occupied = std::fs::read_dir(out).is_ok_and(|mut d| d.next().is_some());
-    if occupied && !a.force {
+    if occupied && !force {
         bail!(
-            "'{}' already holds files; pass --force to write the merged model over them, or name a new directory",
+            "'{}' already holds files; pass --force to write the {what} over them, or name a new directory",
             out.display()
         );
     }
-    let dtype = match a.dtype.as_deref() {
-        Some("f16") => StoredDtype::F16,
-        Some("bf16") => StoredDtype::BF16,
-        Some(_) => StoredDtype::F32,
+    Ok(())
+}
+
+/// `--dtype f32|f16|bf16` (the parser admits no other).
+fn dtype_flag(v: Option<&str>) -> Option<StoredDtype> {
+    v.map(|d| match d {
+        "f16" => StoredDtype::F16,
+        "bf16" => StoredDtype::BF16,
+        _ => StoredDtype::F32,
+    })
+}
+
+/// `anetrain merge`: base + adapter → a plain model directory, its weights
+/// in the base's dtype unless told otherwise (a quantized base's: its
+/// scales' dtype).
+pub fn merge(a: MergeArgs) -> Result<()> {
+    let (model, adapter, out) = (&a.model, &a.adapter, &a.out);
+    writable_dir(out, a.force, "merged model")?;
+    let dtype = match dtype_flag(a.dtype.as_deref()) {
+        Some(d) => d,
         None => anetrain::plan::memory::file_dtype(model)?,
     };
     let merged = load_model(model, Some(adapter), true)?;
+    if let Some(q) = &merged.cfg.quantization {
+        eprintln!(
+            "note: the base is {}-bit quantized; the merged model is written dequantized ({}), and quantizing it again rounds the adapter's change with the base, which loses accuracy",
+            q.default.bits,
+            dtype.name()
+        );
+    }
     merged.save_as(out, dtype)?;
     let tok = model.join("tokenizer.json");
     if tok.is_file() {
@@ -82,6 +104,39 @@ pub fn merge(a: MergeArgs) -> Result<()> {
         model.display(),
         out.display(),
         dtype.name()
+    );
+    Ok(())
+}
+
+pub struct QuantizeArgs {
+    pub model: PathBuf,
+    pub out: PathBuf,
+    pub bits: u32,
+    pub group_size: usize,
+    pub dtype: Option<String>,
+    pub force: bool,
+}
+
+/// `anetrain quantize`: the model in MLX's affine format.
+pub fn quantize(a: QuantizeArgs) -> Result<()> {
+    writable_dir(&a.out, a.force, "quantized model")?;
+    let spec = anetrain::model::quant::QuantSpec::new(a.bits, a.group_size)?;
+    let w = anetrain::tools::quantize::quantize_dir(
+        &a.model,
+        &a.out,
+        spec,
+        dtype_flag(a.dtype.as_deref()),
+    )?;
+    println!(
+        "wrote {}: {} matrices in {}-bit groups of {} ({} scales), {} left as they were, {}; mlx-lm loads it (`mlx_lm.generate --model {}`), and anetrain trains LoRA on it",
+        a.out.display(),
+        w.quantized,
+        a.bits,
+        a.group_size,
+        w.dtype.name(),
+        w.kept,
+        anetrain::plan::memory::size(w.bytes as u64),
+        a.out.display()
     );
     Ok(())
 }

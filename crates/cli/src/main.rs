@@ -205,6 +205,30 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+    /// Quantize a model as `mlx_lm.convert -q` does (MLX's affine format:
+    /// mlx-lm runs it; anetrain fine-tunes LoRA adapters on it, with the
+    /// base staying at its quantized size).
+    Quantize {
+        /// The model: a directory or a Hub id ORG/NAME[@REVISION].
+        #[arg(long)]
+        model: PathBuf,
+        /// Bits per weight: 2, 3, 4, 5, 6 or 8.
+        #[arg(long, default_value_t = 4)]
+        bits: u32,
+        /// Weights per group, each with its own scale and bias: 32, 64 or 128.
+        #[arg(long, alias = "q-group-size", default_value_t = 64)]
+        group_size: usize,
+        /// dtype of the scales, biases and unquantized tensors [default:
+        /// the model's].
+        #[arg(long, value_parser = ["f32", "f16", "bf16"])]
+        dtype: Option<String>,
+        /// Output model directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Write into --out even if it already holds files.
+        #[arg(long)]
+        force: bool,
+    },
     /// Write a model for other runtimes (llama.cpp, Ollama, LM Studio).
     Export {
         #[command(subcommand)]
@@ -698,6 +722,21 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 force,
             )?
         }
+        Command::Quantize {
+            model,
+            bits,
+            group_size,
+            dtype,
+            out,
+            force,
+        } => cmd_model::quantize(cmd_model::QuantizeArgs {
+            model: hub::resolve_path(&model, hub::Need::Model)?,
+            out,
+            bits,
+            group_size,
+            dtype,
+            force,
+        })?,
         Command::Plot { run, out } => {
             let out = out.unwrap_or_else(|| run.join("loss.png"));
             plot::plot(&run, &out)?;

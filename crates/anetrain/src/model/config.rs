@@ -52,9 +52,12 @@ pub const PRESETS: &[&str] = &[
     "tiny",
 ];
 
-/// Upper bound on parameters we agree to allocate (f32 weights + grads +
-/// AdamW state is 16 bytes per parameter): 8 billion.
-const MAX_PARAMS: u128 = 8_000_000_000;
+/// Upper bound on the parameters a configuration may describe: 16
+/// billion, a guard against corrupt configs (the 8B models, 8.0–8.2
+/// billion, are within it). What a run can hold is the memory plan's to
+/// say: full training needs 16 bytes a parameter, a LoRA base its
+/// file's size, a 4-bit one about 0.56 bytes a parameter.
+const MAX_PARAMS: u128 = 16_000_000_000;
 
 /// A Hugging Face `config.json`, as far as anetrain reads it (other keys
 /// are ignored). [`ModelConfig::from_json`] turns it into a [`ModelConfig`]

@@ -147,6 +147,30 @@ impl Quantization {
     }
 }
 
+impl Quantization {
+    /// Bytes of a configuration's matrices stored with this quantization:
+    /// packed words plus a scale and a bias per group, in `dtype`; a matrix
+    /// it leaves unquantized (listed as such, or too narrow for its
+    /// groups) in `dtype`.
+    pub fn matrix_bytes(&self, cfg: &crate::model::config::ModelConfig, dtype: StoredDtype) -> u64 {
+        let b = dtype.bytes() as u64;
+        crate::model::matrix_shapes(cfg)
+            .iter()
+            .map(|(name, rows, cols)| {
+                let (rows, cols) = (*rows as u64, *cols as u64);
+                let module = name.strip_suffix(".weight").unwrap_or(name);
+                match self.of(module).filter(|s| s.fits(cols as usize)) {
+                    Some(s) => {
+                        rows * cols * s.bits as u64 / 8
+                            + 2 * rows * (cols / s.group_size as u64) * b
+                    }
+                    None => rows * cols * b,
+                }
+            })
+            .sum()
+    }
+}
+
 /// A matrix quantized: `packed` `[rows, words(cols)]`, `scales` and
 /// `biases` `[rows, cols/group_size]` (values of the checkpoint's dtype).
 #[derive(Clone, Debug, PartialEq)]

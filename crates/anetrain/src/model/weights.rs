@@ -30,6 +30,17 @@ pub struct Model {
     pub lora: Option<Lora>,
 }
 
+/// The matrices a configuration implies, as `(name, rows, cols)`: the
+/// embedding, every layer's projections and an untied head.
+pub fn matrix_shapes(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
+    layout(cfg)
+        .params
+        .into_iter()
+        .filter(|p| p.shape.len() == 2)
+        .map(|p| (p.name, p.shape[0], p.shape[1]))
+        .collect()
+}
+
 /// The parameter list (names and shapes) a configuration implies.
 fn layout(cfg: &ModelConfig) -> Model {
     let (d, h, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);

@@ -262,13 +262,25 @@ fn resident_parts(r: &PlanRequest) -> Vec<Part> {
             bytes: params * 4,
             detail: format!("{params} parameters in f32"),
         },
-        BaseWeights::Mapped(dt) => Part {
-            name: "base weights",
-            bytes: (params * 4 - norms) / 4 * dt.bytes() as u64 + norms,
-            detail: format!(
-                "{params} parameters, {} memory-mapped from the file",
-                dt.name()
-            ),
+        BaseWeights::Mapped(dt) => match &cfg.quantization {
+            Some(q) => Part {
+                name: "base weights",
+                bytes: q.matrix_bytes(cfg, dt) + norms,
+                detail: format!(
+                    "{params} parameters, {}-bit MLX quantized (groups of {}, {} scales), memory-mapped from the file",
+                    q.default.bits,
+                    q.default.group_size,
+                    dt.name()
+                ),
+            },
+            None => Part {
+                name: "base weights",
+                bytes: (params * 4 - norms) / 4 * dt.bytes() as u64 + norms,
+                detail: format!(
+                    "{params} parameters, {} memory-mapped from the file",
+                    dt.name()
+                ),
+            },
         },
     });
     let trainable = match r.lora {

@@ -153,6 +153,12 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
     let s = &r.settings;
     validate(s, r)?;
     let source = ModelSource::resolve(&s.model)?;
+    if source.config.quantization.is_some() && s.lora.is_none() {
+        bail!(
+            "'{}' is quantized: a quantized base trains LoRA adapters only (add --lora-rank R); full fine-tuning needs the unquantized weights",
+            s.model
+        );
+    }
     if s.seq > source.config.max_position_embeddings {
         bail!(
             "--seq {} exceeds the model's max_position_embeddings ({})",

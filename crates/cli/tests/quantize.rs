@@ -1,0 +1,201 @@
+//! `anetrain quantize` and quantized bases through the binary: the files
+//! mlx-lm's `convert -q` writes (testdata/mlx, `scripts/make_mlx_fixtures.py`),
+//! LoRA on them on both engines, and what is refused.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anetrain::model::tensor_file::{self, Mapped};
+use common::{bin, one_line_error, tmp};
+
+fn testdata(p: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata")
+        .join(p)
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Every tensor of a safetensors file as its dtype's name, shape and raw
+/// bytes.
+fn tensors(path: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    tensor_file::map(path)
+        .unwrap()
+        .into_iter()
+        .map(|(name, t)| {
+            let entry = match t {
+                Mapped::Values(shape, st) => {
+                    let bytes = st.file_bytes();
+                    let raw = st.map[st.start..st.start + bytes].to_vec();
+                    (st.dtype.name().to_string(), shape, raw)
+                }
+                Mapped::Words(shape, map, start) => {
+                    let n = shape.iter().product::<usize>() * 4;
+                    ("u32".to_string(), shape, map[start..start + n].to_vec())
+                }
+            };
+            (name, entry)
+        })
+        .collect()
+}
+
+/// The same tensors, byte for byte, as `mlx_lm.convert -q` wrote for the
+/// same source, widths and dtypes; the config says how.
+#[test]
+fn quantize_writes_what_mlx_lm_writes() {
+    let t = tmp();
+    for (variant, bits, group, dtype) in [
+        ("q4-g32-f32", "4", "32", "f32"),
+        ("q3-g32-bf16", "3", "32", "bf16"),
+    ] {
+        let out = t.path().join(variant);
+        let o = bin()
+            .args(["quantize", "--model", s(&testdata("chat/model"))])
+            .args([
+                "--bits",
+                bits,
+                "--group-size",
+                group,
+                "--dtype",
+                dtype,
+                "--out",
+                s(&out),
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let ours = tensors(&out.join("model.safetensors"));
+        let theirs = tensors(&testdata(&format!("mlx/{variant}/model.safetensors")));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            theirs.keys().collect::<Vec<_>>()
+        );
+        for (name, t) in &theirs {
+            assert!(ours[name] == *t, "{variant} {name} differs from mlx-lm's");
+        }
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(cfg["quantization"]["bits"], bits.parse::<u32>().unwrap());
+        assert_eq!(cfg["quantization_config"], cfg["quantization"]);
+    }
+    // Over files, already quantized, a width mlx lacks: one line each.
+    let out = t.path().join("q4-g32-f32");
+    let quantize = |model: &Path, extra: &[&str]| {
+        bin()
+            .args(["quantize", "--model", s(model), "--out", s(&out)])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    one_line_error(
+        &quantize(&testdata("chat/model"), &[]),
+        "over files",
+        &["already holds files", "--force"],
+    );
+    one_line_error(
+        &quantize(&out, &["--force"]),
+        "quantized twice",
+        &["already quantized"],
+    );
+    one_line_error(
+        &quantize(&testdata("chat/model"), &["--force", "--bits", "7"]),
+        "7 bits",
+        &["7-bit", "2, 3, 4, 5, 6 or 8"],
+    );
+}
+
+/// LoRA trains on a quantized base on the CPU engine and the simulated
+/// Neural Engine, and their losses agree; full fine-tuning is refused;
+/// `merge` writes the dequantized base in its scales' dtype and says that
+/// quantizing it again loses accuracy.
+#[test]
+fn lora_trains_on_a_quantized_base() {
+    let t = tmp();
+    let base = testdata("mlx/q4-g32-f32");
+    let tok = testdata("chat/model/tokenizer.json");
+    let data = testdata("chat/data/chat");
+    let train = |backend: &str, out: &Path, extra: &[&str]| {
+        bin()
+            .args([
+                "train",
+                "--model",
+                s(&base),
+                "--tokenizer",
+                s(&tok),
+                "--data",
+                s(&data),
+            ])
+            .args([
+                "--steps",
+                "4",
+                "--seq",
+                "64",
+                "--eval-every",
+                "0",
+                "--backend",
+                backend,
+            ])
+            .args(["--out", s(out)])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let losses = |out: &Path| -> Vec<f64> {
+        common::records(out)
+            .iter()
+            .filter_map(|r| r["loss"].as_f64())
+            .collect()
+    };
+    let (cpu, sim) = (t.path().join("cpu"), t.path().join("sim"));
+    for (backend, out) in [("cpu", &cpu), ("ane-sim", &sim)] {
+        let o = train(backend, out, &["--lora-rank", "4", "--lr", "1e-2"]);
+        assert!(
+            o.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let (a, b) = (losses(&cpu), losses(&sim));
+    assert_eq!(a.len(), 4);
+    for (x, y) in a.iter().zip(&b) {
+        assert!(
+            (x - y).abs() <= 2e-2 * x.abs(),
+            "cpu {a:?} vs ane-sim {b:?}"
+        );
+    }
+    assert!(a[3] < a[0], "{a:?}");
+    one_line_error(
+        &train("cpu", &t.path().join("full"), &[]),
+        "full fine-tuning",
+        &["quantized", "--lora-rank"],
+    );
+    let merged = t.path().join("merged");
+    let o = bin()
+        .args([
+            "merge",
+            "--model",
+            s(&base),
+            "--adapter",
+            s(&cpu),
+            "--out",
+            s(&merged),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("4-bit quantized") && err.contains("loses accuracy"),
+        "{err}"
+    );
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(merged.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["torch_dtype"], "float32");
+    assert!(cfg.get("quantization").is_none(), "{cfg}");
+}
