@@ -224,3 +224,40 @@ fn an_8b_4bit_base_plans_within_16_gb() {
     assert!(base < 5_000_000_000, "{base}");
     assert!(run.plan.total < 16_000_000_000, "{}", run.plan.total);
 }
+
+/// An adapter trained by mlx-lm (`mlx_lm.lora` on the 4-bit base, every
+/// layer, rank 8, scale 20; `scripts/make_mlx_adapter_fixture.py`) loads
+/// from mlx-lm's layout, and the model with it gives mlx-lm's logits to f32
+/// rounding (1e-5 of the range).
+#[test]
+fn an_mlx_lm_adapter_gives_mlx_lms_logits() {
+    let tokens: Vec<u32> = expected()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let dir = root().join("mlx/adapter");
+    let mut model = Model::load_frozen(&root().join("mlx/q4-g32-f32")).unwrap();
+    let lora = anetrain::model::lora::Lora::load(&model.cfg, &dir).unwrap();
+    assert_eq!(lora.cfg.rank, 8);
+    assert!(
+        (lora.cfg.scale() - 20.0).abs() < 1e-12,
+        "{}",
+        lora.cfg.scale()
+    );
+    model.lora = Some(lora);
+    let want = &tensor_file::read(&dir.join("expected.safetensors")).unwrap()["logits"];
+    let mut eng = Engine::cpu(&model);
+    let fwd = eng.forward(&model, &tokens, None).unwrap();
+    let got = eng.logits(&model, &fwd.xf).unwrap();
+    let rel = common::max_diff(&got, &want.data) / common::max_abs(&want.data);
+    eprintln!("mlx-lm adapter: logits vs mlx-lm {rel:.2e}");
+    assert!(rel <= 1e-5, "{rel:e}");
+    // Its adapters do change the logits: the comparison can fail.
+    model.lora = None;
+    let mut eng = Engine::cpu(&model);
+    let fwd = eng.forward(&model, &tokens, None).unwrap();
+    let plain = eng.logits(&model, &fwd.xf).unwrap();
+    assert!(common::max_diff(&plain, &want.data) / common::max_abs(&want.data) > 1e-3);
+}

@@ -245,7 +245,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let lora = match &a.init_adapter {
         Some(dir) => {
             crate::base_check::check(Path::new(&a.model), Some(dir), a.any_base)?;
-            Some(Lora::read_config(&dir.join("adapter_config.json"))?)
+            let cfg =
+                ModelConfig::resolve(&crate::hub::resolve(&a.model, crate::hub::Need::Config)?)?;
+            Some(Lora::config_of(&cfg, dir)?)
         }
         None => a.lora_rank.map(|rank| LoraConfig {
             rank,

@@ -169,6 +169,22 @@ fn lora_trains_on_a_quantized_base() {
         );
     }
     assert!(a[3] < a[0], "{a:?}");
+    // The run is mlx-lm's adapter too; mlx-lm's adapter continues here.
+    assert!(cpu.join("adapters.safetensors").is_file());
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cpu.join("adapter_config.json")).unwrap())
+            .unwrap();
+    assert_eq!(cfg["lora_parameters"]["rank"], 4);
+    assert_eq!(cfg["lora_parameters"]["scale"], 2.0);
+    let mlx = testdata("mlx/adapter");
+    let o = train("cpu", &t.path().join("more"), &["--init-adapter", s(&mlx)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let more: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(t.path().join("more/adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(more["r"], 8);
+    assert_eq!(more["lora_parameters"]["scale"], 20.0);
     one_line_error(
         &train("cpu", &t.path().join("full"), &[]),
         "full fine-tuning",

@@ -143,6 +143,22 @@ pub struct Lora {
 }
 
 /// PEFT's key for layer `i`, target `t`, matrix `ab` ("A" or "B").
+/// mlx-lm's name for a PEFT adapter tensor (`…q_proj.lora_A.weight` →
+/// `model.layers.N.self_attn.q_proj.lora_a`).
+fn mlx_key(peft: &str) -> String {
+    peft.trim_start_matches("base_model.model.")
+        .replace(".lora_A.weight", ".lora_a")
+        .replace(".lora_B.weight", ".lora_b")
+}
+
+/// The PEFT name of mlx-lm's adapter tensor `name`.
+fn peft_from_mlx(name: &str) -> String {
+    let peft = name
+        .replace(".lora_a", ".lora_A.weight")
+        .replace(".lora_b", ".lora_B.weight");
+    format!("base_model.model.{peft}")
+}
+
 fn peft_key(i: usize, t: Projection, ab: &str) -> String {
     format!(
         "base_model.model.model.layers.{i}.{}.lora_{ab}.weight",
@@ -238,7 +254,145 @@ impl Lora {
             "layers_to_transform": null,
             "rank_pattern": {},
             "alpha_pattern": {},
+            // mlx-lm reads the same file for its own keys (and PEFT warns
+            // of them and goes on): the layers, and the branch's
+            // multiplier as `scale` (PEFT's α/r, not α).
+            "fine_tune_type": "lora",
+            "num_layers": self.slots.len(),
+            "lora_parameters": {
+                "rank": self.cfg.rank,
+                "scale": self.cfg.scale(),
+                "dropout": self.cfg.dropout,
+                "keys": self.cfg.targets.iter().map(|t| t.path()).collect::<Vec<_>>(),
+            },
         })
+    }
+
+    /// `adapters.safetensors` as mlx-lm reads it (mlx-lm 0.32
+    /// `tuner/lora.py` `LoRALinear`: y = W·x + scale·(x·A)·B, with A
+    /// `[in, r]` and B `[r, out]`): our A and B transposed, under the
+    /// model's own module paths (`model.layers.N.self_attn.q_proj.lora_a`).
+    pub fn mlx_safetensors_bytes(&self) -> Result<Vec<u8>> {
+        let mut named = Vec::new();
+        for p in &self.params {
+            let (rows, cols) = (p.shape[0], p.shape[1]);
+            let mut t = vec![0f32; p.data.len()];
+            for r in 0..rows {
+                for c in 0..cols {
+                    t[c * rows + r] = p.data[r * cols + c];
+                }
+            }
+            named.push((mlx_key(&p.name), vec![cols, rows], t));
+        }
+        let tensors: Vec<(&str, &[usize], &[f32])> = named
+            .iter()
+            .map(|(n, s, d)| (n.as_str(), s.as_slice(), d.as_slice()))
+            .collect();
+        tensor_file::encode(&tensors, &[("format", "mlx")])
+    }
+
+    /// Whether `dir` holds an adapter as mlx-lm writes it
+    /// (`adapters.safetensors`) and not PEFT's.
+    fn is_mlx(dir: &Path) -> bool {
+        !dir.join("adapter_model.safetensors").is_file()
+            && dir.join("adapters.safetensors").is_file()
+    }
+
+    /// The configuration of the adapter in `dir`, PEFT's or mlx-lm's.
+    pub fn config_of(model: &ModelConfig, dir: &Path) -> Result<LoraConfig> {
+        if !dir.is_dir() {
+            bail!("adapter directory '{}' does not exist", dir.display());
+        }
+        match Lora::is_mlx(dir) {
+            true => Lora::read_mlx_config(model, dir),
+            false => Lora::read_config(&dir.join("adapter_config.json")),
+        }
+    }
+
+    /// mlx-lm's `adapter_config.json` (`fine_tune_type`, `num_layers`,
+    /// `lora_parameters`) as a configuration of ours.
+    fn read_mlx_config(model: &ModelConfig, dir: &Path) -> Result<LoraConfig> {
+        let path = dir.join("adapter_config.json");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read '{}'", path.display()))?;
+        let bad = |what: &str| anyhow::anyhow!("'{}': {what}", path.display());
+        let j: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(&format!("not JSON: {e}")))?;
+        match j["fine_tune_type"].as_str().unwrap_or("lora") {
+            "lora" => {}
+            other => {
+                return Err(bad(&format!(
+                    "fine_tune_type '{other}' is not read; LoRA adapters are"
+                )))
+            }
+        }
+        // mlx-lm adapts the last `num_layers` layers (all of them when it
+        // is -1 or the layer count or more).
+        let layers = j["num_layers"].as_i64().unwrap_or(-1);
+        if layers >= 0 && (layers as usize) < model.num_hidden_layers {
+            return Err(bad(&format!(
+                "adapters on the last {layers} of {} layers are not read; anetrain adapts every layer (mlx_lm.lora --num-layers -1)",
+                model.num_hidden_layers
+            )));
+        }
+        let l = &j["lora_parameters"];
+        let rank = l["rank"]
+            .as_u64()
+            .ok_or_else(|| bad("lora_parameters.rank is missing"))? as usize;
+        let scale = l["scale"]
+            .as_f64()
+            .ok_or_else(|| bad("lora_parameters.scale is missing"))?;
+        let keys: Vec<String> = match l["keys"].as_array() {
+            Some(k) => k
+                .iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect(),
+            None => Projection::ALL
+                .iter()
+                .map(|t| t.path().to_string())
+                .collect(),
+        };
+        let mut targets = Vec::new();
+        for k in &keys {
+            let t = Projection::ALL.iter().find(|t| t.path() == k).ok_or_else(|| {
+                bad(&format!("unsupported LoRA key '{k}' (supported: the seven projections, such as self_attn.q_proj)"))
+            })?;
+            targets.push(*t);
+        }
+        let cfg = LoraConfig {
+            rank,
+            alpha: scale * rank as f64,
+            dropout: l["dropout"].as_f64().unwrap_or(0.0),
+            targets,
+            rslora: false,
+        };
+        cfg.validate().map_err(|e| bad(&e.to_string()))?;
+        Ok(cfg)
+    }
+
+    /// An adapter directory as mlx-lm writes it (`adapters.safetensors`,
+    /// `adapter_config.json` with `lora_parameters`), on every layer.
+    fn load_mlx(model: &ModelConfig, dir: &Path) -> Result<Lora> {
+        let cfg = Lora::read_mlx_config(model, dir)?;
+        let file = dir.join("adapters.safetensors");
+        let mut found = BTreeMap::new();
+        for (name, t) in tensor_file::read(&file)? {
+            // mlx-lm's [in, r] and [r, out], back to PEFT's [r, in] and [out, r].
+            let (rows, cols) = (t.shape[0], t.shape.get(1).copied().unwrap_or(1));
+            let mut data = vec![0f32; t.data.len()];
+            for r in 0..rows {
+                for c in 0..cols {
+                    data[c * rows + r] = t.data[r * cols + c];
+                }
+            }
+            let tensor = tensor_file::Tensor {
+                shape: vec![cols, rows],
+                dtype: t.dtype,
+                data,
+            };
+            found.insert(peft_from_mlx(&name), tensor);
+        }
+        Lora::from_tensors(model, cfg, found, &file.display().to_string())
     }
 
     /// `adapter_model.safetensors` bytes (f32); refuses non-finite values.
@@ -262,6 +416,10 @@ impl Lora {
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
         let bytes = self.safetensors_bytes()?;
         write_atomic(&dir.join("adapter_model.safetensors"), &bytes)?;
+        write_atomic(
+            &dir.join("adapters.safetensors"),
+            &self.mlx_safetensors_bytes()?,
+        )?;
         let cfg = serde_json::to_string_pretty(&self.peft_config(base_model))?;
         write_atomic(&dir.join("adapter_config.json"), cfg.as_bytes())
     }
@@ -339,8 +497,11 @@ impl Lora {
         if !dir.is_dir() {
             bail!("adapter directory '{}' does not exist", dir.display());
         }
-        let cfg = Lora::read_config(&dir.join("adapter_config.json"))?;
         let file = dir.join("adapter_model.safetensors");
+        if Lora::is_mlx(dir) {
+            return Lora::load_mlx(model, dir);
+        }
+        let cfg = Lora::read_config(&dir.join("adapter_config.json"))?;
         let found = tensor_file::read(&file)?;
         Lora::from_tensors(model, cfg, found, &file.display().to_string())
     }

@@ -151,7 +151,8 @@ pub static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// Refuses non-finite weights (a NaN never reaches a checkpoint).
 ///
 /// With LoRA only the adapters are checkpointed, and the top level is a
-/// PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`).
+/// PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`)
+/// that is also mlx-lm's (`adapters.safetensors`, its keys in the config).
 pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> Result<()> {
     let _saving = SAVING.lock().unwrap_or_else(|e| e.into_inner());
     for p in model.trainable() {
@@ -216,6 +217,11 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
                 out,
                 &dir.join(&state.model_file),
                 "adapter_model.safetensors",
+            )?;
+            // The same adapter as mlx-lm reads it, beside PEFT's.
+            write_atomic(
+                &out.join("adapters.safetensors"),
+                &lora.mlx_safetensors_bytes()?,
             )?;
             write_atomic(
                 &out.join("adapter_config.json"),
