@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """MLX-quantized fixtures: testdata/mlx/.
 
-Quantizes the small Qwen3 model of testdata/chat/model with mlx-lm's
-`convert` (mlx's CPU backend on Linux, `pip install "mlx[cpu]" mlx-lm`) in
-several widths, group sizes and dtypes, one of them with mlx-lm's mixed
-3/6-bit recipe (per-module entries in config.json), and records what mlx
-computes from each, so `cargo test` checks anetrain against it without
-Python:
+Quantizes the small Qwen3 model of testdata/chat/model (tied head, f32)
+and a small random Llama made here (untied head, bf16:
+testdata/mlx/llama-source) with mlx-lm's `convert` (mlx's CPU backend on
+Linux, `pip install "mlx[cpu]" mlx-lm`) in several widths, group sizes and
+dtypes, one of them with mlx-lm's mixed 3/6-bit recipe (per-module entries
+in config.json), and records what mlx computes from each, so `cargo test`
+checks anetrain against it without Python:
 
   testdata/mlx/<variant>/config.json, model.safetensors(.index.json)
       exactly as `mlx_lm.convert -q` writes them;
@@ -26,36 +27,71 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm import load
-from mlx_lm.utils import dequantize_model
+from mlx_lm.utils import dequantize_model, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE = os.path.join(ROOT, "testdata", "chat", "model")
 OUT = os.path.join(ROOT, "testdata", "mlx")
 TOKENS = [1, 17, 42, 5, 99, 200, 7, 311, 64, 12, 150, 3, 77, 250, 8, 31]
-# name: (bits, group size, dtype, recipe)
+LLAMA = os.path.join(OUT, "llama-source")
+# name: (source, bits, group size, dtype, recipe). The Qwen3 source ties
+# its head to the embedding; the Llama one (bf16, made here) does not.
 VARIANTS = {
-    "q4-g32-f32": (4, 32, "float32", None),
-    "q8-g64-f32": (8, 64, "float32", None),
-    "q3-g32-bf16": (3, 32, "bfloat16", None),
-    "q6-g64-bf16": (6, 64, "bfloat16", None),
-    "q2-g32-f16": (2, 32, "float16", None),
-    "mixed36-g32-bf16": (3, 32, "bfloat16", "mixed_3_6"),
+    "q4-g32-f32": (SOURCE, 4, 32, "float32", None),
+    "q8-g64-f32": (SOURCE, 8, 64, "float32", None),
+    "q4-g64-bf16": (SOURCE, 4, 64, "bfloat16", None),
+    "q8-g32-f32": (SOURCE, 8, 32, "float32", None),
+    "q3-g32-bf16": (SOURCE, 3, 32, "bfloat16", None),
+    "q6-g64-bf16": (SOURCE, 6, 64, "bfloat16", None),
+    "q2-g32-f16": (SOURCE, 2, 32, "float16", None),
+    "mixed36-g32-bf16": (SOURCE, 3, 32, "bfloat16", "mixed_3_6"),
+    "llama-q4-g64-bf16": (LLAMA, 4, 64, "bfloat16", None),
+    "llama-q8-g32-bf16": (LLAMA, 8, 32, "bfloat16", None),
 }
+
+
+def make_llama(path):
+    """A small random Llama with an untied head, saved in bf16 by
+    transformers (the dtype Hub checkpoints are published in)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.2,
+    )
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in os.listdir(path):
+        if f not in ("config.json", "model.safetensors"):
+            os.remove(os.path.join(path, f))
+    # mlx-lm loads a tokenizer with any model: the Qwen3 model's (same
+    # vocabulary size).
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(SOURCE, f), path)
 # Matrices whose dequantized values are recorded (the embedding is the
 # head too: the model ties them).
-CHECKED = ["model.embed_tokens", "model.layers.1.mlp.down_proj"]
+CHECKED = ["model.embed_tokens", "model.layers.1.mlp.down_proj", "lm_head"]
 
 
 def main():
-    shutil.rmtree(OUT, ignore_errors=True)
-    os.makedirs(OUT)
-    for name, (bits, group, dtype, recipe) in VARIANTS.items():
+    for d in os.listdir(OUT) if os.path.isdir(OUT) else []:
+        if d != "adapter":  # scripts/make_mlx_adapter_fixture.py's
+            shutil.rmtree(os.path.join(OUT, d), ignore_errors=True)
+    os.makedirs(OUT, exist_ok=True)
+    make_llama(LLAMA)
+    sources = {}
+    for name, (source, bits, group, dtype, recipe) in VARIANTS.items():
         out = os.path.join(OUT, name)
-        cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", SOURCE]
+        sources[name] = os.path.relpath(source, os.path.join(ROOT, "testdata"))
+        cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", source]
         cmd += ["--mlx-path", out, "-q", "--q-bits", str(bits), "--q-group-size", str(group)]
         cmd += ["--dtype", dtype]
         if recipe:
@@ -80,7 +116,7 @@ def main():
                 bits=spec["bits"],
             )
             expected[f"{module}.dequantized"] = w.astype(mx.float32)
-        model, _ = load(out)
+        model, _ = load_model(Path(out))
         logits = model(mx.array([TOKENS]))[0]
         expected["logits"] = logits.astype(mx.float32)
         # The same model dequantized (mx.dequantize, in the checkpoint's
@@ -92,7 +128,7 @@ def main():
         print(name, {k: tuple(v.shape) for k, v in expected.items()})
     versions = {p: importlib.metadata.version(p) for p in ("mlx", "mlx-lm")}
     json.dump(
-        {"tokens": TOKENS, "variants": list(VARIANTS), "source": "testdata/chat/model", **versions},
+        {"tokens": TOKENS, "variants": list(VARIANTS), "sources": sources, **versions},
         open(os.path.join(OUT, "expected.json"), "w"),
         indent=1,
     )
