@@ -279,3 +279,47 @@ fn an_mlx_lm_adapter_gives_mlx_lms_logits() {
     let plain = eng.logits(&model, &fwd.xf).unwrap();
     assert!(common::max_diff(&plain, &want.data) / common::max_abs(&want.data) > 1e-3);
 }
+
+/// `--quantize-base` on a bf16 checkpoint (the fixture Llama): the frozen
+/// matrices quantized in memory are the very words, scales and biases
+/// `mlx_lm.convert -q` wrote for it (4-bit groups of 64, 8-bit groups of
+/// 32), and dequantize as they do.
+#[test]
+fn quantizing_on_load_gives_mlx_lms_base() {
+    use anetrain::model::quant::QuantSpec;
+    let source = root().join("mlx/llama-source");
+    for (v, bits, group) in [("llama-q4-g64-bf16", 4, 64), ("llama-q8-g32-bf16", 8, 32)] {
+        let mut ours = Model::load_frozen(&source).unwrap();
+        ours.quantize_frozen(QuantSpec::new(bits, group).unwrap())
+            .unwrap();
+        let theirs = Model::load_frozen(&root().join("mlx").join(v)).unwrap();
+        let mut quantized = 0;
+        for (a, b) in ours.params.iter().zip(&theirs.params) {
+            assert_eq!(a.name, b.name);
+            let (Some(sa), Some(sb)) = (&a.stored, &b.stored) else {
+                assert_eq!(a.data, b.data, "{v} {}", a.name);
+                continue;
+            };
+            assert_eq!(sa.affine.is_some(), sb.affine.is_some(), "{v} {}", a.name);
+            if let (Some(qa), Some(qb)) = (&sa.affine, &sb.affine) {
+                assert_eq!(qa.spec, qb.spec, "{v} {}", a.name);
+                let bytes = sa.file_bytes() - qa.scales.file_bytes() - qa.biases.file_bytes();
+                assert!(
+                    sa.map[sa.start..sa.start + bytes] == sb.map[sb.start..sb.start + bytes],
+                    "{v} {}: words",
+                    a.name
+                );
+                quantized += 1;
+            }
+            assert!(a.values() == b.values(), "{v} {}: values", a.name);
+        }
+        assert_eq!(quantized, 16, "{v}");
+        assert_eq!(
+            ours.cfg.quantization,
+            theirs.cfg.quantization.map(|mut q| {
+                q.modules.clear();
+                q
+            })
+        );
+    }
+}

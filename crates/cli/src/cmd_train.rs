@@ -171,6 +171,20 @@ pub struct TrainArgs {
         help_heading = "LoRA"
     )]
     lora_targets: Vec<Projection>,
+    /// Quantize the frozen base to this many bits as it loads (MLX's affine
+    /// format, as `anetrain quantize` writes it: 2, 3, 4, 5, 6 or 8), so a
+    /// bf16 base trains LoRA at a quarter of its size or less (QLoRA).
+    #[arg(long, value_name = "BITS", help_heading = "LoRA")]
+    quantize_base: Option<u32>,
+    /// Weights per quantization group with --quantize-base: 32, 64 or 128.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 64,
+        requires = "quantize_base",
+        help_heading = "LoRA"
+    )]
+    q_group_size: usize,
     /// Start LoRA from this adapter directory (a LoRA run, or any PEFT
     /// adapter of --model) instead of fresh adapters: its rank, α,
     /// dropout and projections, its weights as step 0. The adapter must
@@ -285,6 +299,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_windows: a.eval_windows,
         lora,
         init_adapter: a.init_adapter.as_deref().map(absolute).transpose()?,
+        quantize_base: a
+            .quantize_base
+            .map(|b| anetrain::model::quant::QuantSpec::new(b, a.q_group_size))
+            .transpose()?,
         mask_prompt: a.records.mask_prompt,
         keys: a.records.keys(),
         loss_scale: a.loss_scale,

@@ -108,6 +108,50 @@ impl Stored {
         &self.map[self.start + range.start * b..self.start + range.end * b]
     }
 
+    /// A tensor held in memory of its own (an anonymous mapping) rather
+    /// than a file's: `bytes` hold `len` values of `dtype`, or a quantized
+    /// matrix's words when `affine` says so.
+    pub fn owned(
+        bytes: &[u8],
+        len: usize,
+        dtype: StoredDtype,
+        affine: Option<Affine>,
+    ) -> std::io::Result<Stored> {
+        let mut map = memmap2::MmapMut::map_anon(bytes.len().max(1))?;
+        map[..bytes.len()].copy_from_slice(bytes);
+        Ok(Stored {
+            map: Arc::new(map.make_read_only()?),
+            start: 0,
+            len,
+            dtype,
+            affine: affine.map(Arc::new),
+        })
+    }
+
+    /// Gives this tensor's pages back to the kernel: a file's are clean
+    /// and read again from the file if touched.
+    pub fn release(&self) {
+        let page = 4096;
+        let bytes = match &self.affine {
+            Some(a) => self.len / a.cols * a.spec.words(a.cols) * 4,
+            None => self.len * self.dtype.bytes(),
+        };
+        let (lo, hi) = (
+            self.start.div_ceil(page) * page,
+            (self.start + bytes) / page * page,
+        );
+        if hi > lo {
+            // SAFETY: every mapping here is read-only; dropping pages of a
+            // file mapping makes later reads fetch the same contents from
+            // the file (and an anonymous one is released only when its
+            // tensor is replaced). No reference into the range is held.
+            let _ = unsafe {
+                self.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo)
+            };
+        }
+    }
+
     /// Element `i` in f32 (of a float tensor).
     fn get(&self, i: usize) -> f32 {
         let mut v = [0f32];

@@ -189,6 +189,46 @@ pub fn round_to(v: f32, dtype: StoredDtype) -> f32 {
     }
 }
 
+/// f32 values (already values of `dtype`) as `dtype`'s bytes.
+pub fn encode(values: &[f32], dtype: StoredDtype) -> Vec<u8> {
+    match dtype {
+        StoredDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        StoredDtype::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        StoredDtype::BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// A frozen matrix (`[rows, cols]`, values of `dtype`) quantized into a
+/// stored tensor of its own memory, read as any quantized base's.
+pub fn quantized_stored(
+    values: &[f32],
+    cols: usize,
+    spec: QuantSpec,
+    dtype: StoredDtype,
+) -> std::io::Result<crate::model::params::Stored> {
+    use crate::model::params::{Affine, Stored};
+    let q = quantize(values, cols, spec, dtype);
+    let words: Vec<u8> = q.packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let groups = q.scales.len();
+    Stored::owned(
+        &words,
+        values.len(),
+        dtype,
+        Some(Affine {
+            spec,
+            cols,
+            scales: Stored::owned(&encode(&q.scales, dtype), groups, dtype, None)?,
+            biases: Stored::owned(&encode(&q.biases, dtype), groups, dtype, None)?,
+        }),
+    )
+}
+
 /// Quantizes `w` (`[rows, cols]`, values of `dtype`) as mlx does: each
 /// group's scale and bias computed in f32 (the edge of larger magnitude
 /// made exactly representable), the q values from those f32 numbers, and

@@ -61,7 +61,15 @@ impl ModelSource {
     pub fn load(&self, cfg: &ModelConfig, frozen: bool, seed: u64) -> Result<Model> {
         match (&self.dir, frozen) {
             (None, _) => Model::init(cfg, seed),
-            (Some(d), true) => Model::load_frozen(d),
+            (Some(d), true) => {
+                let mut m = Model::load_frozen(d)?;
+                // A base quantized on load (`--quantize-base`): `cfg` says
+                // how, the files do not.
+                if let (Some(q), None) = (&cfg.quantization, &m.cfg.quantization) {
+                    m.quantize_frozen(q.default)?;
+                }
+                Ok(m)
+            }
             (Some(d), false) => Model::load(d),
         }
     }

@@ -278,6 +278,32 @@ impl Model {
         Ok(m)
     }
 
+    /// Quantizes the frozen base in memory (`--quantize-base`): every
+    /// stored matrix whose rows fill whole groups becomes MLX's affine
+    /// words, scales and biases in its file's dtype, as `anetrain quantize`
+    /// would write them, and the file's pages are given back as each is
+    /// done. The rest stays as it was.
+    pub fn quantize_frozen(&mut self, spec: crate::model::quant::QuantSpec) -> Result<()> {
+        for p in &mut self.params {
+            let (Some(s), &[_, cols]) = (&p.stored, &p.shape[..]) else {
+                continue;
+            };
+            if !spec.fits(cols) || s.affine.is_some() {
+                continue;
+            }
+            let values = p.values();
+            let q = crate::model::quant::quantized_stored(&values, cols, spec, s.dtype)
+                .context("cannot allocate the quantized base")?;
+            s.release();
+            p.stored = Some(q);
+        }
+        self.cfg.quantization = Some(crate::model::quant::Quantization {
+            default: spec,
+            modules: Default::default(),
+        });
+        Ok(())
+    }
+
     /// Bytes of the weights kept in the file's dtype, and that dtype (the
     /// first matrix's), when the model was loaded with
     /// [`Model::load_frozen`].

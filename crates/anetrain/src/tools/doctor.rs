@@ -362,6 +362,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         eval_windows: 1,
         lora: None,
         init_adapter: None,
+        quantize_base: None,
         mask_prompt: false,
         keys: Default::default(),
         loss_scale: None,

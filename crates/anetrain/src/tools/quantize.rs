@@ -17,8 +17,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::model::params::{Param, StoredDtype};
-use crate::model::quant::{quantize, QuantSpec, Quantization};
+use crate::model::params::StoredDtype;
+use crate::model::quant::{encode, quantize, QuantSpec, Quantization};
 use crate::model::Model;
 use crate::util::fsutil::write_atomic;
 
@@ -39,40 +39,6 @@ fn dtype_of(d: StoredDtype) -> Dtype {
         StoredDtype::F32 => Dtype::F32,
         StoredDtype::F16 => Dtype::F16,
         StoredDtype::BF16 => Dtype::BF16,
-    }
-}
-
-/// f32 values (already values of `dtype`) as `dtype`'s bytes.
-fn encode(values: &[f32], dtype: StoredDtype) -> Vec<u8> {
-    match dtype {
-        StoredDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        StoredDtype::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        StoredDtype::BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-    }
-}
-
-/// Gives the pages of `p`'s mapped file back to the kernel (they are clean
-/// file pages: read again from the file if touched).
-fn release(p: &Param) {
-    if let Some(s) = &p.stored {
-        let (start, len) = (s.start, s.file_bytes());
-        let page = 4096;
-        let (lo, hi) = (start.div_ceil(page) * page, (start + len) / page * page);
-        if hi > lo {
-            // SAFETY: the mapping is read-only and file-backed; dropping its
-            // pages makes later reads fetch them from the file again, with
-            // the same contents. No reference into the range is held.
-            let _ = unsafe {
-                s.map
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, lo, hi - lo)
-            };
-        }
     }
 }
 
@@ -98,7 +64,9 @@ pub fn quantize_dir(
     let (mut quantized, mut kept) = (0, 0);
     for p in &m.params {
         let values: Vec<f32> = p.values().iter().map(|v| round(*v)).collect();
-        release(p);
+        if let Some(st) = &p.stored {
+            st.release();
+        }
         let module = p.name.strip_suffix(".weight").unwrap_or(&p.name);
         match p.shape[..] {
             [rows, cols] if spec.fits(cols) => {

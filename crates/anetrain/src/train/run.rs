@@ -152,7 +152,19 @@ struct Preflight {
 fn preflight(r: &TrainRequest) -> Result<Preflight> {
     let s = &r.settings;
     validate(s, r)?;
-    let source = ModelSource::resolve(&s.model)?;
+    let mut source = ModelSource::resolve(&s.model)?;
+    if let Some(spec) = s.quantize_base {
+        if source.is_preset() || s.lora.is_none() {
+            bail!("--quantize-base quantizes a pretrained base for LoRA: give --model DIR|ORG/NAME and --lora-rank R");
+        }
+        if source.config.quantization.is_some() {
+            bail!("'{}' is already quantized; drop --quantize-base", s.model);
+        }
+        source.config.quantization = Some(crate::model::quant::Quantization {
+            default: spec,
+            modules: Default::default(),
+        });
+    }
     if source.config.quantization.is_some() && s.lora.is_none() {
         bail!(
             "'{}' is quantized: a quantized base trains LoRA adapters only (add --lora-rank R); full fine-tuning needs the unquantized weights",

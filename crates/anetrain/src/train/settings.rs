@@ -70,6 +70,10 @@ pub struct TrainSettings {
     /// adapters; `lora` is then its configuration.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_adapter: Option<PathBuf>,
+    /// The frozen base quantized on load (`--quantize-base`), as MLX's
+    /// affine quantization with this spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize_base: Option<crate::model::quant::QuantSpec>,
     /// JSONL records: the loss counts only the completion.
     #[serde(default)]
     pub mask_prompt: bool,
@@ -202,6 +206,12 @@ pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
         s.init_adapter
             .as_ref()
             .map_or_else(|| "(none)".into(), |p| p.display().to_string())
+    }),
+    ("--quantize-base", |s, _| {
+        s.quantize_base.map_or_else(
+            || "(none)".into(),
+            |q| format!("{} (--q-group-size {})", q.bits, q.group_size),
+        )
     }),
     ("--lora-rank", |s, _| lora_shown(s, |l| l.rank.to_string())),
     ("--lora-alpha", |s, _| {
