@@ -72,6 +72,55 @@ pub struct Stored {
     pub affine: Option<Arc<Affine>>,
 }
 
+/// A little-endian bit stream over a row's bytes, as mlx packs values.
+struct BitStream<'a> {
+    bytes: &'a [u8],
+    /// The next byte to take in.
+    at: usize,
+    acc: u64,
+    /// Bits in `acc` not yet read.
+    have: usize,
+}
+
+impl<'a> BitStream<'a> {
+    /// The stream from bit `bit` on.
+    fn at(bytes: &'a [u8], bit: usize) -> BitStream<'a> {
+        let mut s = BitStream {
+            bytes,
+            at: bit / 8,
+            acc: 0,
+            have: 0,
+        };
+        if bit % 8 > 0 {
+            s.acc = (bytes[s.at] as u64) >> (bit % 8);
+            s.at += 1;
+            s.have = 8 - bit % 8;
+        }
+        s
+    }
+
+    fn next(&mut self, bits: usize, mask: u64) -> u32 {
+        while self.have < bits {
+            self.acc |= (self.bytes[self.at] as u64) << self.have;
+            self.at += 1;
+            self.have += 8;
+        }
+        let q = (self.acc & mask) as u32;
+        self.acc >>= bits;
+        self.have -= bits;
+        q
+    }
+}
+
+/// Wall time spent dequantizing quantized matrices, in nanoseconds, since
+/// the process started (`bench` reports its share of a step).
+pub static DEQUANTIZING_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// [`DEQUANTIZING_NS`] in seconds.
+pub fn dequantizing_s() -> f64 {
+    DEQUANTIZING_NS.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1e9
+}
+
 /// How a quantized matrix's words decode (`crate::model::quant`).
 #[derive(Clone, Debug)]
 pub struct Affine {
@@ -154,18 +203,26 @@ impl Stored {
 
     /// Element `i` in f32 (of a float tensor).
     fn get(&self, i: usize) -> f32 {
-        let mut v = [0f32];
-        self.convert(i..i + 1, &mut v);
-        v[0]
+        let b = self.dtype.bytes();
+        let c = &self.map[self.start + i * b..][..b];
+        match self.dtype {
+            StoredDtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            StoredDtype::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            StoredDtype::BF16 => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        }
     }
 
-    /// Elements `range` of a quantized matrix, dequantized into `out`:
-    /// row by row, each row's bit stream read in place.
+    /// Elements `range` of a quantized matrix, dequantized into `out`: one
+    /// task per row, each row's bit stream read once in order; where a
+    /// group has more values than there are levels (4 bits in groups of
+    /// 64, say), the group's 2^bits values are computed once and looked up.
     fn dequantize(&self, a: &Affine, range: Range<usize>, out: &mut [f32]) {
-        use crate::model::quant::{dequantize_value, get};
+        use crate::model::quant::dequantize_value;
         use rayon::prelude::*;
         let (cols, spec) = (a.cols, a.spec);
         let (row_bytes, groups) = (spec.words(cols) * 4, cols / spec.group_size);
+        let (bits, gs) = (spec.bits as usize, spec.group_size);
+        let levels = 1usize << bits;
         let first_row = range.start / cols;
         let last_row = (range.end - 1) / cols;
         // Each task owns the part of `out` in one row.
@@ -181,15 +238,49 @@ impl Stored {
         parts.into_par_iter().for_each(|(lo, part)| {
             let (row, c0) = (lo / cols, lo % cols);
             let bytes = &self.map[self.start + row * row_bytes..][..row_bytes];
-            let (mut g, mut scale, mut bias) = (usize::MAX, 0f32, 0f32);
-            for (k, o) in part.iter_mut().enumerate() {
-                let c = c0 + k;
-                if c / spec.group_size != g {
-                    g = c / spec.group_size;
-                    scale = a.scales.get(row * groups + g);
-                    bias = a.biases.get(row * groups + g);
+            let mask = (1u64 << bits) - 1;
+            let mut stream = BitStream::at(bytes, c0 * bits);
+            let mut lut = [0f32; 256];
+            let mut c = c0;
+            let mut out = part;
+            while !out.is_empty() {
+                let g = c / gs;
+                let n = ((g + 1) * gs - c).min(out.len());
+                let (here, tail) = std::mem::take(&mut out).split_at_mut(n);
+                let (scale, bias) = (
+                    a.scales.get(row * groups + g),
+                    a.biases.get(row * groups + g),
+                );
+                let per_byte = 8 / bits;
+                if n > levels && 8 % bits == 0 && stream.have == 0 && n % per_byte == 0 {
+                    // Whole bytes of 2-, 4- or 8-bit values: each byte
+                    // decoded in place, its values looked up.
+                    for (q, v) in lut[..levels].iter_mut().enumerate() {
+                        *v = dequantize_value(q as u32, scale, bias, self.dtype);
+                    }
+                    let m = mask as usize;
+                    for (o, &b) in here.chunks_exact_mut(per_byte).zip(&bytes[stream.at..]) {
+                        let mut b = b as usize;
+                        for v in o {
+                            *v = lut[b & m];
+                            b >>= bits;
+                        }
+                    }
+                    stream.at += n / per_byte;
+                } else if n > levels {
+                    for (q, v) in lut[..levels].iter_mut().enumerate() {
+                        *v = dequantize_value(q as u32, scale, bias, self.dtype);
+                    }
+                    for o in here.iter_mut() {
+                        *o = lut[stream.next(bits, mask) as usize];
+                    }
+                } else {
+                    for o in here.iter_mut() {
+                        *o = dequantize_value(stream.next(bits, mask), scale, bias, self.dtype);
+                    }
                 }
-                *o = dequantize_value(get(bytes, c, spec.bits), scale, bias, self.dtype);
+                c += n;
+                out = tail;
             }
         });
     }
@@ -204,7 +295,12 @@ impl Stored {
         );
         if let Some(a) = &self.affine {
             if !range.is_empty() {
+                let t = std::time::Instant::now();
                 self.dequantize(a, range, out);
+                DEQUANTIZING_NS.fetch_add(
+                    t.elapsed().as_nanos() as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
             }
             return;
         }

@@ -388,6 +388,29 @@ mod tests {
         }
     }
 
+    /// Any range of a quantized matrix (a row's middle, across rows)
+    /// dequantizes to the same values as the whole.
+    #[test]
+    fn every_range_reads_as_the_whole() {
+        let (rows, cols) = (5, 128);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 13.0)
+            .collect();
+        for &bits in BITS {
+            for dtype in [StoredDtype::F32, StoredDtype::BF16] {
+                let spec = QuantSpec::new(bits, 32).unwrap();
+                let st = quantized_stored(&w, cols, spec, dtype).unwrap();
+                let mut whole = vec![0f32; w.len()];
+                st.convert(0..w.len(), &mut whole);
+                for r in [3..4, 7..100, 127..129, 130..500, 33..640, 639..640] {
+                    let mut part = vec![0f32; r.len()];
+                    st.convert(r.clone(), &mut part);
+                    assert_eq!(part, whole[r.clone()], "{bits} bits {dtype:?} {r:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn configs_are_read_as_mlx_writes_them_and_others_refused() {
         let v = serde_json::json!({"quantization": {"group_size": 64, "bits": 4, "mode": "affine",

@@ -260,6 +260,8 @@ struct Timings {
     weight_gradient: Vec<f64>,
     loss: Vec<f64>,
     optimizer: Vec<f64>,
+    /// Dequantizing a quantized base (within the phases above).
+    dequantize: Vec<f64>,
     /// The share of CPU time the host took over the timed steps.
     steal: Option<f64>,
 }
@@ -299,6 +301,7 @@ fn time_steps<R: KernelRunner>(
             timed_from = cpu_steal();
         }
         let (t0, steal0) = (Instant::now(), cpu_steal());
+        let dq0 = crate::model::params::dequantizing_s();
         engine::take_weight_grad_secs();
         // The trainer's own step, with its defaults: clipping at 1, no
         // loss scale.
@@ -339,6 +342,8 @@ fn time_steps<R: KernelRunner>(
             t.weight_gradient.push(w);
             t.loss.push(tl);
             t.optimizer.push(to);
+            t.dequantize
+                .push(crate::model::params::dequantizing_s() - dq0);
         }
     }
     t.steal = steal_fraction(timed_from, cpu_steal());
@@ -452,6 +457,10 @@ fn report(
             "weight_gradient": median(&mut t.weight_gradient),
             "loss": median(&mut t.loss), "optimizer": median(&mut t.optimizer),
         },
+        // A quantized base's dequantization, counted inside the phases
+        // (wall time of the conversions, which run on the step's threads).
+        "dequantize_median_s": model.cfg.quantization.as_ref().map(|_| median(&mut t.dequantize)),
+        "dequantize_share": model.cfg.quantization.as_ref().map(|_| median(&mut t.dequantize) / med),
     }))
 }
 
