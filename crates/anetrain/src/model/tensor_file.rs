@@ -263,6 +263,40 @@ pub fn write_to(
     Ok(())
 }
 
+/// Writes a safetensors header for tensors of any dtype, given as
+/// `(name, dtype, shape, bytes)` in the order their data will follow; the
+/// caller then writes each tensor's bytes in that order (so a file larger
+/// than memory is written as it is made).
+pub fn write_header(
+    w: &mut dyn std::io::Write,
+    tensors: &[(String, Dtype, Vec<usize>, usize)],
+    metadata: &[(&str, &str)],
+) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        let m: serde_json::Map<String, serde_json::Value> = metadata
+            .iter()
+            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
+            .collect();
+        header.insert("__metadata__".into(), m.into());
+    }
+    let mut offset = 0usize;
+    for (name, dtype, shape, bytes) in tensors {
+        let end = offset + bytes;
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": dtype.to_string(), "shape": shape, "data_offsets": [offset, end] }),
+        );
+        offset = end;
+    }
+    let mut text = serde_json::to_vec(&header)?;
+    // Data starts 8-byte aligned, as the safetensors crate writes it.
+    text.resize(text.len().next_multiple_of(8), b' ');
+    w.write_all(&(text.len() as u64).to_le_bytes())?;
+    w.write_all(&text)?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

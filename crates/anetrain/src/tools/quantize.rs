@@ -15,10 +15,11 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::Dtype;
 
+use crate::model::params::Param;
 use crate::model::params::StoredDtype;
-use crate::model::quant::{encode, quantize, QuantSpec, Quantization};
+use crate::model::quant::{encode, quantize, round_to, QuantSpec, Quantization};
 use crate::model::Model;
 use crate::util::fsutil::write_atomic;
 
@@ -31,9 +32,6 @@ pub struct Written {
     pub dtype: StoredDtype,
 }
 
-/// One tensor to write: its name, dtype, shape and bytes.
-type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
-
 fn dtype_of(d: StoredDtype) -> Dtype {
     match d {
         StoredDtype::F32 => Dtype::F32,
@@ -42,9 +40,52 @@ fn dtype_of(d: StoredDtype) -> Dtype {
     }
 }
 
+/// The tensors a parameter becomes: `(name, dtype, shape, bytes)` — its
+/// words, scales and biases when quantized, else itself.
+fn entries(
+    p: &Param,
+    spec: QuantSpec,
+    dtype: StoredDtype,
+) -> Vec<(String, Dtype, Vec<usize>, usize)> {
+    let module = p.name.strip_suffix(".weight").unwrap_or(&p.name);
+    let b = dtype.bytes();
+    match p.shape[..] {
+        [rows, cols] if spec.fits(cols) => {
+            let groups = cols / spec.group_size;
+            vec![
+                (
+                    p.name.clone(),
+                    Dtype::U32,
+                    vec![rows, spec.words(cols)],
+                    rows * spec.words(cols) * 4,
+                ),
+                (
+                    format!("{module}.scales"),
+                    dtype_of(dtype),
+                    vec![rows, groups],
+                    rows * groups * b,
+                ),
+                (
+                    format!("{module}.biases"),
+                    dtype_of(dtype),
+                    vec![rows, groups],
+                    rows * groups * b,
+                ),
+            ]
+        }
+        _ => vec![(
+            p.name.clone(),
+            dtype_of(dtype),
+            p.shape.clone(),
+            p.numel() * b,
+        )],
+    }
+}
+
 /// Quantizes the model in `model` into `out` (an MLX model directory),
 /// with `spec`, scales and unquantized tensors in `dtype` (default: the
-/// source's); tokenizer files and the generation config are copied.
+/// source's); tokenizer files and the generation config are copied. The
+/// file is written as it is made: a tensor at a time is held, in f32.
 pub fn quantize_dir(
     model: &Path,
     out: &Path,
@@ -55,66 +96,55 @@ pub fn quantize_dir(
     if m.cfg.quantization.is_some() {
         bail!("'{}' is already quantized", model.display());
     }
-    let dtype = match dtype {
-        Some(d) => d,
-        None => crate::plan::memory::file_dtype(model)?,
-    };
-    let round = |v: f32| crate::model::quant::round_to(v, dtype);
-    let mut entries: Vec<Entry> = Vec::new();
-    let (mut quantized, mut kept) = (0, 0);
-    for p in &m.params {
-        let values: Vec<f32> = p.values().iter().map(|v| round(*v)).collect();
-        if let Some(st) = &p.stored {
-            st.release();
-        }
-        let module = p.name.strip_suffix(".weight").unwrap_or(&p.name);
-        match p.shape[..] {
-            [rows, cols] if spec.fits(cols) => {
-                let q = quantize(&values, cols, spec, dtype);
-                let words = q.packed.iter().flat_map(|w| w.to_le_bytes()).collect();
-                let groups = cols / spec.group_size;
-                entries.push((
-                    p.name.clone(),
-                    Dtype::U32,
-                    vec![rows, spec.words(cols)],
-                    words,
-                ));
-                entries.push((
-                    format!("{module}.scales"),
-                    dtype_of(dtype),
-                    vec![rows, groups],
-                    encode(&q.scales, dtype),
-                ));
-                entries.push((
-                    format!("{module}.biases"),
-                    dtype_of(dtype),
-                    vec![rows, groups],
-                    encode(&q.biases, dtype),
-                ));
-                quantized += 1;
-            }
-            _ => {
-                entries.push((
-                    p.name.clone(),
-                    dtype_of(dtype),
-                    p.shape.clone(),
-                    encode(&values, dtype),
-                ));
-                kept += usize::from(p.shape.len() == 2);
-            }
-        }
-    }
-    entries.sort_by(|a, b| a.0.cmp(&b.0));
-    let views = entries
+    let source = crate::plan::memory::file_dtype(model)?;
+    let dtype = dtype.unwrap_or(source);
+    // Every packed word tensor first, so each starts 4-byte aligned (as
+    // the safetensors crate orders by alignment); the float tensors after.
+    let all: Vec<_> = m
+        .params
         .iter()
-        .map(|(n, d, s, b)| Ok((n.as_str(), TensorView::new(*d, s.clone(), b)?)))
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
-        .map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))?;
-    let metadata = Some([("format".to_string(), "mlx".to_string())].into());
-    let bytes = safetensors::serialize(views, metadata)
-        .map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))?;
+        .flat_map(|p| entries(p, spec, dtype))
+        .collect();
+    let (mut plan, floats): (Vec<_>, Vec<_>) = all.into_iter().partition(|e| e.1 == Dtype::U32);
+    plan.extend(floats);
+    let bytes: usize = plan.iter().map(|e| e.3).sum();
+    let quantized = m
+        .params
+        .iter()
+        .filter(|p| entries(p, spec, dtype).len() == 3)
+        .count();
+    let kept = m.params.iter().filter(|p| p.shape.len() == 2).count() - quantized;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create '{}'", out.display()))?;
-    write_atomic(&out.join("model.safetensors"), &bytes)?;
+    crate::util::fsutil::write_atomic_with(&out.join("model.safetensors"), |w| {
+        crate::model::tensor_file::write_header(w, &plan, &[("format", "mlx")])?;
+        // The float tensors (scales, biases, norms: a few percent of the
+        // words' bytes) wait in memory for the words to be written.
+        let mut later: Vec<Vec<u8>> = Vec::new();
+        for p in &m.params {
+            let mut values = p.values().into_owned();
+            if let Some(st) = &p.stored {
+                st.release();
+            }
+            if dtype != source {
+                values.iter_mut().for_each(|v| *v = round_to(*v, dtype));
+            }
+            match p.shape[..] {
+                [_, cols] if spec.fits(cols) => {
+                    let q = quantize(&values, cols, spec, dtype);
+                    drop(values);
+                    let words: Vec<u8> = q.packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+                    w.write_all(&words)?;
+                    later.push(encode(&q.scales, dtype));
+                    later.push(encode(&q.biases, dtype));
+                }
+                _ => later.push(encode(&values, dtype)),
+            }
+        }
+        for b in later {
+            w.write_all(&b)?;
+        }
+        Ok(())
+    })?;
     write_atomic(&out.join("config.json"), config(model, spec)?.as_bytes())?;
     for f in [
         "tokenizer.json",
@@ -132,7 +162,7 @@ pub fn quantize_dir(
     Ok(Written {
         quantized,
         kept,
-        bytes: bytes.len(),
+        bytes,
         dtype,
     })
 }
