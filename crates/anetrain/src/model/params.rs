@@ -91,7 +91,7 @@ impl<'a> BitStream<'a> {
             acc: 0,
             have: 0,
         };
-        if bit % 8 > 0 {
+        if !bit.is_multiple_of(8) {
             s.acc = (bytes[s.at] as u64) >> (bit % 8);
             s.at += 1;
             s.have = 8 - bit % 8;
