@@ -4,8 +4,8 @@
 full fine-tuning and LoRA rank 16, at several sequence lengths, on the
 Neural Engine with streamed device buffers, with and without
 --grad-checkpoint. A LoRA base is counted memory-mapped in bf16, as
-published; full fine-tuning holds f32 master weights, gradients and AdamW
-moments.
+published (a 4-bit base at its quantized size); full fine-tuning holds
+f32 master weights, gradients and AdamW moments.
 
     cargo build --release && python3 scripts/memory_table.py
 
@@ -19,6 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / "target" / "release" / "anetrain"
 MODELS = ["qwen3-0.6b", "qwen3-1.7b", "llama-3.2-3b", "qwen3-4b"]
+# MLX 4-bit bases (groups of 64, bf16 scales, as mlx-community publishes
+# them): LoRA only.
+QUANTIZED = ["qwen3-4b-4bit", "qwen3-8b-4bit"]
 SEQS = [256, 1024, 2048]
 
 
@@ -41,8 +44,8 @@ def main():
     head = ["model", "training"] + [f"seq {s}" for s in SEQS] + [f"seq {s}, --grad-checkpoint" for s in SEQS]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for m in MODELS:
-        for lora in (True, False):
+    for m in MODELS + QUANTIZED:
+        for lora in (True, False) if m in MODELS else (True,):
             cells = []
             for ckpt in (False, True):
                 for s in SEQS:
