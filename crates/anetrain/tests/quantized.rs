@@ -41,6 +41,16 @@ fn expected() -> serde_json::Value {
         .unwrap()
 }
 
+/// The sequence the fixtures' logits were computed on.
+fn tokens() -> Vec<u32> {
+    expected()["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect()
+}
+
 fn variants() -> Vec<String> {
     expected()["variants"]
         .as_array()
@@ -107,12 +117,7 @@ fn quantized_matrices_dequantize_as_mlx_does() {
 /// 8e-2.
 #[test]
 fn logits_track_mlx_lm() {
-    let tokens: Vec<u32> = expected()["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+    let tokens = tokens();
     for v in variants() {
         let dir = root().join("mlx").join(&v);
         let model = Model::load_frozen(&dir).unwrap();
@@ -249,12 +254,7 @@ fn an_8b_4bit_base_plans_within_16_gb() {
 /// rounding (1e-5 of the range).
 #[test]
 fn an_mlx_lm_adapter_gives_mlx_lms_logits() {
-    let tokens: Vec<u32> = expected()["tokens"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|t| t.as_u64().unwrap() as u32)
-        .collect();
+    let tokens = tokens();
     let dir = root().join("mlx/adapter");
     let mut model = Model::load_frozen(&root().join("mlx/q4-g32-f32")).unwrap();
     let lora = anetrain::model::lora::Lora::load(&model.cfg, &dir).unwrap();

@@ -222,15 +222,7 @@ pub fn write_to(
     tensors: &[(&str, &[usize], &[f32])],
     metadata: &[(&str, &str)],
 ) -> Result<()> {
-    let mut header = serde_json::Map::new();
-    if !metadata.is_empty() {
-        let m: serde_json::Map<String, serde_json::Value> = metadata
-            .iter()
-            .map(|(k, v)| (k.to_string(), serde_json::Value::from(*v)))
-            .collect();
-        header.insert("__metadata__".into(), m.into());
-    }
-    let mut offset = 0usize;
+    let mut entries = Vec::with_capacity(tensors.len());
     for (name, shape, data) in tensors {
         if shape.iter().product::<usize>() != data.len() {
             bail!(
@@ -238,18 +230,9 @@ pub fn write_to(
                 data.len()
             );
         }
-        let end = offset + 4 * data.len();
-        header.insert(
-            name.to_string(),
-            serde_json::json!({ "dtype": "F32", "shape": shape, "data_offsets": [offset, end] }),
-        );
-        offset = end;
+        entries.push((name.to_string(), Dtype::F32, shape.to_vec(), 4 * data.len()));
     }
-    let mut text = serde_json::to_vec(&header)?;
-    // Data starts 8-byte aligned, as the safetensors crate writes it.
-    text.resize(text.len().next_multiple_of(8), b' ');
-    w.write_all(&(text.len() as u64).to_le_bytes())?;
-    w.write_all(&text)?;
+    write_header(w, &entries, metadata)?;
     for (_, _, data) in tensors {
         match cfg!(target_endian = "little") {
             true => w.write_all(bytemuck::cast_slice(data))?,
