@@ -266,6 +266,10 @@ impl Model {
                         p.data = vec![0f32; s.len];
                         s.convert(0..s.len, &mut p.data);
                     } else {
+                        // The check read every page; give them back, so a
+                        // base is resident only as far as a step uses it
+                        // (and `quantize` holds one tensor at a time).
+                        s.release();
                         p.stored = Some(s);
                     }
                 }
