@@ -151,10 +151,23 @@ pub fn encode(tensors: &[(&str, &[usize], &[f32])], metadata: &[(&str, &str)]) -
             false => data.iter().flat_map(|v| v.to_le_bytes()).collect(),
         })
         .collect();
+    serialize(tensors, Dtype::F32, &bytes, metadata)
+}
+
+/// `tensors`' names and shapes with their `bytes` (of `dtype`) as one
+/// safetensors file.
+fn serialize<B: AsRef<[u8]>>(
+    tensors: &[(&str, &[usize], &[f32])],
+    dtype: Dtype,
+    bytes: &[B],
+    metadata: &[(&str, &str)],
+) -> Result<Vec<u8>> {
     let views = tensors
         .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| Ok((*name, TensorView::new(Dtype::F32, shape.to_vec(), b)?)))
+        .zip(bytes)
+        .map(|((name, shape, _), b)| {
+            Ok((*name, TensorView::new(dtype, shape.to_vec(), b.as_ref())?))
+        })
         .collect::<Result<Vec<_>, SafeTensorError>>()
         .map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))?;
     let info: Option<HashMap<String, String>> = (!metadata.is_empty()).then(|| {
@@ -174,40 +187,24 @@ pub fn encode_as(
     metadata: &[(&str, &str)],
     dtype: StoredDtype,
 ) -> Result<Vec<u8>> {
-    let (st, convert): (Dtype, fn(f32) -> [u8; 2]) = match dtype {
+    use crate::model::quant::{encode as encode_values, round_to};
+    let st = match dtype {
         StoredDtype::F32 => return encode(tensors, metadata),
-        StoredDtype::F16 => (Dtype::F16, |v| f16::from_f32(v).to_le_bytes()),
-        StoredDtype::BF16 => (Dtype::BF16, |v| bf16::from_f32(v).to_le_bytes()),
+        StoredDtype::F16 => Dtype::F16,
+        StoredDtype::BF16 => Dtype::BF16,
     };
     let mut bytes = Vec::with_capacity(tensors.len());
     for (name, _, data) in tensors {
-        let b: Vec<u8> = data.iter().flat_map(|v| convert(*v)).collect();
-        let back = |c: &[u8]| match st {
-            Dtype::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
-            _ => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
-        };
-        if let Some(i) = b.chunks_exact(2).position(|c| !back(c).is_finite()) {
+        if let Some(i) = data.iter().position(|v| !round_to(*v, dtype).is_finite()) {
             bail!(
                 "tensor '{name}' holds {} at index {i}, beyond what {} can hold; write f32 or bf16 instead",
                 data[i],
                 dtype.name()
             );
         }
-        bytes.push(b);
+        bytes.push(encode_values(data, dtype));
     }
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| Ok((*name, TensorView::new(st, shape.to_vec(), b)?)))
-        .collect::<Result<Vec<_>, SafeTensorError>>()
-        .map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))?;
-    let info: Option<HashMap<String, String>> = (!metadata.is_empty()).then(|| {
-        metadata
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect()
-    });
-    safetensors::serialize(views, info).map_err(|e| anyhow::anyhow!("cannot encode tensors: {e}"))
+    serialize(tensors, st, &bytes, metadata)
 }
 
 /// Writes f32 tensors with optional metadata to `w` as safetensors, as it

@@ -323,12 +323,17 @@ impl Model {
 
     /// The weights as a Hugging Face `model.safetensors` (f32, HF names).
     pub fn safetensors_bytes(&self) -> Result<Vec<u8>> {
+        self.safetensors_bytes_as(StoredDtype::F32)
+    }
+
+    /// [`Model::safetensors_bytes`] with the weights stored as `dtype`.
+    fn safetensors_bytes_as(&self, dtype: StoredDtype) -> Result<Vec<u8>> {
         let tensors: Vec<(&str, &[usize], &[f32])> = self
             .params
             .iter()
             .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
             .collect();
-        tensor_file::encode(&tensors, &[("format", "pt")])
+        tensor_file::encode_as(&tensors, &[("format", "pt")], dtype)
     }
 
     /// An error naming the first weight that is not finite: nothing that
@@ -356,12 +361,7 @@ impl Model {
     /// `torch_dtype` saying so).
     pub fn save_as(&self, dir: &Path, dtype: StoredDtype) -> Result<()> {
         self.check_finite("save")?;
-        let tensors: Vec<(&str, &[usize], &[f32])> = self
-            .params
-            .iter()
-            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
-            .collect();
-        let bytes = tensor_file::encode_as(&tensors, &[("format", "pt")], dtype)?;
+        let bytes = self.safetensors_bytes_as(dtype)?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("cannot create '{}'", dir.display()))?;
         write_atomic(&dir.join("model.safetensors"), &bytes)?;
