@@ -124,3 +124,52 @@ fn records_tokenize_as_transformers_does() {
         }
     }
 }
+
+/// Conversational preference pairs — explicit prompts (a system message,
+/// several turns, non-ASCII text) and an implicit one — tokenize through
+/// the Qwen3, Llama 3 and ChatML templates exactly as TRL 1.16's
+/// `DPOTrainer` tokenizes them: its `prompt_ids`, `chosen_ids` and
+/// `rejected_ids` (testdata/preference/renders.json, from
+/// `scripts/make_preference_fixtures.py`).
+#[test]
+fn preference_pairs_tokenize_as_trl_does() {
+    use anetrain::data::preference::{self, Tokenization};
+    let cases = json(&chat_dir().join("../preference/renders.json"));
+    let cases = cases.as_array().unwrap();
+    assert_eq!(cases.len(), 9);
+    for (i, c) in cases.iter().enumerate() {
+        let name = c["template"].as_str().unwrap();
+        let src =
+            std::fs::read_to_string(chat_dir().join("templates").join(format!("{name}.jinja")))
+                .unwrap();
+        let special = chat::special_tokens(c["special"].as_object().unwrap());
+        let mut tok = Tokenizer::load(&chat_dir().join("model")).unwrap();
+        tok.chat = Some(ChatTemplate::new(src, special, name.into()).unwrap());
+        let pair = preference::tokenize(c["record"].as_object().unwrap(), &tok, Tokenization::Dpo)
+            .unwrap();
+        let ids = |v: &Value| -> Vec<u32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        };
+        let at = pair.chosen.offset;
+        assert_eq!(pair.rejected.offset, at);
+        assert_eq!(
+            pair.chosen.tokens[..at],
+            ids(&c["prompt_ids"]),
+            "case {i} ({name}) prompt"
+        );
+        assert_eq!(
+            pair.chosen.tokens[at..],
+            ids(&c["chosen_ids"]),
+            "case {i} ({name}) chosen"
+        );
+        assert_eq!(
+            pair.rejected.tokens[at..],
+            ids(&c["rejected_ids"]),
+            "case {i} ({name}) rejected"
+        );
+    }
+}

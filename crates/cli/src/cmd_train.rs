@@ -9,7 +9,9 @@ use anetrain::model::config::ModelConfig;
 use anetrain::model::lora::{Lora, LoraConfig};
 use anetrain::model::Projection;
 use anetrain::train::optim::AdamWConfig;
+use anetrain::train::preference::{self, DpoLoss, Objective, PreferenceSettings};
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
+use anetrain::util::choice::Choice;
 use anyhow::{bail, Context, Result};
 
 /// How JSONL records are read (`train` and `eval`).
@@ -198,11 +200,94 @@ pub struct TrainArgs {
     init_adapter: Option<PathBuf>,
     #[command(flatten)]
     any_base: crate::base_check::AnyBase,
+    #[command(flatten)]
+    preference: PreferenceArgs,
     /// Not a train flag: `--init-adapter` starts from an adapter.
     #[arg(long, hide = true)]
     adapter: Option<PathBuf>,
     #[command(flatten)]
     memory: MemoryArgs,
+}
+
+/// Preference tuning on prompt/chosen/rejected pairs.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PreferenceArgs {
+    /// What the run optimises: sft (cross-entropy on the data's tokens),
+    /// dpo (preference pairs against a frozen reference: with LoRA, the
+    /// base plus the run's initial adapter) or orpo (SFT on the chosen
+    /// answer plus an odds-ratio term; no reference). Pairs are JSONL
+    /// records in TRL's layouts: {"prompt", "chosen", "rejected"} as
+    /// strings or as lists of messages, or "chosen"/"rejected"
+    /// conversations that begin with the same prompt.
+    #[arg(
+        long,
+        value_parser = crate::choice::<Objective>(),
+        default_value = "sft",
+        help_heading = "Preference tuning"
+    )]
+    objective: Objective,
+    /// DPO's β (how far the policy may move from the reference; IPO's τ),
+    /// or ORPO's λ (the odds-ratio term's weight). TRL's default for both.
+    #[arg(
+        long,
+        value_name = "B",
+        default_value_t = 0.1,
+        help_heading = "Preference tuning"
+    )]
+    beta: f64,
+    /// DPO's loss: sigmoid (the DPO paper's) or ipo. TRL's other types
+    /// (hinge, robust, bco_pair, sppo_hard, nca_pair, aot, apo_zero, ...)
+    /// are planned.
+    #[arg(
+        long,
+        value_name = "TYPE",
+        default_value = "sigmoid",
+        help_heading = "Preference tuning"
+    )]
+    dpo_loss: String,
+    /// Compute the reference's log-probabilities of every pair once
+    /// before training (as TRL's precompute_ref_log_probs) instead of two
+    /// reference forwards per pair and step.
+    #[arg(long, help_heading = "Preference tuning")]
+    precompute_ref: bool,
+}
+
+impl PreferenceArgs {
+    /// The run's preference settings; `None` for SFT. A DPO loss TRL has
+    /// and this tool does not yet is refused by name.
+    fn settings(&self) -> Result<Option<PreferenceSettings>> {
+        let loss = match DpoLoss::from_name(&self.dpo_loss) {
+            Some(l) => l,
+            None if preference::PLANNED_LOSSES.contains(&self.dpo_loss.as_str()) => bail!(
+                "--dpo-loss {} is one of TRL's loss types not built yet; use sigmoid or ipo",
+                self.dpo_loss
+            ),
+            None => bail!(
+                "--dpo-loss {}: unknown; use sigmoid (default) or ipo",
+                self.dpo_loss
+            ),
+        };
+        if self.objective == Objective::Sft {
+            let given = [
+                ("--beta", self.beta != 0.1),
+                ("--dpo-loss", loss != DpoLoss::Sigmoid),
+                ("--precompute-ref", self.precompute_ref),
+            ];
+            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+                bail!("{flag} applies to preference tuning: add --objective dpo (or orpo)");
+            }
+            return Ok(None);
+        }
+        if self.objective == Objective::Orpo && loss != DpoLoss::Sigmoid {
+            bail!("--dpo-loss applies to --objective dpo; ORPO has one loss");
+        }
+        Ok(Some(PreferenceSettings {
+            objective: self.objective,
+            loss,
+            beta: self.beta,
+            precompute_ref: self.precompute_ref,
+        }))
+    }
 }
 
 /// How a run trades memory for time (`train`, `bench`); none of these
@@ -306,6 +391,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         mask_prompt: a.records.mask_prompt,
         keys: a.records.keys(),
         loss_scale: a.loss_scale,
+        preference: a.preference.settings()?,
     };
     let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
     let request = TrainRequest {

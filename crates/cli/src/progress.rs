@@ -134,14 +134,25 @@ impl Progress {
                 loss,
                 val,
                 lr,
+                preference,
+                val_preference,
                 tokens_per_s,
                 eta_s,
             } => {
-                let val_txt = val.map(|v| format!(" val {v:.4}")).unwrap_or_default();
+                // A preference run: the reward margin and accuracy beside
+                // the loss (TRL's rewards/margins, rewards/accuracies).
+                let rewards = |p: &Option<anetrain::train::preference::PreferenceMetrics>| {
+                    p.map(|p| format!(" margin {:.3} acc {:.2}", p.margins, p.accuracies))
+                        .unwrap_or_default()
+                };
+                let val_txt = val
+                    .map(|v| format!(" val {v:.4}{}", rewards(val_preference)))
+                    .unwrap_or_default();
+                let loss = format!("{loss:.4}{}", rewards(preference));
                 let eta = fmt_duration(*eta_s);
                 if self.tty {
                     let text = format!(
-                        "{step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
+                        "{step}/{steps} loss {loss}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
                     );
                     let line = bar_line(terminal_columns(), *step as f64 / *steps as f64, &text);
                     to_stderr(format_args!("\r{line}"));
@@ -151,7 +162,7 @@ impl Progress {
                     }
                 } else if step.is_multiple_of(self.log_every) || step == steps || val.is_some() {
                     say!(
-                        "step {step}/{steps} loss {loss:.4}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
+                        "step {step}/{steps} loss {loss}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
                     );
                 }
             }

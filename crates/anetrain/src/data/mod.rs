@@ -3,6 +3,7 @@
 
 pub mod chat;
 pub mod corpus;
+pub mod preference;
 pub mod records;
 pub mod tokenizer;
 pub mod tokens;

@@ -181,6 +181,11 @@ pub fn read_file(
     let Some((first_line, first)) = parsed.first() else {
         bail!("'{shown}' holds no records");
     };
+    if crate::data::preference::is_pair(first) && detect(first, keys).is_none() {
+        bail!(
+            "'{shown}' line {first_line} holds preference pairs (\"chosen\", \"rejected\"): train on them with --objective dpo or --objective orpo"
+        );
+    }
     let format = detect(first, keys).ok_or_else(|| {
         anyhow!(
             "'{shown}' line {first_line}: a record needs \"text\", \"{}\" and \"{}\" (see --prompt-key/--completion-key), or \"messages\"; it has {}",

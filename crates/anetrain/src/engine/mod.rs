@@ -644,20 +644,31 @@ struct SoftmaxStats {
 }
 
 impl SoftmaxStats {
-    /// Σ over the counted positions `first..` of m_s + ln Σ_s − z_{t_s,s}.
-    fn loss(&self, first: usize) -> f64 {
-        (first..self.max.len())
+    /// m_s + ln Σ_s − z_{t_s,s} of every position s.
+    fn nll(&self) -> Vec<f64> {
+        (0..self.max.len())
             .map(|s| self.max[s] as f64 + self.sum[s].ln() - self.target_logit[s] as f64)
-            .sum()
+            .collect()
     }
+}
+
+/// [`Engine::head_statistics`] of one sequence, kept for its
+/// [`Engine::head_backward`].
+pub struct HeadStatistics {
+    /// −log p of each position's target.
+    pub nll: Vec<f64>,
+    stats: SoftmaxStats,
+    ranges: Vec<std::ops::Range<usize>>,
+    /// The last chunk's exp(z − m), which a one-chunk vocabulary reuses.
+    last: Vec<f32>,
 }
 
 /// What the head's gradient pass reads.
 struct GradientPass<'a> {
     xf: &'a [f32],
     targets: &'a [u32],
-    first: usize,
-    grad_scale: f32,
+    /// The gradient's weight on each position's −log p.
+    weights: &'a [f32],
     ranges: &'a [std::ops::Range<usize>],
     stats: &'a SoftmaxStats,
 }
@@ -779,15 +790,9 @@ impl<R: KernelRunner> Engine<R> {
     /// Cross-entropy summed over the targets `first..` of one sequence
     /// (the others, a masked prompt, add nothing and get zero gradient),
     /// and with `grads` the gradient of `grad_scale · loss` into the LM
-    /// head (unless LoRA freezes it) and the returned `dxf`. The head runs
-    /// in the runner's vocabulary chunks (on a device, its kernels), the
-    /// statistics on the host in f32/f64; per position s, with z = E·xf
-    /// (`[Vc, S]` a chunk):
-    ///   loss_s = m_s + ln Σ_v exp(z_vs − m_s) − z_{t_s,s},   m_s, Σ kept running
-    ///   dz_vs = scale·(exp(z_vs − m_s)/Σ_s − [v = t_s]),  dxf = Σ_c E_cᵀ·dz_c,  dE_c = dz_c·xfᵀ
-    /// Over several chunks, each chunk's logits are computed twice (once
-    /// for the statistics, once for the gradient): one more head forward
-    /// per sequence, where keeping them would hold the whole `[V, S]`.
+    /// head (unless LoRA freezes it) and the returned `dxf`: the SFT loss,
+    /// [`Engine::head_statistics`] then [`Engine::head_backward`] with one
+    /// weight on the counted positions.
     pub fn head_loss(
         &mut self,
         model: &Model,
@@ -797,6 +802,29 @@ impl<R: KernelRunner> Engine<R> {
         grad_scale: f32,
         grads: Option<&mut Grads>,
     ) -> Result<(f64, Vec<f32>)> {
+        let head = self.head_statistics(model, xf, targets)?;
+        let loss = head.nll[first..].iter().sum();
+        let Some(grads) = grads else {
+            return Ok((loss, vec![]));
+        };
+        let weights: Vec<f32> = (0..targets.len())
+            .map(|s| if s < first { 0.0 } else { grad_scale })
+            .collect();
+        let dxf = self.head_backward(model, xf, targets, head, &weights, grads)?;
+        Ok((loss, dxf))
+    }
+
+    /// The LM head over one sequence: −log p of each target, per position.
+    /// The head runs in the runner's vocabulary chunks (on a device, its
+    /// kernels), the statistics on the host in f32/f64; per position s,
+    /// with z = E·xf (`[Vc, S]` a chunk):
+    ///   nll_s = m_s + ln Σ_v exp(z_vs − m_s) − z_{t_s,s},   m_s, Σ kept running
+    pub fn head_statistics(
+        &mut self,
+        model: &Model,
+        xf: &[f32],
+        targets: &[u32],
+    ) -> Result<HeadStatistics> {
         let v = model.cfg.vocab_size;
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
             bail!("target token id {t} is outside the vocabulary ({v} ids)");
@@ -804,23 +832,41 @@ impl<R: KernelRunner> Engine<R> {
         let chunks = self.runner.head_chunks(model, targets.len())?;
         let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
         let (stats, last) = self.softmax_statistics(model, xf, targets, &ranges)?;
-        let loss = stats.loss(first);
-        let Some(grads) = grads else {
-            return Ok((loss, vec![]));
-        };
+        Ok(HeadStatistics {
+            nll: stats.nll(),
+            stats,
+            ranges,
+            last,
+        })
+    }
+
+    /// The gradient of Σ_s w_s·nll_s (`weights` per position, of one sign
+    /// or zero) into the LM head (unless LoRA freezes it) and the returned
+    /// `dxf`, from [`Engine::head_statistics`] of the same sequence:
+    ///   dz_vs = w_s·(exp(z_vs − m_s)/Σ_s − [v = t_s]),  dxf = Σ_c E_cᵀ·dz_c,  dE_c = dz_c·xfᵀ
+    /// Over several chunks, each chunk's logits are computed twice (once
+    /// for the statistics, once for the gradient): one more head forward
+    /// per sequence, where keeping them would hold the whole `[V, S]`.
+    pub fn head_backward(
+        &mut self,
+        model: &Model,
+        xf: &[f32],
+        targets: &[u32],
+        head: HeadStatistics,
+        weights: &[f32],
+        grads: &mut Grads,
+    ) -> Result<Vec<f32>> {
         let pass = GradientPass {
             xf,
             targets,
-            first,
-            grad_scale,
-            ranges: &ranges,
-            stats: &stats,
+            weights,
+            ranges: &head.ranges,
+            stats: &head.stats,
         };
-        let dxf = self.head_gradient(model, &pass, last, grads)?;
-        Ok((loss, dxf))
+        self.head_gradient(model, &pass, head.last, grads)
     }
 
-    /// Pass 1 of [`Engine::head_loss`]: the softmax statistics, chunk by
+    /// Pass 1 of [`Engine::head_statistics`]: the softmax statistics, chunk by
     /// chunk; also the last chunk's exp(z − m), which a one-chunk
     /// vocabulary reuses in pass 2.
     fn softmax_statistics(
@@ -857,10 +903,10 @@ impl<R: KernelRunner> Engine<R> {
         Ok((st, lt))
     }
 
-    /// Pass 2 of [`Engine::head_loss`]: the gradient, chunk by chunk (the
+    /// Pass 2, [`Engine::head_backward`]: the gradient, chunk by chunk (the
     /// one chunk of a small vocabulary still holds exp(z − m) from pass 1,
     /// given as `last`), sent as 2ᵏ·(p − one-hot) and scaled back by
-    /// grad_scale/2ᵏ after the product; the head's gradient on the host's
+    /// g/2ᵏ after the product (g the largest weight); the head's gradient on the host's
     /// worker beside the device. Returns dxf.
     fn head_gradient(
         &mut self,
@@ -869,14 +915,20 @@ impl<R: KernelRunner> Engine<R> {
         mut lt: Vec<f32>,
         grads: &mut Grads,
     ) -> Result<Vec<f32>> {
-        let (d, seq, first) = (model.cfg.hidden_size, p.targets.len(), p.first);
+        let (d, seq) = (model.cfg.hidden_size, p.targets.len());
         let k = head_grad_scale(self.head_max_abs(model));
-        let undo = p.grad_scale / k;
+        // The weights as g·r_s with g the largest |w_s| and |r_s| ≤ 1, so
+        // the bound of `head_grad_scale` holds; one weight gives r_s = 1
+        // exactly.
+        let g = p.weights.iter().fold(0f32, |m, w| m.max(w.abs()));
+        let relative: Vec<f32> = p
+            .weights
+            .iter()
+            .map(|&w| if g > 0.0 { w / g } else { 0.0 })
+            .collect();
+        let undo = g / k;
         let scale: Vec<f32> = (0..seq)
-            .map(|s| match s < first {
-                true => 0.0,
-                false => (k as f64 / p.stats.sum[s]) as f32,
-            })
+            .map(|s| (k as f64 * relative[s] as f64 / p.stats.sum[s]) as f32)
             .collect();
         let xf_undone: Vec<f32> = p.xf.iter().map(|x| x * undo).collect();
         // The head's gradient buffer, written (or accumulated into, after
@@ -899,9 +951,9 @@ impl<R: KernelRunner> Engine<R> {
                     }
                 });
             }
-            for (s, &t) in p.targets.iter().enumerate().skip(first) {
-                if r.contains(&(t as usize)) {
-                    lt[(t as usize - r.start) * seq + s] -= k;
+            for (s, &t) in p.targets.iter().enumerate() {
+                if r.contains(&(t as usize)) && relative[s] != 0.0 {
+                    lt[(t as usize - r.start) * seq + s] -= k * relative[s];
                 }
             }
             let dz = &lt;

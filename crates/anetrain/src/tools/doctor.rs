@@ -366,6 +366,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         mask_prompt: false,
         keys: Default::default(),
         loss_scale: None,
+        preference: None,
     };
     let request = TrainRequest {
         settings,

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use super::preference::PreferenceMetrics;
 use super::run::StepStats;
 use crate::util::fsutil::write_atomic;
 
@@ -63,17 +64,28 @@ impl Metrics {
         total: f64,
     ) -> Result<()> {
         let [fwd, loss, bwd, opt] = st.times;
-        let rec = serde_json::json!({
+        let mut rec = serde_json::json!({
             "step": step, "split": "train", "loss": st.loss, "lr": st.lr, "grad_norm": st.grad_norm,
             "tokens_per_s": tokens_per_s, "skipped": !st.finite, "loss_scale": st.loss_scale,
             "time": {"forward": fwd, "loss": loss, "backward": bwd, "optimizer": opt, "total": total},
         });
+        if let (Some(p), Some(obj)) = (&st.preference, rec.as_object_mut()) {
+            obj.extend(p.json());
+        }
         writeln!(self.file, "{rec}")?;
         Ok(())
     }
 
-    pub(super) fn val(&mut self, step: u64, loss: f64) -> Result<()> {
-        let rec = serde_json::json!({"step": step, "split": "val", "loss": loss});
+    pub(super) fn val(
+        &mut self,
+        step: u64,
+        loss: f64,
+        preference: Option<&PreferenceMetrics>,
+    ) -> Result<()> {
+        let mut rec = serde_json::json!({"step": step, "split": "val", "loss": loss});
+        if let (Some(p), Some(obj)) = (preference, rec.as_object_mut()) {
+            obj.extend(p.json());
+        }
         writeln!(self.file, "{rec}")?;
         Ok(())
     }

@@ -7,6 +7,7 @@
 pub mod checkpoint;
 mod metrics;
 pub mod optim;
+pub mod preference;
 mod run;
 mod run_dir;
 mod settings;

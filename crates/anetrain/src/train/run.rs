@@ -10,8 +10,9 @@ use anyhow::{bail, Context, Result};
 use super::checkpoint::{self, TrainerState};
 use super::metrics::Metrics;
 use super::optim::{self, AdamW, LossScaler};
+use super::preference::{self, PreferenceMetrics, Reference};
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
-use super::source::{load_corpus, next_examples, val_loss, Corpus};
+use super::source::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::step;
 use crate::data::tokenizer::Tokenizer;
 use crate::device::backend::{self, Backend};
@@ -70,6 +71,10 @@ pub enum Event {
         loss: f64,
         val: Option<f64>,
         lr: f64,
+        /// A preference step's metrics, and the validation pairs' when
+        /// this step evaluated them.
+        preference: Option<PreferenceMetrics>,
+        val_preference: Option<PreferenceMetrics>,
         tokens_per_s: f64,
         /// Seconds left at this run's pace.
         eta_s: f64,
@@ -223,6 +228,8 @@ struct Start {
     opt: AdamW,
     state: TrainerState,
     corpus: Corpus,
+    /// DPO's reference: the model as the run began.
+    reference: Reference,
 }
 
 /// A resumed run: the committed checkpoint (with the same settings), its
@@ -243,6 +250,13 @@ fn resume(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)
     let base = match s.lora {
         Some(_) => Some(starting_model(source, &committed.config, s)?),
         None => None,
+    };
+    // DPO's reference is the model the run started from, not the resumed
+    // one: the initial adapters (the base's), or the initial model again.
+    let reference = match (&base, s.preference) {
+        (_, None) => Reference::Unneeded,
+        (Some(b), p) => Reference::of(b, p.as_ref()),
+        (None, p) => Reference::of(&starting_model(source, &committed.config, s)?, p.as_ref()),
     };
     let (model, opt, mut state) = checkpoint::load(out, base)?;
     // A run killed after its last commit but before the top-level links
@@ -278,6 +292,7 @@ fn resume(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)
         opt,
         state,
         corpus,
+        reference,
     })
 }
 
@@ -299,6 +314,7 @@ fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event))
         cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
     }
     let model = starting_model(source, &cfg, s)?;
+    let reference = Reference::of(&model, s.preference.as_ref());
     let opt = AdamW::new(&model, r.adamw);
     let state = TrainerState {
         format: checkpoint::FORMAT,
@@ -335,6 +351,7 @@ fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event))
         opt,
         state,
         corpus,
+        reference,
     })
 }
 
@@ -351,6 +368,7 @@ fn dispatch(
         mut opt,
         mut state,
         corpus,
+        reference,
     } = start;
     let mut run = Run {
         r,
@@ -360,6 +378,7 @@ fn dispatch(
         corpus: &corpus,
         report,
         stop,
+        reference,
     };
     let (buffers, ckpt) = (pre.plan.buffers, r.memory.grad_checkpoint);
     match (r.settings.backend, pre.ane_device) {
@@ -391,6 +410,8 @@ pub(super) struct Run<'a> {
     pub(super) corpus: &'a Corpus,
     pub(super) report: &'a mut dyn FnMut(&Event),
     pub(super) stop: &'a AtomicBool,
+    /// DPO's reference (see [`Reference`]).
+    pub(super) reference: Reference,
 }
 
 /// What one optimizer step did.
@@ -406,6 +427,8 @@ pub(super) struct StepStats {
     pub(super) loss_scale: f64,
     /// Seconds in forward, loss, backward and the optimizer.
     pub(super) times: [f64; 4],
+    /// A preference step's metrics, under TRL's names.
+    pub(super) preference: Option<PreferenceMetrics>,
 }
 
 impl Run<'_> {
@@ -420,6 +443,7 @@ impl Run<'_> {
         let mut metrics = Metrics::open(out, self.resuming.then_some(state.step))?;
         let mut rng = Rng::from_state(state.rng);
         self.report_start(model, state)?;
+        self.precompute_reference(&mut eng, model)?;
         let run_start = Instant::now();
         let start_step = state.step;
         let mut last_loss = f64::NAN;
@@ -452,13 +476,13 @@ impl Run<'_> {
             let dt = t0.elapsed().as_secs_f64();
             let tps = st.tokens as f64 / dt;
             metrics.log_step(state.step, &st, tps, dt)?;
-            let mut val = None;
+            let (mut val, mut val_preference) = (None, None);
             if s.eval_every > 0
                 && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
             {
-                val = val_loss(&mut eng, model, &self.corpus.source, s.seq, s.eval_windows)?;
+                (val, val_preference) = self.validate(&mut eng, model)?;
                 if let Some(v) = val {
-                    metrics.val(state.step, v)?;
+                    metrics.val(state.step, v, val_preference.as_ref())?;
                 }
             }
             let done = (state.step - start_step) as f64;
@@ -468,6 +492,8 @@ impl Run<'_> {
                 loss: st.loss,
                 val,
                 lr: st.lr,
+                preference: st.preference,
+                val_preference,
                 tokens_per_s: tps,
                 eta_s: run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64,
             });
@@ -547,7 +573,7 @@ impl Run<'_> {
     /// position is put back and nothing else was changed, so the state is
     /// exactly the previous step's.
     pub(super) fn advance<R: KernelRunner>(
-        &self,
+        &mut self,
         eng: &mut Engine<R>,
         model: &mut Model,
         opt: &mut AdamW,
@@ -565,9 +591,6 @@ impl Run<'_> {
         );
         let loss_scale = state.scaler.scale;
         let (rng_before, cursor_before) = (rng.clone(), state.cursor);
-        // The step's examples first: the loss is the mean over all their
-        // counted targets, however they split into micro-batches.
-        let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
         let o = step::StepOptions {
             lr,
             clip: s.clip,
@@ -579,7 +602,47 @@ impl Run<'_> {
                 },
             ),
         };
-        let stop = || self.stop.load(Ordering::SeqCst);
+        let stop_flag = self.stop;
+        let stop = || stop_flag.load(Ordering::SeqCst);
+        if let (Source::Pairs { train, .. }, Some(p)) = (&corpus.source, &s.preference) {
+            // The step's pairs: the loss is their mean.
+            let picks = next_pairs(train.len(), s, &mut state.cursor, s.accum * s.batch);
+            let pairs: Vec<_> = picks
+                .into_iter()
+                .map(|i| self.reference.attach(&train[i], i, false))
+                .collect();
+            let backward = step::Backward {
+                grads,
+                loss_scale,
+                dropout: o.dropout,
+            };
+            let reference = &mut self.reference;
+            let Some(pl) =
+                preference::pair_loss(eng, model, p, reference, &pairs, Some(backward), &stop)?
+            else {
+                state.cursor = cursor_before;
+                return Ok(None);
+            };
+            let t = Instant::now();
+            let update = step::apply_update(model, opt, grads, pl.loss, pl.grad_scale, s.clip, lr);
+            let t_opt = t.elapsed().as_secs_f64();
+            state.scaler.update(update.finite);
+            state.skipped += !update.finite as u64;
+            let [t_fwd, t_loss, t_bwd] = pl.times;
+            return Ok(Some(StepStats {
+                loss: pl.loss,
+                tokens: pl.tokens,
+                lr,
+                grad_norm: update.grad_norm,
+                finite: update.finite,
+                loss_scale,
+                times: [t_fwd, t_loss, t_bwd, t_opt],
+                preference: Some(pl.metrics),
+            }));
+        }
+        // The step's examples first: the loss is the mean over all their
+        // counted targets, however they split into micro-batches.
+        let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
         let Some(st) = step::step(eng, model, opt, grads, &examples, &o, &stop)? else {
             *rng = rng_before;
             state.cursor = cursor_before;
@@ -598,7 +661,58 @@ impl Run<'_> {
             finite: st.update.finite,
             loss_scale,
             times: [t_fwd, t_loss, t_bwd, st.optimizer_s],
+            preference: None,
         }))
+    }
+
+    /// The validation loss (and a preference run's metrics) over the
+    /// first `--eval-windows` windows, records or pairs.
+    fn validate<R: KernelRunner>(
+        &mut self,
+        eng: &mut Engine<R>,
+        model: &mut Model,
+    ) -> Result<(Option<f64>, Option<PreferenceMetrics>)> {
+        let s = self.s;
+        let (Source::Pairs { val, .. }, Some(p)) = (&self.corpus.source, &s.preference) else {
+            return Ok((
+                val_loss(eng, model, &self.corpus.source, s.seq, s.eval_windows)?,
+                None,
+            ));
+        };
+        let pairs: Vec<_> = val
+            .iter()
+            .take(s.eval_windows)
+            .enumerate()
+            .map(|(i, pair)| self.reference.attach(pair, i, true))
+            .collect();
+        if pairs.is_empty() {
+            return Ok((None, None));
+        }
+        let never = || false;
+        let pl = preference::pair_loss(eng, model, p, &mut self.reference, &pairs, None, &never)?
+            .context("an evaluation that cannot stop stopped")?;
+        Ok((Some(pl.loss), Some(pl.metrics)))
+    }
+
+    /// `--precompute-ref`: the reference's log-probabilities of every
+    /// training and validation pair, once, before the first step.
+    fn precompute_reference<R: KernelRunner>(
+        &mut self,
+        eng: &mut Engine<R>,
+        model: &mut Model,
+    ) -> Result<()> {
+        let (Source::Pairs { train, val }, Some(p)) = (&self.corpus.source, &self.s.preference)
+        else {
+            return Ok(());
+        };
+        if !p.precompute_ref || !self.reference.is_model() {
+            return Ok(());
+        }
+        (self.report)(&Event::Note(format!(
+            "computing the reference's log-probabilities of {} pairs once (--precompute-ref)",
+            train.len() + val.len()
+        )));
+        self.reference.precompute(eng, model, train, val)
     }
 
     /// Reports a skipped step: what was not finite and the loss scale now.

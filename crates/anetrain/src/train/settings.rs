@@ -12,6 +12,7 @@ use crate::data::tokens::TokenDtype;
 use crate::device::backend::Backend;
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
+use crate::train::preference::{Objective, PreferenceSettings};
 use crate::util::choice::Choice;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +84,9 @@ pub struct TrainSettings {
     /// The device paths' initial loss scale (dynamic; 1024 unless given).
     #[serde(default)]
     pub loss_scale: Option<f64>,
+    /// Preference tuning (`--objective dpo|orpo`) instead of SFT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<PreferenceSettings>,
 }
 
 /// Everything `anetrain train` was asked to do.
@@ -149,6 +153,9 @@ pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
     if s.clip < 0.0 || !s.clip.is_finite() {
         bail!("--clip must be >= 0 (0 disables clipping)");
     }
+    if let Some(p) = &s.preference {
+        validate_preference(s, p)?;
+    }
     if let Some(l) = &s.lora {
         l.validate()?;
         if l.dropout > 0.0 && s.backend != Backend::Cpu {
@@ -162,6 +169,25 @@ pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
                 s.model
             );
         }
+    }
+    Ok(())
+}
+
+fn validate_preference(s: &TrainSettings, p: &PreferenceSettings) -> Result<()> {
+    let name = p.objective.name();
+    if !s.data.as_deref().is_some_and(records::is_records) {
+        bail!(
+            "--objective {name} trains on preference pairs: give --data a .jsonl file or a directory with train.jsonl of {{\"prompt\", \"chosen\", \"rejected\"}} records"
+        );
+    }
+    if s.mask_prompt {
+        bail!("--mask-prompt is implied by --objective {name}: a preference loss counts the answers' tokens only");
+    }
+    if !(p.beta.is_finite() && p.beta > 0.0) {
+        bail!("--beta must be a positive number");
+    }
+    if p.objective == Objective::Orpo && p.precompute_ref {
+        bail!("--precompute-ref applies to DPO; ORPO has no reference model");
     }
     Ok(())
 }
@@ -225,6 +251,20 @@ pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
             let names: Vec<&str> = l.targets.iter().map(|t| t.name()).collect();
             names.join(",")
         })
+    }),
+    ("--objective", |s, _| {
+        s.preference.map_or("sft", |p| p.objective.name()).into()
+    }),
+    ("--beta", |s, _| {
+        s.preference
+            .map_or_else(|| "(none)".into(), |p| p.beta.to_string())
+    }),
+    ("--dpo-loss", |s, _| {
+        s.preference
+            .map_or_else(|| "(none)".into(), |p| p.loss.name().into())
+    }),
+    ("--precompute-ref", |s, _| {
+        s.preference.is_some_and(|p| p.precompute_ref).to_string()
     }),
     ("--beta1", |_, a| a.beta1.to_string()),
     ("--beta2", |_, a| a.beta2.to_string()),

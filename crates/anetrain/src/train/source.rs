@@ -10,6 +10,7 @@ use super::run::Event;
 use super::settings::{Sample, TrainSettings};
 use super::step;
 use crate::data::corpus;
+use crate::data::preference::{self, Pair, Tokenization};
 use crate::data::records::{self, Example};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokens::{self};
@@ -42,6 +43,8 @@ pub(super) enum Source {
         train: Vec<Example>,
         val: Vec<Example>,
     },
+    /// Preference pairs (`--objective dpo|orpo`).
+    Pairs { train: Vec<Pair>, val: Vec<Pair> },
 }
 
 impl Source {
@@ -51,6 +54,14 @@ impl Source {
             Source::Stream { train_end, val, .. } => (*train_end, val.len()),
             Source::Records { train, val } => {
                 let n = |v: &[Example]| v.iter().map(|e| e.tokens.len()).sum();
+                (n(train), n(val))
+            }
+            Source::Pairs { train, val } => {
+                let n = |v: &[Pair]| {
+                    v.iter()
+                        .map(|p| p.chosen.tokens.len() + p.rejected.tokens.len())
+                        .sum()
+                };
                 (n(train), n(val))
             }
         }
@@ -68,6 +79,9 @@ pub(super) fn load_records(
     note: &mut dyn FnMut(Event),
 ) -> Result<Source> {
     let splits = records::splits(path)?;
+    if let Some(p) = &s.preference {
+        return load_pairs(s, p.objective, &splits, tok, vocab, note);
+    }
     let mut templated = false;
     let mut read = |file: &Path| -> Result<Vec<Example>> {
         let f = records::read_file(file, tok, &s.keys, s.mask_prompt)?;
@@ -106,6 +120,53 @@ pub(super) fn load_records(
         );
     }
     Ok(Source::Records { train, val })
+}
+
+/// Reads preference pairs for `--objective dpo|orpo`: `train.jsonl` (and
+/// `valid.jsonl`) of a directory, or one file whose last `--val-frac` of
+/// pairs validate.
+fn load_pairs(
+    s: &TrainSettings,
+    objective: crate::train::preference::Objective,
+    splits: &records::Splits,
+    tok: &Tokenizer,
+    vocab: usize,
+    note: &mut dyn FnMut(Event),
+) -> Result<Source> {
+    let how = match objective {
+        crate::train::preference::Objective::Orpo => Tokenization::Orpo,
+        _ => Tokenization::Dpo,
+    };
+    let mut read = |file: &Path| -> Result<Vec<Pair>> {
+        let pairs = preference::read_file(file, tok, how)?;
+        for p in &pairs {
+            for e in p.sequences() {
+                tokens::check_ids(&e.tokens, vocab, &format!("'{}'", file.display()))?;
+            }
+        }
+        let fitted = preference::fit(pairs, s.seq);
+        if let Some(w) = fitted.warning(file, s.seq) {
+            note(Event::Note(w));
+        }
+        Ok(fitted.pairs)
+    };
+    let mut train = read(&splits.train)?;
+    let val = match &splits.valid {
+        Some(v) => read(v)?,
+        None if s.val_frac > 0.0 && train.len() > 1 => {
+            let n_val = ((train.len() as f64 * s.val_frac).ceil() as usize).min(train.len() - 1);
+            train.split_off(train.len() - n_val)
+        }
+        None => vec![],
+    };
+    if train.is_empty() {
+        bail!(
+            "'{}' leaves no training pair with an answer token within --seq {}",
+            splits.train.display(),
+            s.seq
+        );
+    }
+    Ok(Source::Pairs { train, val })
 }
 
 /// A warning when the chat template ends a turn with a token that is not
@@ -258,7 +319,20 @@ pub(super) fn next_examples(
             *cursor += count as u64;
             picks.into_iter().map(|i| train[i].clone()).collect()
         }
+        Source::Pairs { .. } => unreachable!("pairs are drawn by next_pairs"),
     }
+}
+
+/// Draws the next `count` pairs of the epochs' order, as their indices.
+pub(super) fn next_pairs(
+    n: usize,
+    s: &TrainSettings,
+    cursor: &mut u64,
+    count: usize,
+) -> Vec<usize> {
+    let picks = records::draws(n, s.seed, *cursor, count);
+    *cursor += count as u64;
+    picks
 }
 
 /// Draws the next window of `seq + 1` tokens from the first `n_train`.
@@ -297,6 +371,7 @@ pub(super) fn val_loss<R: KernelRunner>(
             .map(|tokens| Example { tokens, offset: 0 })
             .collect(),
         Source::Records { val, .. } => val.iter().take(n).cloned().collect(),
+        Source::Pairs { .. } => return Ok(None),
     };
     if examples.is_empty() {
         return Ok(None);
