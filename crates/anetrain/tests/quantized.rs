@@ -232,7 +232,7 @@ fn an_8b_4bit_base_plans_within_16_gb() {
         device_buffers: None,
         max_memory: Some(16_000_000_000),
     };
-    let run = RunPlan::new(&source, 2048, Some(&lora), Backend::AneSim, &memory).unwrap();
+    let run = RunPlan::new(&source, 2048, Some(&lora), Backend::AneSim, &memory, None).unwrap();
     let base = run
         .plan
         .resident

@@ -122,6 +122,8 @@ pub struct PlanArgs {
     /// The family whose predicted step the text plan shows (default: the
     /// one in force; every family when none is known).
     pub family: Option<ane::family::Family>,
+    /// A preference step (one pair) instead of one SFT sequence.
+    pub preference: Option<anetrain::train::preference::PreferenceSettings>,
 }
 
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
@@ -139,19 +141,24 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let lora = lora_rank.map(LoraConfig::every_projection);
     opts = opts.with_lora(lora.as_ref());
     let source = anetrain::model::source::ModelSource::resolve(model)?;
-    let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory)?;
+    let pair = a.preference.map(|p| p.pair_step());
+    let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory, pair)?;
     let plan = tiling::plan(&shape, &opts)?;
+    // A preference step: one pair, two sequences and the reference's.
+    let (rows, reference) = pair.map_or((1, 0), |p| (2, p.reference_forwards));
     let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
-        1,
+        rows,
         &opts,
         lora.is_none(),
         a.memory.grad_checkpoint,
-    )?;
+    )?
+    .with_reference(&cfg, &opts, reference)?;
     let setup = anetrain::plan::timeline::StepSetup {
         seq,
-        batch: 1,
+        batch: rows,
+        reference_forwards: reference,
         lora: lora.clone(),
         grad_checkpoint: a.memory.grad_checkpoint,
         buffers: memory.buffers,

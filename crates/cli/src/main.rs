@@ -407,6 +407,14 @@ enum KernelsCommand {
         /// the family in force, or every family when none is known).
         #[arg(long, value_parser = parse_family)]
         family: Option<ane::family::Family>,
+        /// Plan a preference step (one pair: two sequences, and DPO's two
+        /// reference forwards) instead of one SFT sequence.
+        #[arg(long, value_parser = choice::<anetrain::train::preference::Objective>(), default_value = "sft")]
+        objective: anetrain::train::preference::Objective,
+        /// DPO with the reference's log-probabilities precomputed (no
+        /// reference forwards in the step).
+        #[arg(long)]
+        precompute_ref: bool,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -833,6 +841,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 memory,
                 json,
                 family,
+                objective,
+                precompute_ref,
             } => cmd_kernels::show_plan(cmd_kernels::PlanArgs {
                 model: hub::resolve(&model, hub::Need::Config)?,
                 seq,
@@ -841,6 +851,14 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
                 memory: memory.options(),
                 json,
                 family,
+                preference: (objective != anetrain::train::preference::Objective::Sft).then_some(
+                    anetrain::train::preference::PreferenceSettings {
+                        objective,
+                        loss: anetrain::train::preference::DpoLoss::Sigmoid,
+                        beta: 0.1,
+                        precompute_ref,
+                    },
+                ),
             })?,
         },
         Command::Mil { command } => match command {

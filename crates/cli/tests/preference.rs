@@ -155,7 +155,8 @@ fn dpo_and_orpo_steps_equal_trl() {
 }
 
 /// A DPO run resumed after 2 of 4 steps ends with the adapter and metrics
-/// of the straight run, bit for bit; with `--precompute-ref` the reference
+/// of the straight run, bit for bit (LoRA and full fine-tuning, whose
+/// reference is the initial model loaded again); with `--precompute-ref` the reference
 /// is the same, so are the losses; on `ane-sim`, `--grad-checkpoint` and
 /// streamed device buffers change nothing either.
 #[test]
@@ -191,6 +192,29 @@ fn dpo_resumes_exactly_and_precomputing_the_reference_changes_nothing() {
     assert_eq!(strip(&full), strip(&after));
     let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
     assert_eq!(adapter(&straight), adapter(&resumed));
+
+    // Full fine-tuning: the reference is a copy of the initial model,
+    // loaded again on resume.
+    let full_flags = |steps: &str| {
+        let mut a = flags(steps, "cpu");
+        let at = a.iter().position(|x| x == "--init-adapter").unwrap();
+        a.drain(at..at + 2);
+        a
+    };
+    let full_straight = run_strings(&full_flags("4"), &dir.path().join("full"));
+    let full_resumed = dir.path().join("full-resumed");
+    run_strings(&full_flags("2"), &full_resumed);
+    let mut again = full_flags("4");
+    again.push("--resume".into());
+    assert_eq!(
+        strip(&full_straight),
+        strip(&run_strings(&again, &full_resumed))
+    );
+    assert_ne!(
+        strip(&full_straight),
+        strip(&full),
+        "full fine-tuning is another run"
+    );
 
     let mut pre = flags("4", "cpu");
     pre.push("--precompute-ref".into());
@@ -440,4 +464,77 @@ fn bad_pairs_and_flags_are_named() {
         .collect(),
         &["--objective dpo trains on preference pairs"],
     );
+}
+
+/// `kernels plan` counts a preference step: one pair's two sequences, and
+/// for DPO the reference's two forwards (each layer's forward kernels and
+/// the head's chunks once), which `--precompute-ref` and ORPO drop; the
+/// memory plan holds a second gradient buffer and, for DPO, the initial
+/// adapters; the predicted step orders DPO > ORPO = precomputed DPO > SFT.
+#[test]
+fn the_plan_counts_the_reference_pass() {
+    let config =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/configs/qwen3-0.6b.json");
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let o = bin()
+            .args([
+                "kernels",
+                "plan",
+                "--model",
+                &s(&config),
+                "--seq",
+                "256",
+                "--lora-rank",
+                "16",
+            ])
+            .args(["--json", "--family", "m4"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (sft, dpo, orpo, pre) = (
+        plan(&[]),
+        plan(&["--objective", "dpo"]),
+        plan(&["--objective", "orpo"]),
+        plan(&["--objective", "dpo", "--precompute-ref"]),
+    );
+    let evals = |p: &serde_json::Value, k: &str| p["work"][k].as_u64().unwrap();
+    let (one, reference) = (
+        evals(&sft, "device_evaluations"),
+        evals(&dpo, "reference_evaluations"),
+    );
+    assert_eq!(evals(&orpo, "device_evaluations"), 2 * one);
+    assert_eq!(evals(&dpo, "device_evaluations"), 2 * one + reference);
+    let layers = 28;
+    let heads = sft["plan"]["head"]["chunks"].as_u64().unwrap();
+    let forward_tiles: u64 = sft["plan"]["kernels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| k["kind"].as_str().unwrap().ends_with("Forward") && k["kind"] != "HeadForward")
+        .map(|k| k["tiles"].as_u64().unwrap())
+        .sum();
+    assert_eq!(reference, 2 * (layers * forward_tiles + heads));
+    assert_eq!(evals(&pre, "reference_evaluations"), 0);
+    let part = |p: &serde_json::Value| {
+        p["memory"]["resident"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == "preference")
+            .map(|x| x["bytes"].as_u64().unwrap())
+    };
+    assert_eq!(part(&sft), None);
+    assert_eq!(part(&dpo), Some(2 * part(&orpo).unwrap()));
+    let ms = |p: &serde_json::Value| p["predicted"]["m4"]["step_ms"].as_f64().unwrap();
+    assert!(
+        ms(&dpo) > ms(&orpo) && ms(&orpo) > ms(&sft),
+        "{} {} {}",
+        ms(&dpo),
+        ms(&orpo),
+        ms(&sft)
+    );
+    assert!((ms(&pre) - ms(&orpo)).abs() < 1e-9 * ms(&orpo));
 }

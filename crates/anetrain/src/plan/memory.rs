@@ -63,6 +63,19 @@ pub struct PlanRequest<'a> {
     pub grad_checkpoint: bool,
     /// Kernel options (limits, LoRA) the device kernels are built with.
     pub opts: Option<&'a KernelOptions>,
+    /// A preference run's step (`--objective dpo|orpo`).
+    pub preference: Option<PairStep>,
+}
+
+/// What a preference step runs and holds beyond an SFT step of its two
+/// sequences a pair (see `train::preference`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PairStep {
+    /// Forward-only reference passes a pair (DPO: 2; precomputed or ORPO: 0).
+    pub reference_forwards: usize,
+    /// The reference model is held (DPO, until precomputed): the initial
+    /// adapters with LoRA, else a copy of the model in f32.
+    pub reference_held: bool,
 }
 
 /// One part of the plan.
@@ -303,6 +316,28 @@ fn resident_parts(r: &PlanRequest) -> Vec<Part> {
             detail: "gradients and AdamW moments of every parameter".into(),
         },
     });
+    if let Some(pair) = r.preference {
+        // The rejected answer's gradient, kept until the chosen one's
+        // forward gives its weight; and the reference.
+        let reference = if pair.reference_held {
+            trainable * 4
+        } else {
+            0
+        };
+        resident.push(Part {
+            name: "preference",
+            bytes: trainable * 4 + reference,
+            detail: match (pair.reference_held, r.lora) {
+                (false, _) => "a second gradient buffer".into(),
+                (true, Some(_)) => {
+                    "a second gradient buffer, the reference's initial adapters".into()
+                }
+                (true, None) => {
+                    "a second gradient buffer, the reference model's copy in f32".into()
+                }
+            },
+        });
+    }
     let act = layer_act_bytes(cfg, r.device.is_some()) * s;
     resident.push(match r.grad_checkpoint {
         true => Part {
@@ -471,6 +506,7 @@ pub struct RunPlan {
     base: BaseWeights,
     tokenizer_file: u64,
     grad_checkpoint: bool,
+    preference: Option<PairStep>,
 }
 
 impl RunPlan {
@@ -487,6 +523,7 @@ impl RunPlan {
         lora: Option<&LoraConfig>,
         backend: Backend,
         m: &MemoryOptions,
+        preference: Option<PairStep>,
     ) -> anyhow::Result<RunPlan> {
         let cfg = model.config.clone();
         let base = match (lora, model.dir()) {
@@ -513,6 +550,7 @@ impl RunPlan {
                 .and_then(|p| std::fs::metadata(p).ok())
                 .map_or(0, |m| m.len()),
             grad_checkpoint: m.grad_checkpoint,
+            preference,
         };
         run.plan = run.with(seq, lora, m.grad_checkpoint, run.buffers)?;
         if m.device_buffers.is_none() && limit.is_some_and(|l| run.plan.total > l / 4) {
@@ -542,6 +580,7 @@ impl RunPlan {
             tokenizer_file: self.tokenizer_file,
             grad_checkpoint,
             opts: Some(&opts),
+            preference: self.preference,
         })
         .map_err(anyhow::Error::from)
     }
@@ -713,6 +752,7 @@ mod tests {
             tokenizer_file: 0,
             grad_checkpoint: false,
             opts: None,
+            preference: None,
         };
         let part = |p: &MemoryPlan, n: &str| {
             p.resident
@@ -736,6 +776,29 @@ mod tests {
         .unwrap();
         let ratio = part(&f32, "base weights") as f64 / part(&plain, "base weights") as f64;
         assert!((ratio - 2.0).abs() < 0.01, "{ratio}");
+        // DPO: a second gradient buffer and the initial adapters, LoRA's
+        // size each; full fine-tuning: a gradient and a model in f32.
+        let dpo = PairStep {
+            reference_forwards: 2,
+            reference_held: true,
+        };
+        let with_dpo = MemoryPlan::new(&PlanRequest {
+            preference: Some(dpo),
+            ..req.clone()
+        })
+        .unwrap();
+        assert_eq!(
+            part(&with_dpo, "preference"),
+            2 * 4 * lora_params(&cfg, &lora)
+        );
+        let full = MemoryPlan::new(&PlanRequest {
+            preference: Some(dpo),
+            lora: None,
+            base: BaseWeights::F32,
+            ..req.clone()
+        })
+        .unwrap();
+        assert_eq!(part(&full, "preference"), 2 * 4 * cfg.num_params() as u64);
         let dev = |m| {
             let r = PlanRequest {
                 device: Some(m),

@@ -35,6 +35,9 @@ pub struct StepSetup {
     pub lora: Option<LoraConfig>,
     pub grad_checkpoint: bool,
     pub buffers: DeviceBuffers,
+    /// Forward-only sequences a step runs besides its rows (DPO's
+    /// reference: two a pair).
+    pub reference_forwards: usize,
 }
 
 /// Where the seed's step differs from ours (maderix/ANE's dynamic
@@ -127,7 +130,7 @@ pub struct Passes {
 }
 
 /// The step's clock: phases summed along the critical path.
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Clock {
     dispatch: f64,
     device: f64,
@@ -390,13 +393,25 @@ pub fn predict(
             update.staging += rates.copy_ms(bytes as f64);
         }
     }
+    // A reference forward: the layers' forward and the head's statistics.
+    let mut reference = fwd.clone();
+    let (chunks, rows) = (plan.head.chunks as f64, plan.head.rows as f64);
+    reference.add(&p.run(KernelKind::HeadForward), chunks);
+    reference.add(&p.host_passes(3.0 * rows * plan.shape.seq as f64), chunks);
     let batch = setup.batch as f64;
+    let refs = setup.reference_forwards as f64;
     let mut out = Clock::default();
-    for (c, n) in [(&fwd, batch), (&loss, batch), (&bwd, batch), (&update, 1.0)] {
+    for (c, n) in [
+        (&fwd, batch),
+        (&loss, batch),
+        (&bwd, batch),
+        (&reference, refs),
+        (&update, 1.0),
+    ] {
         out.add(c, n);
     }
     let passes = Passes {
-        forward_ms: batch * fwd.total(),
+        forward_ms: batch * fwd.total() + refs * reference.total(),
         loss_ms: batch * loss.total(),
         backward_ms: batch * bwd.total(),
         optimizer_ms: update.total(),
@@ -680,6 +695,7 @@ pub fn predict_seed(
         lora: None,
         grad_checkpoint: false,
         buffers: DeviceBuffers::Persistent,
+        reference_forwards: 0,
     };
     Ok(predict(cfg, &plan, &setup, rates, Some(step)))
 }

@@ -42,6 +42,10 @@ pub struct StepWork {
     pub host_weight_gradient_flop: f64,
     /// The sequence length the kernels are compiled for (padded).
     pub compiled_seq: usize,
+    /// Of the device's work, forward-only passes (DPO's reference): FLOPs
+    /// and evaluations, counted in the totals too.
+    pub reference_flop: f64,
+    pub reference_evaluations: usize,
 }
 
 impl StepWork {
@@ -77,14 +81,46 @@ impl StepWork {
             host_flop: softmax + dxf_sums,
             host_weight_gradient_flop: weight_gradients,
             compiled_seq: compiled,
+            reference_flop: 0.0,
+            reference_evaluations: 0,
         })
+    }
+
+    /// The step with `sequences` forward-only passes more (DPO's
+    /// reference: two a pair): each layer's forward kernels and the LM
+    /// head's chunks once, its softmax statistics on the host.
+    pub fn with_reference(
+        mut self,
+        cfg: &ModelConfig,
+        opts: &KernelOptions,
+        sequences: usize,
+    ) -> Result<StepWork> {
+        let plan = tiling::plan(&Shape::new(cfg, self.compiled_seq), opts)?;
+        let (flop, evaluations) = plan.forward_work_per_layer();
+        let (head_flop, head_evaluations) = plan.head_work(false);
+        let n = sequences as f64;
+        self.reference_flop = (flop * cfg.num_hidden_layers as f64 + head_flop) * n;
+        self.reference_evaluations =
+            (evaluations * cfg.num_hidden_layers + head_evaluations) * sequences;
+        self.device_flop += self.reference_flop;
+        self.device_evaluations += self.reference_evaluations;
+        // The running maximum and Σ exp: 4 of HOST_FLOP_PER_LOGIT's 8.
+        self.host_flop += 4.0 * (cfg.vocab_size * self.compiled_seq) as f64 * n;
+        Ok(self)
     }
 
     /// One line for `kernels plan`.
     pub fn describe(&self) -> String {
         let g = |f: f64| format!("{:.1} GFLOP", f / 1e9);
+        let reference = match self.reference_evaluations {
+            0 => String::new(),
+            n => format!(
+                " ({} in {n} of them: the reference's forwards)",
+                g(self.reference_flop)
+            ),
+        };
         format!(
-            "per training step: device {} in {} evaluations (the LM head's chunks among them); host {} on the critical path (the loss's softmax between the head's chunks), {} of weight gradients beside the device; host/device {:.2}%",
+            "per training step: device {} in {} evaluations (the LM head's chunks among them){reference}; host {} on the critical path (the loss's softmax between the head's chunks), {} of weight gradients beside the device; host/device {:.2}%",
             g(self.device_flop),
             self.device_evaluations,
             g(self.host_flop),

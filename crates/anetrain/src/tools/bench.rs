@@ -213,8 +213,8 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     }
     let lora = a.lora_rank.map(LoraConfig::every_projection);
     // The memory plan of the same run, reported beside the measured peak.
-    let plan =
-        RunPlan::new(&source, a.seq, lora.as_ref(), a.backend, &a.memory)?.refuse_over_limit()?;
+    let plan = RunPlan::new(&source, a.seq, lora.as_ref(), a.backend, &a.memory, None)?
+        .refuse_over_limit()?;
     // A frozen base stays mapped in the file's dtype, as in `train`.
     let mut model = source.load(cfg, lora.is_some(), 0)?;
     if let Some(lc) = lora {
@@ -412,6 +412,7 @@ fn report(
                 lora: model.lora.as_ref().map(|l| l.cfg.clone()),
                 grad_checkpoint: a.memory.grad_checkpoint,
                 buffers: plan.buffers,
+                reference_forwards: 0,
             };
             let opts = crate::kernels::KernelOptions::for_model(model);
             let all = crate::plan::timeline::predict_families(&model.cfg, &setup, &opts)?;

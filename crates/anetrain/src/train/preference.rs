@@ -31,6 +31,7 @@ use crate::device::KernelRunner;
 use crate::engine::{zero_grads, Engine, Grads};
 use crate::model::params::Param;
 use crate::model::Model;
+use crate::plan::memory::PairStep;
 use crate::util::choice::Choice;
 
 /// What a run optimises.
@@ -109,6 +110,18 @@ pub struct PreferenceSettings {
     pub beta: f64,
     /// The reference's log-probabilities computed once, before training.
     pub precompute_ref: bool,
+}
+
+impl PreferenceSettings {
+    /// What a pair's step runs and holds beyond SFT's two sequences, for
+    /// the memory plan and the predicted step.
+    pub fn pair_step(&self) -> PairStep {
+        let dpo = self.objective == Objective::Dpo;
+        PairStep {
+            reference_forwards: if dpo && !self.precompute_ref { 2 } else { 0 },
+            reference_held: dpo,
+        }
+    }
 }
 
 /// The metrics TRL logs for a preference batch, under its names.

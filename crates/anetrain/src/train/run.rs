@@ -131,9 +131,15 @@ pub fn train(
 fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
     let s = &r.settings;
     let cfg = &pre.source.config;
+    // A preference step runs two sequences a pair, and the reference's.
+    let (rows, pair) = match &s.preference {
+        Some(p) => (2, p.pair_step()),
+        None => (1, Default::default()),
+    };
     let setup = crate::plan::timeline::StepSetup {
         seq: s.seq,
-        batch: s.batch * s.accum,
+        batch: s.batch * s.accum * rows,
+        reference_forwards: s.batch * s.accum * pair.reference_forwards,
         lora: s.lora.clone(),
         grad_checkpoint: r.memory.grad_checkpoint,
         buffers: pre.plan.buffers,
@@ -141,6 +147,11 @@ fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
     let family = backend::predicted_family(s.backend)?;
     let opts = KernelOptions::for_run(cfg, s.lora.as_ref());
     crate::plan::timeline::run_estimate(cfg, &setup, &opts, family, r.steps)
+}
+
+/// A preference run's step for the memory plan.
+fn pair_step(s: &TrainSettings) -> Option<crate::plan::memory::PairStep> {
+    s.preference.map(|p| p.pair_step())
 }
 
 /// What a run checked before creating anything.
@@ -190,8 +201,15 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
         tiling::plan(&Shape::new(&source.config, compiled), &o)?;
     }
     // Refused before anything is created; reported once the data is read.
-    let plan =
-        RunPlan::new(&source, s.seq, s.lora.as_ref(), s.backend, &r.memory)?.refuse_over_limit()?;
+    let plan = RunPlan::new(
+        &source,
+        s.seq,
+        s.lora.as_ref(),
+        s.backend,
+        &r.memory,
+        pair_step(s),
+    )?
+    .refuse_over_limit()?;
     let ane_device = match s.backend {
         Backend::Ane => Some(backend::open_ane()?),
         _ => None,

@@ -413,6 +413,12 @@ impl Plan {
         })
     }
 
+    /// FLOPs and evaluations on the device per layer for one forward
+    /// alone (an evaluation, or DPO's reference).
+    pub fn forward_work_per_layer(&self) -> (f64, usize) {
+        self.work(|k| (!k.is_head() && k.is_forward()) as usize)
+    }
+
     /// FLOPs and evaluations of the LM head on the device for one
     /// sequence: each chunk's forward once, and with a `gradient` its
     /// backward once and (over several chunks) its forward again — the
