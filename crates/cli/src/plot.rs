@@ -1,6 +1,7 @@
-//! `anetrain plot`: train/val loss and learning rate from `metrics.jsonl`,
-//! drawn into a small raster with a 3×5 font and written as PNG by the
-//! `png` crate.
+//! `anetrain plot`: train/val loss and learning rate from `metrics.jsonl`
+//! (for a preference run, its reward margin, train and val, in place of
+//! the learning rate), drawn into a small raster with a 3×5 font and
+//! written as PNG by the `png` crate.
 
 use std::path::Path;
 
@@ -200,6 +201,8 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     let text = std::fs::read_to_string(&path)
         .with_context(|| format!("cannot read '{}'", path.display()))?;
     let (mut train, mut val, mut lr) = (vec![], vec![], vec![]);
+    // A preference run's `rewards/margins` (TRL's name), train and val.
+    let (mut margin, mut val_margin) = (vec![], vec![]);
     for (i, line) in text.lines().enumerate() {
         let v: serde_json::Value = serde_json::from_str(line)
             .with_context(|| format!("'{}' line {}: not JSON", path.display(), i + 1))?;
@@ -209,13 +212,16 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         if !loss.is_finite() {
             continue;
         }
+        let m = v["rewards/margins"].as_f64().filter(|m| m.is_finite());
         if v["split"] == "val" {
             val.push((step, loss));
+            val_margin.extend(m.map(|m| (step, m)));
         } else {
             train.push((step, loss));
             if let Some(l) = v["lr"].as_f64() {
                 lr.push((step, l));
             }
+            margin.extend(m.map(|m| (step, m)));
         }
     }
     if train.is_empty() {
@@ -243,10 +249,24 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     let f = |l: f64| if log { l.ln() } else { l };
     let (flo, fhi) = (f(lmin), f(lmax).max(f(lmin) + 1e-9));
     let (lo, hi) = (flo - 0.05 * (fhi - flo), fhi + 0.05 * (fhi - flo));
-    let rmax = lr.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-30);
+    // The right axis: the reward margin of a preference run (from its
+    // lowest, or 0, up), else the learning rate (from 0).
+    let preference = !margin.is_empty();
+    let right: Vec<(f64, f64)> = if preference {
+        margin.clone()
+    } else {
+        lr.clone()
+    };
+    let all_right = || {
+        right
+            .iter()
+            .chain(if preference { &val_margin[..] } else { &[] })
+    };
+    let rmax = all_right().map(|p| p.1).fold(0.0, f64::max).max(1e-30);
+    let rmin = all_right().map(|p| p.1).fold(0.0, f64::min);
     let px = |s: f64| LEFT as f64 + s / xmax * pw;
     let py = |l: f64| TOP as f64 + (hi - f(l)) / (hi - lo) * ph;
-    let pr = |r: f64| TOP as f64 + (1.0 - r / rmax) * ph;
+    let pr = |r: f64| TOP as f64 + (rmax - r) / (rmax - rmin) * ph;
     let loss_ticks = if log {
         log_ticks(lo.exp(), hi.exp())
     } else {
@@ -257,7 +277,7 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         c.line((LEFT as f64, y), (LEFT as f64 + pw, y), GRID, 1);
         c.text(8, (y as usize).saturating_sub(5), &fmt_num(t), BLUE, 2);
     }
-    for t in linear_ticks(0.0, rmax, 5.0) {
+    for t in linear_ticks(rmin, rmax, 5.0) {
         let y = pr(t);
         c.text(
             W - RIGHT + 8,
@@ -296,8 +316,14 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         BLACK,
         2,
     );
-    for w in lr.windows(2) {
+    for w in right.windows(2) {
         c.line((px(w[0].0), pr(w[0].1)), (px(w[1].0), pr(w[1].1)), GREEN, 1);
+    }
+    for w in val_margin.windows(2) {
+        c.line((px(w[0].0), pr(w[0].1)), (px(w[1].0), pr(w[1].1)), GREEN, 3);
+    }
+    for &(s, m) in &val_margin {
+        c.line((px(s) - 3.0, pr(m)), (px(s) + 3.0, pr(m)), GREEN, 5);
     }
     for w in train.windows(2) {
         c.line((px(w[0].0), py(w[0].1)), (px(w[1].0), py(w[1].1)), BLUE, 2);
@@ -314,10 +340,11 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         c.line((px(s) - 3.0, py(l)), (px(s) + 3.0, py(l)), ORANGE, 5);
     }
     c.text(8, 12, if log { "loss (log)" } else { "loss" }, BLUE, 2);
-    c.text(W - RIGHT + 8, 12, "lr", GREEN, 2);
+    let right_name = if preference { "margin" } else { "lr" };
+    c.text(W - RIGHT + 8, 12, right_name, GREEN, 2);
     c.text(LEFT + 100, 12, "train loss", BLUE, 3);
     c.text(LEFT + 250, 12, "val loss", ORANGE, 3);
-    c.text(LEFT + 380, 12, "lr", GREEN, 3);
+    c.text(LEFT + 380, 12, right_name, GREEN, 3);
     c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
     // The run it shows, as a title (the end of a long name is kept).
     let name = run
@@ -407,6 +434,35 @@ mod tests {
             .read_info()
             .unwrap();
         assert_eq!(reader.info().width, W as u32);
+        // A preference run: the margin on the right axis, negative at
+        // first; the learning rate's green line gives way to it.
+        let lines: String = (1..=20)
+            .map(|s| {
+                format!(
+                    "{{\"step\": {s}, \"split\": \"train\", \"loss\": {}, \"lr\": 0.001, \"rewards/margins\": {}}}\n",
+                    0.7 / s as f64,
+                    s as f64 * 0.1 - 0.5
+                )
+            })
+            .collect();
+        std::fs::write(dir.path().join("metrics.jsonl"), lines).unwrap();
+        plot(dir.path(), &out).unwrap();
+        let mut reader =
+            png::Decoder::new(std::io::BufReader::new(std::fs::File::open(&out).unwrap()))
+                .read_info()
+                .unwrap();
+        let mut buf = vec![0; reader.output_buffer_size().unwrap()];
+        reader.next_frame(&mut buf).unwrap();
+        // The green series runs from the bottom (margin −0.4 is the axis'
+        // lowest value) to the top: green pixels near both edges.
+        let green_rows: Vec<usize> = (0..H)
+            .filter(|&y| (LEFT + 10..W - RIGHT).any(|x| buf[(y * W + x) * 3..][..3] == GREEN))
+            .collect();
+        let (top, bottom) = (green_rows[0], *green_rows.last().unwrap());
+        assert!(
+            top < TOP + 40 && bottom > H - BOTTOM - 40,
+            "{top}..{bottom}"
+        );
         std::fs::write(dir.path().join("metrics.jsonl"), "").unwrap();
         assert!(plot(dir.path(), &out).is_err());
     }

@@ -290,6 +290,17 @@ impl<R: KernelRunner> Engine<R> {
         self
     }
 
+    /// Forward over `tokens` for its output alone (an evaluation, DPO's
+    /// reference): it keeps each layer's input only, as a checkpointed
+    /// forward does (the same values, bit for bit), never the activations
+    /// a backward would read.
+    pub fn forward_only(&mut self, model: &Model, tokens: &[u32]) -> Result<Forward> {
+        let keep = std::mem::replace(&mut self.grad_checkpoint, true);
+        let out = self.forward(model, tokens, None);
+        self.grad_checkpoint = keep;
+        out
+    }
+
     /// Forward over `tokens` (one sequence), keeping what backward needs.
     /// With `dropout_key`, LoRA dropout draws its masks from it (training);
     /// `None` is no dropout (evaluation, generation).

@@ -289,7 +289,7 @@ fn pair_logps<R: KernelRunner>(
     let mut out = [0f64; 2];
     for (o, e) in out.iter_mut().zip(pair.sequences()) {
         let n = e.tokens.len() - 1;
-        let fwd = eng.forward(model, &e.tokens[..n], None)?;
+        let fwd = eng.forward_only(model, &e.tokens[..n])?;
         let head = eng.head_statistics(model, &fwd.xf, &e.tokens[1..])?;
         *o = answer_logp(&head.nll, e.first_target());
     }
@@ -463,7 +463,11 @@ pub fn pair_loss<R: KernelRunner>(
         let (rej, chosen) = (&pair.rejected, &pair.chosen);
         let nominal = settings.nominal_rejected(rej.n_targets(), b);
         let t = Instant::now();
-        let fwd = eng.forward(model, &rej.tokens[..rej.tokens.len() - 1], key(1))?;
+        let inputs = &rej.tokens[..rej.tokens.len() - 1];
+        let fwd = match backward {
+            Some(_) => eng.forward(model, inputs, key(1))?,
+            None => eng.forward_only(model, inputs)?,
+        };
         let t1 = Instant::now();
         let head = eng.head_statistics(model, &fwd.xf, &rej.tokens[1..])?;
         let logp_r = answer_logp(&head.nll, rej.first_target());
@@ -487,7 +491,11 @@ pub fn pair_loss<R: KernelRunner>(
         }
         // The chosen answer: forward; every weight is known after it.
         let t = Instant::now();
-        let fwd = eng.forward(model, &chosen.tokens[..chosen.tokens.len() - 1], key(0))?;
+        let inputs = &chosen.tokens[..chosen.tokens.len() - 1];
+        let fwd = match backward {
+            Some(_) => eng.forward(model, inputs, key(0))?,
+            None => eng.forward_only(model, inputs)?,
+        };
         let t1 = Instant::now();
         let head = eng.head_statistics(model, &fwd.xf, &chosen.tokens[1..])?;
         let logp_c = answer_logp(&head.nll, chosen.first_target());

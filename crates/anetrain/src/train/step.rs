@@ -110,7 +110,10 @@ pub fn batch_loss<R: KernelRunner>(
             .map(|d| d.key(micro));
         let n = e.tokens.len() - 1;
         let a = Instant::now();
-        let fwd = eng.forward(model, &e.tokens[..n], key)?;
+        let fwd = match backward {
+            Some(_) => eng.forward(model, &e.tokens[..n], key)?,
+            None => eng.forward_only(model, &e.tokens[..n])?,
+        };
         let b = Instant::now();
         let grads = backward.as_mut().map(|b| &mut *b.grads);
         let (loss, dxf) = eng.head_loss(
