@@ -7,7 +7,7 @@ TRL 1.16's DPOTrainer on the same model, pairs and LoRA in the same run
 
     python3 scripts/random_bf16_checkpoint.py testdata/configs/qwen3-0.6b.json /tmp/q06
     cargo build --release
-    python3 scripts/bench_preference.py /tmp/q06 [STEPS]
+    python3 scripts/bench_preference.py /tmp/q06 [STEPS] [REPEATS]
 
 The model directory gets testdata/chat/model's tokenizer (its ids fit any
 vocabulary) if it has none. Each sequence is a prompt of about 240 tokens
@@ -49,7 +49,18 @@ def data(dir):
     return pairs
 
 
+REPEATS = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+
+
 def ours(dir, name, extra):
+    """Median seconds per step and the peak RSS of each of REPEATS runs
+    (glibc's arenas make the peak vary from run to run)."""
+    runs = [once(dir, f"{name}-{k}", extra) for k in range(REPEATS)]
+    times = sorted(t for _, t in runs)
+    return sorted(r for r, _ in runs), times[len(times) // 2]
+
+
+def once(dir, name, extra):
     out = os.path.join(dir, f"run-{name}")
     cmd = ["/usr/bin/time", "-v", BIN, "train", "--model", MODEL, "--lora-rank", "16", "--seq", str(SEQ),
            "--steps", str(STEPS), "--eval-every", "0", "--backend", "cpu", "--out", out] + extra
@@ -62,7 +73,7 @@ def ours(dir, name, extra):
     return rss, times[len(times) // 2]
 
 
-def trl_step_seconds(pairs):
+def trl_step_seconds(pairs, checkpointing):
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -84,7 +95,7 @@ def trl_step_seconds(pairs):
 
     args = DPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=STEPS,
                      learning_rate=2e-4, report_to=[], bf16=False, use_cpu=True, save_strategy="no",
-                     max_length=SEQ + 1, logging_steps=1)
+                     max_length=SEQ + 1, logging_steps=1, gradient_checkpointing=checkpointing)
     trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs), processing_class=tok,
                          peft_config=lora, callbacks=[Clock()])
     trainer.train()
@@ -103,17 +114,22 @@ def main():
     dpo_rss, dpo_s = ours(dir, "dpo", ["--data", os.path.join(dir, "dpo"), "--objective", "dpo", "--batch", "1"])
     pre_rss, pre_s = ours(dir, "dpo-pre", ["--data", os.path.join(dir, "dpo"), "--objective", "dpo", "--batch", "1",
                                            "--precompute-ref"])
-    trl_s, torch_version, threads = trl_step_seconds(pairs)
+    # TRL's default recomputes activations in the backward
+    # (gradient_checkpointing=True); ours keeps them unless asked.
+    trl_gc, torch_version, threads = trl_step_seconds(pairs, True)
+    trl_s, _, _ = trl_step_seconds(pairs, False)
     shutil.rmtree(dir, ignore_errors=True)
     print(f"Qwen3-0.6B shape, LoRA r16 on every projection, seq {SEQ}, one pair (two sequences) a step, "
           f"{STEPS} steps (median of steps 2..), torch {torch_version} with {threads} threads")
-    print("| run | s/step | peak RSS |")
+    gb = lambda rss: " / ".join(f"{r / 1e9:.2f}" for r in rss) + " GB"
+    print(f"| run | s/step | peak RSS of {REPEATS} runs |")
     print("|---|---:|---:|")
-    print(f"| anetrain SFT, the two chosen sequences | {sft_s:.2f} | {sft_rss / 1e9:.2f} GB |")
-    print(f"| anetrain DPO | {dpo_s:.2f} | {dpo_rss / 1e9:.2f} GB ({dpo_rss / sft_rss:.2f}x SFT) |")
-    print(f"| anetrain DPO --precompute-ref | {pre_s:.2f} | {pre_rss / 1e9:.2f} GB |")
-    print(f"| TRL DPOTrainer + PEFT (PyTorch fp32) | {trl_s:.2f} | |")
-    print(f"time ratio TRL / anetrain (DPO): {trl_s / dpo_s:.2f}")
+    print(f"| anetrain SFT, the two chosen sequences | {sft_s:.2f} | {gb(sft_rss)} |")
+    print(f"| anetrain DPO | {dpo_s:.2f} | {gb(dpo_rss)} (largest {dpo_rss[-1] / sft_rss[-1]:.2f}x SFT's) |")
+    print(f"| anetrain DPO --precompute-ref | {pre_s:.2f} | {gb(pre_rss)} |")
+    print(f"| TRL DPOTrainer + PEFT (PyTorch fp32), gradient_checkpointing=False | {trl_s:.2f} | |")
+    print(f"| TRL DPOTrainer + PEFT (PyTorch fp32), its default gradient_checkpointing=True | {trl_gc:.2f} | |")
+    print(f"time ratio TRL / anetrain (DPO, neither recomputing): {trl_s / dpo_s:.2f}")
 
 
 if __name__ == "__main__":

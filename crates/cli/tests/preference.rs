@@ -420,6 +420,31 @@ fn bad_pairs_and_flags_are_named() {
         fails(&refs, needles);
         assert!(!out.exists(), "a refused run leaves nothing behind");
     };
+    // Pairs longer than --seq are cut, keeping the start, and said so.
+    let o = bin()
+        .args([
+            "train",
+            "--model",
+            &model,
+            "--steps",
+            "1",
+            "--objective",
+            "dpo",
+            "--seq",
+            "24",
+        ])
+        .arg("--data")
+        .arg(preference_dir().join("data/chat"))
+        .arg("--out")
+        .arg(dir.path().join("cut"))
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(
+        e.contains("2 pairs longer than --seq 24 + 1 tokens cut") && e.contains("keep_start"),
+        "{e}"
+    );
     check(
         train(&missing, &["--objective", "dpo"]),
         &["missing.jsonl' line 2", "\"rejected\""],

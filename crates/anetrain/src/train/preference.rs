@@ -404,7 +404,9 @@ impl PreferenceSettings {
 
 /// The preference loss of `pairs` (their mean, as TRL's), its metrics,
 /// and with `backward` its gradient into `backward.grads` (times the loss
-/// scale). `None` when `stop()` turned true before the last sequence.
+/// scale), using `scratch` (allocated on first use, kept by the caller) for
+/// the rejected answers'. `None` when `stop()` turned true before the last
+/// sequence.
 pub fn pair_loss<R: KernelRunner>(
     eng: &mut Engine<R>,
     model: &mut Model,
@@ -412,6 +414,7 @@ pub fn pair_loss<R: KernelRunner>(
     reference: &mut Reference,
     pairs: &[Pair],
     mut backward: Option<Backward>,
+    scratch: &mut Option<Grads>,
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<PairLoss>> {
     if pairs.is_empty() {
@@ -433,7 +436,11 @@ pub fn pair_loss<R: KernelRunner>(
     let grad_scale = backward.as_ref().map_or(1.0, |bw| bw.loss_scale)
         / (answer_targets.max(1) as f64).log2().ceil().exp2();
     let loss_scale = grad_scale;
-    let mut scratch = backward.as_ref().map(|_| zero_grads(model));
+    // The rejected answers' gradient buffer, kept from step to step.
+    if backward.is_some() && scratch.is_none() {
+        *scratch = Some(zero_grads(model));
+    }
+    let mut scratch = scratch.as_mut().filter(|_| backward.is_some());
     if let Some(bw) = backward.as_mut() {
         bw.grads.reset();
     }
@@ -532,7 +539,7 @@ pub fn pair_loss<R: KernelRunner>(
             t_head += (t2 - t1).as_secs_f64();
             // The rejected answer's gradient, at its true weight.
             let factor = (terms.dlogp[1] / nominal) as f32;
-            let s = scratch.as_ref().expect("scratch with a backward");
+            let s = scratch.as_deref().expect("scratch with a backward");
             add_scaled(bw.grads, s, factor);
         } else {
             t_head += t1.elapsed().as_secs_f64();

@@ -397,6 +397,7 @@ fn dispatch(
         report,
         stop,
         reference,
+        pair_scratch: None,
     };
     let (buffers, ckpt) = (pre.plan.buffers, r.memory.grad_checkpoint);
     match (r.settings.backend, pre.ane_device) {
@@ -430,6 +431,8 @@ pub(super) struct Run<'a> {
     pub(super) stop: &'a AtomicBool,
     /// DPO's reference (see [`Reference`]).
     pub(super) reference: Reference,
+    /// A preference step's second gradient buffer, kept from step to step.
+    pub(super) pair_scratch: Option<crate::engine::Grads>,
 }
 
 /// What one optimizer step did.
@@ -634,9 +637,17 @@ impl Run<'_> {
                 loss_scale,
                 dropout: o.dropout,
             };
-            let reference = &mut self.reference;
-            let Some(pl) =
-                preference::pair_loss(eng, model, p, reference, &pairs, Some(backward), &stop)?
+            let (reference, scratch) = (&mut self.reference, &mut self.pair_scratch);
+            let Some(pl) = preference::pair_loss(
+                eng,
+                model,
+                p,
+                reference,
+                &pairs,
+                Some(backward),
+                scratch,
+                &stop,
+            )?
             else {
                 state.cursor = cursor_before;
                 return Ok(None);
@@ -707,8 +718,17 @@ impl Run<'_> {
             return Ok((None, None));
         }
         let never = || false;
-        let pl = preference::pair_loss(eng, model, p, &mut self.reference, &pairs, None, &never)?
-            .context("an evaluation that cannot stop stopped")?;
+        let pl = preference::pair_loss(
+            eng,
+            model,
+            p,
+            &mut self.reference,
+            &pairs,
+            None,
+            &mut None,
+            &never,
+        )?
+        .context("an evaluation that cannot stop stopped")?;
         Ok((Some(pl.loss), Some(pl.metrics)))
     }
 
