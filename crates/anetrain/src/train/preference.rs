@@ -172,6 +172,22 @@ pub struct PairLoss {
     pub times: [f64; 3],
 }
 
+/// What a preference run keeps from step to step: the reference, and the
+/// rejected answers' gradient buffer (allocated on the first step).
+pub struct PairState {
+    pub reference: Reference,
+    scratch: Option<Grads>,
+}
+
+impl PairState {
+    pub fn new(reference: Reference) -> PairState {
+        PairState {
+            reference,
+            scratch: None,
+        }
+    }
+}
+
 /// Where the reference model's log-probabilities come from.
 pub enum Reference {
     /// ORPO, or SFT.
@@ -404,19 +420,17 @@ impl PreferenceSettings {
 
 /// The preference loss of `pairs` (their mean, as TRL's), its metrics,
 /// and with `backward` its gradient into `backward.grads` (times the loss
-/// scale), using `scratch` (allocated on first use, kept by the caller) for
-/// the rejected answers'. `None` when `stop()` turned true before the last
-/// sequence.
+/// scale). `None` when `stop()` turned true before the last sequence.
 pub fn pair_loss<R: KernelRunner>(
     eng: &mut Engine<R>,
     model: &mut Model,
     settings: &PreferenceSettings,
-    reference: &mut Reference,
+    state: &mut PairState,
     pairs: &[Pair],
     mut backward: Option<Backward>,
-    scratch: &mut Option<Grads>,
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<PairLoss>> {
+    let PairState { reference, scratch } = state;
     if pairs.is_empty() {
         bail!("no preference pairs to evaluate");
     }

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use super::checkpoint::{self, TrainerState};
 use super::metrics::Metrics;
 use super::optim::{self, AdamW, LossScaler};
-use super::preference::{self, PreferenceMetrics, Reference};
+use super::preference::{self, PairState, PreferenceMetrics, Reference};
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
 use super::source::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::step;
@@ -396,8 +396,7 @@ fn dispatch(
         corpus: &corpus,
         report,
         stop,
-        reference,
-        pair_scratch: None,
+        pairs: PairState::new(reference),
     };
     let (buffers, ckpt) = (pre.plan.buffers, r.memory.grad_checkpoint);
     match (r.settings.backend, pre.ane_device) {
@@ -429,10 +428,8 @@ pub(super) struct Run<'a> {
     pub(super) corpus: &'a Corpus,
     pub(super) report: &'a mut dyn FnMut(&Event),
     pub(super) stop: &'a AtomicBool,
-    /// DPO's reference (see [`Reference`]).
-    pub(super) reference: Reference,
-    /// A preference step's second gradient buffer, kept from step to step.
-    pub(super) pair_scratch: Option<crate::engine::Grads>,
+    /// A preference run's reference and second gradient buffer.
+    pub(super) pairs: PairState,
 }
 
 /// What one optimizer step did.
@@ -630,24 +627,16 @@ impl Run<'_> {
             let picks = next_pairs(train.len(), s, &mut state.cursor, s.accum * s.batch);
             let pairs: Vec<_> = picks
                 .into_iter()
-                .map(|i| self.reference.attach(&train[i], i, false))
+                .map(|i| self.pairs.reference.attach(&train[i], i, false))
                 .collect();
             let backward = step::Backward {
                 grads,
                 loss_scale,
                 dropout: o.dropout,
             };
-            let (reference, scratch) = (&mut self.reference, &mut self.pair_scratch);
-            let Some(pl) = preference::pair_loss(
-                eng,
-                model,
-                p,
-                reference,
-                &pairs,
-                Some(backward),
-                scratch,
-                &stop,
-            )?
+            let pair_state = &mut self.pairs;
+            let Some(pl) =
+                preference::pair_loss(eng, model, p, pair_state, &pairs, Some(backward), &stop)?
             else {
                 state.cursor = cursor_before;
                 return Ok(None);
@@ -712,23 +701,14 @@ impl Run<'_> {
             .iter()
             .take(s.eval_windows)
             .enumerate()
-            .map(|(i, pair)| self.reference.attach(pair, i, true))
+            .map(|(i, pair)| self.pairs.reference.attach(pair, i, true))
             .collect();
         if pairs.is_empty() {
             return Ok((None, None));
         }
         let never = || false;
-        let pl = preference::pair_loss(
-            eng,
-            model,
-            p,
-            &mut self.reference,
-            &pairs,
-            None,
-            &mut None,
-            &never,
-        )?
-        .context("an evaluation that cannot stop stopped")?;
+        let pl = preference::pair_loss(eng, model, p, &mut self.pairs, &pairs, None, &never)?
+            .context("an evaluation that cannot stop stopped")?;
         Ok((Some(pl.loss), Some(pl.metrics)))
     }
 
@@ -743,14 +723,14 @@ impl Run<'_> {
         else {
             return Ok(());
         };
-        if !p.precompute_ref || !self.reference.is_model() {
+        if !p.precompute_ref || !self.pairs.reference.is_model() {
             return Ok(());
         }
         (self.report)(&Event::Note(format!(
             "computing the reference's log-probabilities of {} pairs once (--precompute-ref)",
             train.len() + val.len()
         )));
-        self.reference.precompute(eng, model, train, val)
+        self.pairs.reference.precompute(eng, model, train, val)
     }
 
     /// Reports a skipped step: what was not finite and the loss scale now.
