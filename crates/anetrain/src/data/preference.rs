@@ -245,38 +245,16 @@ pub fn tokenize(obj: &Map<String, Value>, tok: &Tokenizer, how: Tokenization) ->
 pub fn read_file(path: &Path, tok: &Tokenizer, how: Tokenization) -> Result<Vec<Pair>> {
     use rayon::prelude::*;
     let shown = path.display().to_string();
-    let text = std::fs::read(path).with_context(|| format!("cannot read '{shown}'"))?;
-    let text = String::from_utf8(text).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
-        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
-        anyhow!("'{shown}' line {line}: not UTF-8 text")
-    })?;
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let mut records = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: Value = serde_json::from_str(line)
-            .map_err(|e| anyhow!("'{shown}' line {}: not valid JSON: {e}", i + 1))?;
-        let Value::Object(obj) = value else {
-            bail!("'{shown}' line {}: a record must be a JSON object", i + 1);
+    let records = crate::data::records::read_jsonl(path)?;
+    if let Some((line, obj)) = records.iter().find(|(_, obj)| !is_pair(obj)) {
+        let keys: Vec<String> = obj.keys().map(|k| format!("\"{k}\"")).collect();
+        let has = match keys.is_empty() {
+            true => "no fields".to_owned(),
+            false => format!("the fields {}", keys.join(", ")),
         };
-        if !is_pair(&obj) {
-            let keys: Vec<String> = obj.keys().map(|k| format!("\"{k}\"")).collect();
-            let has = match keys.is_empty() {
-                true => "no fields".to_owned(),
-                false => format!("the fields {}", keys.join(", ")),
-            };
-            bail!(
-                "'{shown}' line {}: a preference record needs \"chosen\" and \"rejected\" (and \"prompt\", unless both begin with it); it has {has}",
-                i + 1
-            );
-        }
-        records.push((i + 1, obj));
-    }
-    if records.is_empty() {
-        bail!("'{shown}' holds no records");
+        bail!(
+            "'{shown}' line {line}: a preference record needs \"chosen\" and \"rejected\" (and \"prompt\", unless both begin with it); it has {has}"
+        );
     }
     let pairs: Vec<Result<Pair>> = records
         .par_iter()
@@ -306,14 +284,8 @@ pub fn fit(pairs: Vec<Pair>, seq: usize) -> FittedPairs {
         dropped: 0,
     };
     for mut p in pairs {
-        let mut cut = false;
-        for e in [&mut p.chosen, &mut p.rejected] {
-            if e.tokens.len() > seq + 1 {
-                e.tokens.truncate(seq + 1);
-                cut = true;
-            }
-        }
-        out.truncated += cut as usize;
+        let cut = [&mut p.chosen, &mut p.rejected].map(|e| e.cut_to(seq));
+        out.truncated += cut.contains(&true) as usize;
         if p.chosen.n_targets() == 0 || p.rejected.n_targets() == 0 {
             out.dropped += 1;
         } else {

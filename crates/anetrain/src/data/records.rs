@@ -78,6 +78,14 @@ impl Example {
     pub fn n_targets(&self) -> usize {
         self.tokens.len().saturating_sub(self.offset.max(1))
     }
+
+    /// Cuts the example to `seq + 1` tokens, keeping the start; whether
+    /// it was longer.
+    pub fn cut_to(&mut self, seq: usize) -> bool {
+        let longer = self.tokens.len() > seq + 1;
+        self.tokens.truncate(seq + 1);
+        longer
+    }
 }
 
 /// A JSONL file's records, tokenized.
@@ -143,6 +151,37 @@ pub fn splits(path: &Path) -> Result<Splits> {
     })
 }
 
+/// The JSON objects of a JSONL file with their line numbers: UTF-8 (a
+/// byte-order mark, as Windows editors write one, read past as Python's
+/// `utf-8-sig` does), blank lines skipped; every problem an error naming
+/// the file and the line, and a file without records one too.
+pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Map<String, Value>)>> {
+    let shown = path.display().to_string();
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{shown}'"))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        let at = e.utf8_error().valid_up_to();
+        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
+        anyhow::anyhow!("'{shown}' line {line}: not UTF-8 text")
+    })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let mut parsed = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let value: Value = serde_json::from_str(line)
+            .map_err(|e| anyhow!("'{shown}' line {}: not valid JSON: {e}", i + 1))?;
+        let Value::Object(obj) = value else {
+            bail!("'{shown}' line {}: a record must be a JSON object", i + 1);
+        };
+        parsed.push((i + 1, obj));
+    }
+    if parsed.is_empty() {
+        bail!("'{shown}' holds no records");
+    }
+    Ok(parsed)
+}
+
 /// Reads and tokenizes the records of `path`. Every problem is an error
 /// naming the file (and the line): malformed JSON, a record with none of
 /// the known fields or another format than the first, a message without
@@ -155,32 +194,9 @@ pub fn read_file(
     mask_prompt: bool,
 ) -> Result<RecordFile> {
     use rayon::prelude::*;
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read '{}'", path.display()))?;
-    let text = String::from_utf8(bytes).map_err(|e| {
-        // Name the line, as every other problem of a record is named.
-        let at = e.utf8_error().valid_up_to();
-        let line = 1 + e.as_bytes()[..at].iter().filter(|&&b| b == b'\n').count();
-        anyhow::anyhow!("'{}' line {line}: not UTF-8 text", path.display())
-    })?;
     let shown = path.display().to_string();
-    // A byte-order mark, as Windows editors write one: read past it, as
-    // Python's `utf-8-sig` does.
-    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
-    let mut parsed: Vec<(usize, Map<String, Value>)> = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let value: Value = serde_json::from_str(line)
-            .map_err(|e| anyhow!("'{shown}' line {}: not valid JSON: {e}", i + 1))?;
-        let Value::Object(obj) = value else {
-            bail!("'{shown}' line {}: a record must be a JSON object", i + 1);
-        };
-        parsed.push((i + 1, obj));
-    }
-    let Some((first_line, first)) = parsed.first() else {
-        bail!("'{shown}' holds no records");
-    };
+    let parsed = read_jsonl(path)?;
+    let (first_line, first) = &parsed[0];
     if crate::data::preference::is_pair(first) && detect(first, keys).is_none() {
         bail!(
             "'{shown}' line {first_line} holds preference pairs (\"chosen\", \"rejected\"): train on them with --objective dpo or --objective orpo"
@@ -418,10 +434,7 @@ pub fn fit(examples: Vec<Example>, seq: usize) -> Fitted {
         skipped: 0,
     };
     for mut e in examples {
-        if e.tokens.len() > seq + 1 {
-            e.tokens.truncate(seq + 1);
-            out.truncated += 1;
-        }
+        out.truncated += e.cut_to(seq) as usize;
         if e.n_targets() == 0 {
             out.skipped += 1;
         } else {

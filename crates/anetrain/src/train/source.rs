@@ -99,14 +99,8 @@ pub(super) fn load_records(
         Ok(fitted.examples)
     };
     let mut train = read(&splits.train)?;
-    let val = match &splits.valid {
-        Some(v) => read(v)?,
-        None if s.val_frac > 0.0 && train.len() > 1 => {
-            let n_val = ((train.len() as f64 * s.val_frac).ceil() as usize).min(train.len() - 1);
-            train.split_off(train.len() - n_val)
-        }
-        None => vec![],
-    };
+    let valid = splits.valid.as_deref().map(&mut read).transpose()?;
+    let val = validation(s, &mut train, valid);
     if templated {
         if let Some(w) = end_of_turn_warning(tok, model)? {
             note(Event::Warning(w));
@@ -120,6 +114,19 @@ pub(super) fn load_records(
         );
     }
     Ok(Source::Records { train, val })
+}
+
+/// The validation records: `valid.jsonl`'s, else the last `--val-frac` of
+/// the training records (at least one left to train on).
+fn validation<T>(s: &TrainSettings, train: &mut Vec<T>, valid: Option<Vec<T>>) -> Vec<T> {
+    match valid {
+        Some(v) => v,
+        None if s.val_frac > 0.0 && train.len() > 1 => {
+            let n_val = ((train.len() as f64 * s.val_frac).ceil() as usize).min(train.len() - 1);
+            train.split_off(train.len() - n_val)
+        }
+        None => vec![],
+    }
 }
 
 /// Reads preference pairs for `--objective dpo|orpo`: `train.jsonl` (and
@@ -151,14 +158,8 @@ fn load_pairs(
         Ok(fitted.pairs)
     };
     let mut train = read(&splits.train)?;
-    let val = match &splits.valid {
-        Some(v) => read(v)?,
-        None if s.val_frac > 0.0 && train.len() > 1 => {
-            let n_val = ((train.len() as f64 * s.val_frac).ceil() as usize).min(train.len() - 1);
-            train.split_off(train.len() - n_val)
-        }
-        None => vec![],
-    };
+    let valid = splits.valid.as_deref().map(&mut read).transpose()?;
+    let val = validation(s, &mut train, valid);
     if train.is_empty() {
         bail!(
             "'{}' leaves no training pair with an answer token within --seq {}",
