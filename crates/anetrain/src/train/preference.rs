@@ -238,14 +238,19 @@ impl Reference {
             }
             Reference::Model(m) => f(m),
             Reference::Adapter { params, version } => {
-                let swap = |model: &mut Model, params: &mut Vec<Param>, version: &mut u64| {
-                    let l = model.lora.as_mut().expect("a LoRA reference needs LoRA");
-                    std::mem::swap(&mut l.params, params);
-                    std::mem::swap(&mut l.version, version);
+                let swap =
+                    |l: &mut crate::model::lora::Lora, params: &mut Vec<Param>, v: &mut u64| {
+                        std::mem::swap(&mut l.params, params);
+                        std::mem::swap(&mut l.version, v);
+                    };
+                let Some(l) = model.lora.as_mut() else {
+                    bail!("the reference is an adapter, but the model has none");
                 };
-                swap(model, params, version);
+                swap(l, params, version);
                 let out = f(model);
-                swap(model, params, version);
+                if let Some(l) = model.lora.as_mut() {
+                    swap(l, params, version);
+                }
                 out
             }
         }
@@ -553,8 +558,9 @@ pub fn pair_loss<R: KernelRunner>(
             t_head += (t2 - t1).as_secs_f64();
             // The rejected answer's gradient, at its true weight.
             let factor = (terms.dlogp[1] / nominal) as f32;
-            let s = scratch.as_deref().expect("scratch with a backward");
-            add_scaled(bw.grads, s, factor);
+            if let Some(s) = scratch.as_deref() {
+                add_scaled(bw.grads, s, factor);
+            }
         } else {
             t_head += t1.elapsed().as_secs_f64();
         }
