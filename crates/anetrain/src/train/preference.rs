@@ -27,8 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use super::step::Backward;
 use crate::data::preference::Pair;
+use crate::data::records::Example;
 use crate::device::KernelRunner;
-use crate::engine::{zero_grads, Engine, Grads};
+use crate::engine::{zero_grads, Engine, Forward, Grads, HeadStatistics};
 use crate::model::params::Param;
 use crate::model::Model;
 use crate::plan::memory::PairStep;
@@ -309,12 +310,33 @@ fn pair_logps<R: KernelRunner>(
 ) -> Result<[f64; 2]> {
     let mut out = [0f64; 2];
     for (o, e) in out.iter_mut().zip(pair.sequences()) {
-        let n = e.tokens.len() - 1;
-        let fwd = eng.forward_only(model, &e.tokens[..n])?;
-        let head = eng.head_statistics(model, &fwd.xf, &e.tokens[1..])?;
+        let (_, head, _) = sequence_forward(eng, model, e, false, None, &mut 0.0)?;
         *o = answer_logp(&head.nll, e.first_target());
     }
     Ok(out)
+}
+
+/// One sequence's forward — kept for its backward when `training`, else
+/// forward-only — and its head's statistics; the forward's seconds added
+/// to `t_forward`, and the instant the head began.
+fn sequence_forward<R: KernelRunner>(
+    eng: &mut Engine<R>,
+    model: &Model,
+    e: &Example,
+    training: bool,
+    dropout_key: Option<u64>,
+    t_forward: &mut f64,
+) -> Result<(Forward, HeadStatistics, Instant)> {
+    let t = Instant::now();
+    let inputs = &e.tokens[..e.tokens.len() - 1];
+    let fwd = match training {
+        true => eng.forward(model, inputs, dropout_key)?,
+        false => eng.forward_only(model, inputs)?,
+    };
+    let t1 = Instant::now();
+    *t_forward += (t1 - t).as_secs_f64();
+    let head = eng.head_statistics(model, &fwd.xf, &e.tokens[1..])?;
+    Ok((fwd, head, t1))
 }
 
 /// One pair's loss and d loss/d π of its two answers (each already
@@ -488,14 +510,8 @@ pub fn pair_loss<R: KernelRunner>(
         // weight into the scratch.
         let (rej, chosen) = (&pair.rejected, &pair.chosen);
         let nominal = settings.nominal_rejected(rej.n_targets(), b);
-        let t = Instant::now();
-        let inputs = &rej.tokens[..rej.tokens.len() - 1];
-        let fwd = match backward {
-            Some(_) => eng.forward(model, inputs, key(1))?,
-            None => eng.forward_only(model, inputs)?,
-        };
-        let t1 = Instant::now();
-        let head = eng.head_statistics(model, &fwd.xf, &rej.tokens[1..])?;
+        let training = backward.is_some();
+        let (fwd, head, t1) = sequence_forward(eng, model, rej, training, key(1), &mut t_fwd)?;
         let logp_r = answer_logp(&head.nll, rej.first_target());
         if let Some(s) = scratch.as_mut() {
             s.reset();
@@ -510,23 +526,15 @@ pub fn pair_loss<R: KernelRunner>(
         } else {
             t_head += t1.elapsed().as_secs_f64();
         }
-        t_fwd += (t1 - t).as_secs_f64();
         drop(fwd);
         if stop() {
             return Ok(None);
         }
         // The chosen answer: forward; every weight is known after it.
-        let t = Instant::now();
-        let inputs = &chosen.tokens[..chosen.tokens.len() - 1];
-        let fwd = match backward {
-            Some(_) => eng.forward(model, inputs, key(0))?,
-            None => eng.forward_only(model, inputs)?,
-        };
-        let t1 = Instant::now();
-        let head = eng.head_statistics(model, &fwd.xf, &chosen.tokens[1..])?;
+        let (fwd, head, t1) = sequence_forward(eng, model, chosen, training, key(0), &mut t_fwd)?;
         let logp_c = answer_logp(&head.nll, chosen.first_target());
         let nll_c: f64 = head.nll.iter().sum();
-        let answer_tokens = |e: &crate::data::records::Example| e.tokens.len() - e.offset;
+        let answer_tokens = |e: &Example| e.tokens.len() - e.offset;
         let terms = settings.terms(
             [logp_c, logp_r],
             ref_logps,
@@ -564,7 +572,6 @@ pub fn pair_loss<R: KernelRunner>(
         } else {
             t_head += t1.elapsed().as_secs_f64();
         }
-        t_fwd += (t1 - t).as_secs_f64();
         loss += terms.loss / b;
         nll_total += nll_c;
         tokens += chosen.tokens.len() + rej.tokens.len() - 2;
