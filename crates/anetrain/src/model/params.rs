@@ -213,16 +213,16 @@ impl Stored {
     }
 
     /// Elements `range` of a quantized matrix, dequantized into `out`: one
-    /// task per row, each row's bit stream read once in order; where a
-    /// group has more values than there are levels (4 bits in groups of
-    /// 64, say), the group's 2^bits values are computed once and looked up.
+    /// task per row; the row's whole groups through the vectorized
+    /// [`crate::model::quant::dequantize_groups`], a group cut by the range's ends (or
+    /// with a non-finite scale or bias) value by value, with the same
+    /// result.
     fn dequantize(&self, a: &Affine, range: Range<usize>, out: &mut [f32]) {
-        use crate::model::quant::dequantize_value;
+        use crate::model::quant::{dequantize_groups, dequantize_value};
         use rayon::prelude::*;
         let (cols, spec) = (a.cols, a.spec);
         let (row_bytes, groups) = (spec.words(cols) * 4, cols / spec.group_size);
         let (bits, gs) = (spec.bits as usize, spec.group_size);
-        let levels = 1usize << bits;
         let first_row = range.start / cols;
         let last_row = (range.end - 1) / cols;
         // Each task owns the part of `out` in one row.
@@ -238,50 +238,46 @@ impl Stored {
         parts.into_par_iter().for_each(|(lo, part)| {
             let (row, c0) = (lo / cols, lo % cols);
             let bytes = &self.map[self.start + row * row_bytes..][..row_bytes];
-            let mask = (1u64 << bits) - 1;
-            let mut stream = BitStream::at(bytes, c0 * bits);
-            let mut lut = [0f32; 256];
-            let mut c = c0;
-            let mut out = part;
-            while !out.is_empty() {
-                let g = c / gs;
-                let n = ((g + 1) * gs - c).min(out.len());
-                let (here, tail) = std::mem::take(&mut out).split_at_mut(n);
-                let (scale, bias) = (
+            let group = |g: usize| {
+                (
                     a.scales.get(row * groups + g),
                     a.biases.get(row * groups + g),
-                );
-                let per_byte = 8 / bits;
-                if n > levels && 8 % bits == 0 && stream.have == 0 && n % per_byte == 0 {
-                    // Whole bytes of 2-, 4- or 8-bit values: each byte
-                    // decoded in place, its values looked up.
-                    for (q, v) in lut[..levels].iter_mut().enumerate() {
-                        *v = dequantize_value(q as u32, scale, bias, self.dtype);
-                    }
-                    let m = mask as usize;
-                    for (o, &b) in here.chunks_exact_mut(per_byte).zip(&bytes[stream.at..]) {
-                        let mut b = b as usize;
-                        for v in o {
-                            *v = lut[b & m];
-                            b >>= bits;
-                        }
-                    }
-                    stream.at += n / per_byte;
-                } else if n > levels {
-                    for (q, v) in lut[..levels].iter_mut().enumerate() {
-                        *v = dequantize_value(q as u32, scale, bias, self.dtype);
-                    }
-                    for o in here.iter_mut() {
-                        *o = lut[stream.next(bits, mask) as usize];
-                    }
-                } else {
-                    for o in here.iter_mut() {
-                        *o = dequantize_value(stream.next(bits, mask), scale, bias, self.dtype);
-                    }
+                )
+            };
+            // Values from column `c` on, one at a time.
+            let one_by_one = |c: usize, out: &mut [f32]| {
+                let mask = (1u64 << bits) - 1;
+                let mut stream = BitStream::at(bytes, c * bits);
+                for (i, o) in out.iter_mut().enumerate() {
+                    let (scale, bias) = group((c + i) / gs);
+                    *o = dequantize_value(stream.next(bits, mask), scale, bias, self.dtype);
                 }
-                c += n;
-                out = tail;
+            };
+            // Whole groups `ga..gb`; a group's values start on a byte.
+            let (c1, ga) = (c0 + part.len(), c0.div_ceil(gs));
+            let gb = (c1 / gs).max(ga);
+            if ga == gb {
+                return one_by_one(c0, part);
             }
+            let (head, rest) = part.split_at_mut(ga * gs - c0);
+            let (whole, tail) = rest.split_at_mut((gb - ga) * gs);
+            one_by_one(c0, head);
+            const CHUNK: usize = 64;
+            let mut params = [(0f32, 0f32); CHUNK];
+            for (k, out) in whole.chunks_mut(CHUNK * gs).enumerate() {
+                let g0 = ga + k * CHUNK;
+                let params = &mut params[..out.len() / gs];
+                for (i, p) in params.iter_mut().enumerate() {
+                    *p = group(g0 + i);
+                }
+                if params.iter().all(|(s, b)| s.is_finite() && b.is_finite()) {
+                    let from = g0 * gs * bits / 8;
+                    dequantize_groups(spec, self.dtype, &bytes[from..], params, out);
+                } else {
+                    one_by_one(g0 * gs, out);
+                }
+            }
+            one_by_one(gb * gs, tail);
         });
     }
 
