@@ -178,6 +178,16 @@ fn adapters_save_load_and_merge() {
     for (a, b) in back.params.iter().zip(&lora.params) {
         assert_eq!(a, b);
     }
+    // The same adapter in mlx-lm's layout (A and B transposed, streamed
+    // tensor by tensor) reads back to the same values.
+    std::fs::remove_file(tmp.join("adapter_model.safetensors")).unwrap();
+    let mlx = Lora::load(&model.cfg, &tmp).unwrap();
+    assert_eq!(mlx.params.len(), lora.params.len());
+    for (a, b) in mlx.params.iter().zip(&lora.params) {
+        assert_eq!((&a.name, &a.shape, &a.data), (&b.name, &b.shape, &b.data));
+    }
+    lora.save(&tmp, &anetrain::model::lora::AdapterBase::named("base"))
+        .unwrap();
     // Merged weights give the adapted model's logits.
     let mut merged = model.clone();
     let l = merged.lora.take().unwrap();

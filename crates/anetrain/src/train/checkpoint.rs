@@ -219,10 +219,9 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
                 "adapter_model.safetensors",
             )?;
             // The same adapter as mlx-lm reads it, beside PEFT's.
-            write_atomic(
-                &out.join("adapters.safetensors"),
-                &lora.mlx_safetensors_bytes()?,
-            )?;
+            write_atomic_with(&out.join("adapters.safetensors"), |w| {
+                lora.write_mlx_safetensors(w)
+            })?;
             write_atomic(
                 &out.join("adapter_config.json"),
                 serde_json::to_string_pretty(&lora.peft_config(&adapter_base(state)))?.as_bytes(),
