@@ -214,9 +214,9 @@ impl Stored {
 
     /// Elements `range` of a quantized matrix, dequantized into `out`: one
     /// task per row; the row's whole groups through the vectorized
-    /// [`crate::model::quant::dequantize_groups`], a group cut by the range's ends (or
-    /// with a non-finite scale or bias) value by value, with the same
-    /// result.
+    /// [`crate::model::quant::dequantize_groups`], a group cut by the
+    /// range's ends (or with a non-finite scale or bias) value by value,
+    /// with the same result.
     fn dequantize(&self, a: &Affine, range: Range<usize>, out: &mut [f32]) {
         use crate::model::quant::{dequantize_groups, dequantize_value};
         use rayon::prelude::*;

@@ -362,9 +362,9 @@ fn round_f16_finite(v: f32) -> f32 {
 /// from the first group's first bit (a group of 32·k values always starts
 /// on a byte), `groups[g]` is group g's (scale, bias), all finite. The
 /// same operations in the same order as [`dequantize_value`], so the same
-/// bits; written per width over little-endian units of 3 or 4 bytes
-/// (3·8 = 24 bits hold whole 3- and 6-bit values, 5 bytes whole 5-bit
-/// ones) so the unpacking and both roundings compile to vector code.
+/// bits; written per width over little-endian units of 3, 4 or 5 bytes
+/// (whole 3- and 6-bit values fill 3 bytes, 5-bit ones 5) so the
+/// unpacking and both roundings compile to vector code.
 pub fn dequantize_groups(
     spec: QuantSpec,
     dtype: StoredDtype,
