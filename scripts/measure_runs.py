@@ -20,6 +20,7 @@ import argparse
 import os
 import random
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -59,6 +60,13 @@ def main():
     ap.add_argument("--q4b4", help="the same quantized to 4 bits")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="measure-runs-"))
+    try:
+        measure_all(a, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def measure_all(a, tmp):
     rng = random.Random(0)
     data = tmp / "tokens.u32"
     data.write_bytes(struct.pack("<16384I", *(rng.randrange(151936) for _ in range(16384))))
