@@ -100,6 +100,7 @@ fn query_block_kernels_match_their_cpu_twins() {
             KernelKind::SdpaForward,
             KernelKind::SdpaBackward1,
             KernelKind::SdpaBackward2,
+            KernelKind::SdpaBackward,
         ] {
             let r = check_kernel(kind, &s, &KernelOptions::hf(&cfg), 7).unwrap();
             assert!(r.passed(), "{kind:?} ratio {}: {r:?}", s.ratio());

@@ -40,6 +40,7 @@ pub mod head_backward;
 pub mod head_forward;
 pub mod kv_backward;
 pub mod q_backward;
+pub mod sdpa_backward;
 pub mod sdpa_backward1;
 pub mod sdpa_backward2;
 pub mod sdpa_forward;
@@ -61,6 +62,7 @@ pub use kv_backward::KvBackward;
 pub use layout::{Encoding, KernelLayout, LayoutBuilder};
 pub use program::Gen;
 pub use q_backward::QBackward;
+pub use sdpa_backward::SdpaBackward;
 pub use sdpa_backward1::SdpaBackward1;
 pub use sdpa_backward2::SdpaBackward2;
 pub use sdpa_forward::SdpaForward;
@@ -151,6 +153,9 @@ kernel_table! {
     SdpaBackward1: "sdpa_backward1", Some("sdpaBwd1"), false, [KvGroups, Seq];
     /// probs, dp, q, k → dq, dk (softmax backward on the device).
     SdpaBackward2: "sdpa_backward2", Some("sdpaBwd2"), false, [KvGroups, Seq];
+    /// q, k, v, da (a block of queries) → dv, dq, dk: the pair above in one
+    /// program, P and dP kept inside.
+    SdpaBackward: "sdpa_backward", None, false, [KvGroups, Seq];
     /// dq, Wq → dx = Wqᵀ dq.
     QBackward: "q_backward", Some("qBwd"), false, [KvGroups, Dim, Seq];
     /// dk, dv, Wk, Wv → dx = Wkᵀ dk + Wvᵀ dv.

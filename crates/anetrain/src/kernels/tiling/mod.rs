@@ -212,7 +212,10 @@ enum Positions {
 fn attends(kind: KernelKind) -> bool {
     matches!(
         kind,
-        KernelKind::SdpaForward | KernelKind::SdpaBackward1 | KernelKind::SdpaBackward2
+        KernelKind::SdpaForward
+            | KernelKind::SdpaBackward1
+            | KernelKind::SdpaBackward2
+            | KernelKind::SdpaBackward
     )
 }
 
