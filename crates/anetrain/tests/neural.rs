@@ -208,9 +208,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         let plan = eng.runner.plan().unwrap().clone();
         // Every layer kernel in tiles; the head in vocabulary chunks.
         assert!(
-            plan.kernels
-                .iter()
-                .all(|k| k.tiles >= 2 || k.kind.is_head()),
+            plan.used().all(|k| k.tiles >= 2 || k.kind.is_head()),
             "{kind}: {plan:?}"
         );
         assert!(plan.head.chunks >= 2, "{kind}: {:?}", plan.head);
@@ -218,7 +216,12 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
             plan.kernels.iter().any(|k| k.splits.len() == 2),
             "{kind}: no grid"
         );
-        assert_eq!(ane::Device::compiles(&eng.runner.device), 12);
+        // The tiled attention backward runs fused: eleven programs.
+        assert_eq!(
+            plan.attention_backward,
+            anetrain::kernels::tiling::AttentionBackward::Fused
+        );
+        assert_eq!(ane::Device::compiles(&eng.runner.device), 11);
 
         let rows = vec![(0..20).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let mut cpu = Engine::cpu(&model);
@@ -351,7 +354,9 @@ fn sequence_tiles_give_the_untiled_bits() {
 /// The attention backward tile by tile (each tile's P and dP handed from
 /// `sdpa_backward1`'s output straight to `sdpa_backward2`'s input) gives
 /// the bits of the two kernels run over the whole layer, tiled by heads
-/// and by blocks of queries or not at all.
+/// and by blocks of queries or not at all; and so does the fused
+/// `sdpa_backward` (P and dP kept inside, the same fp16 operations) where
+/// the plan runs it.
 #[test]
 fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
     use anetrain::device::{attention_backward_in_full, NeuralKernels};
@@ -363,6 +368,8 @@ fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
         let cfg = &model.cfg;
         let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
         (opts.min_seq_tiles, opts.min_tiles) = (tiles, tiles);
+        let mut fused = NeuralKernels::new(ane::SimDevice::new(), opts.clone());
+        opts.fuse_attention_backward = false;
         let mut runner = NeuralKernels::new(ane::SimDevice::new(), opts);
         let seq = 60;
         let shape = Shape::new(cfg, seq);
@@ -386,6 +393,15 @@ fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
             .unwrap();
         let b =
             attention_backward_in_full(&mut runner, &model, 1, &shape, &dropout, &acts).unwrap();
+        let f = fused
+            .attention_backward(&model, 1, &shape, &dropout, &acts)
+            .unwrap();
+        let form = fused.plan().unwrap().attention_backward;
+        assert_eq!(
+            form == anetrain::kernels::tiling::AttentionBackward::Fused,
+            tiles > 1,
+            "{kind}, {tiles} tiles: {form:?}"
+        );
         let plan = runner.plan().unwrap();
         let t1 = plan.of(anetrain::kernels::KernelKind::SdpaBackward1);
         assert_eq!(
@@ -403,6 +419,9 @@ fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
             ("dv", &a.dv, &b.dv),
             ("dq", &a.dq, &b.dq),
             ("dk", &a.dk, &b.dk),
+            ("fused dv", &f.dv, &b.dv),
+            ("fused dq", &f.dq, &b.dq),
+            ("fused dk", &f.dk, &b.dk),
         ] {
             assert_eq!(x.len(), y.len(), "{kind} {name}");
             assert!(

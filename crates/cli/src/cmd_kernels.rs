@@ -202,7 +202,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         "{:<18} {:>5}  {:<18} {:>16} {:>10} {:>16} {:>10}",
         "kernel", "tiles", "split", "tile input", "KiB", "tile output", "KiB"
     );
-    for k in &plan.kernels {
+    for k in plan.used() {
         let (i, o) = k.surface_bytes();
         let unit = match k.splits.is_empty() {
             true => "-".to_string(),
@@ -237,6 +237,17 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         plan.programs(),
         plan.programs(),
         plan.evaluations_per_layer()
+    );
+    println!(
+        "attention backward: {}",
+        match plan.attention_backward {
+            tiling::AttentionBackward::Fused =>
+                "sdpa_backward, one program per tile (P and dP stay on the device; the model predicts it faster than the pair)",
+            tiling::AttentionBackward::Pair if plan.of(KernelKind::SdpaBackward1).tiles > 1 =>
+                "sdpa_backward1 then sdpa_backward2, tile by tile (P and dP handed through the host)",
+            tiling::AttentionBackward::Pair =>
+                "sdpa_backward1 then sdpa_backward2 over the whole layer",
+        }
     );
     println!(
         "LM head: {} vocabulary chunks of {} rows ({} tokens), {} device evaluations per sequence with a gradient (head_forward twice over several chunks: statistics, then the gradient)",

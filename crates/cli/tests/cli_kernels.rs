@@ -24,7 +24,7 @@ fn kernels_check_passes_for_qwen3_0_6b_at_seq_256() {
     );
     assert_eq!(
         table.lines().filter(|l| l.ends_with(" ok")).count(),
-        12,
+        KernelKind::ALL.len(),
         "{table}"
     );
     assert!(
@@ -159,10 +159,12 @@ fn larger_models_dump_tile_programs_that_pass_every_rule() {
         }
         let o = c.output().unwrap();
         let table = String::from_utf8_lossy(&o.stdout);
-        assert!(
-            o.status.success() && table.contains("12 programs to compile"),
-            "{table}"
-        );
+        // Twelve programs, eleven where the tiled attention backward runs fused.
+        let programs = match table.contains("attention backward: sdpa_backward,") {
+            true => "11 programs to compile",
+            false => "12 programs to compile",
+        };
+        assert!(o.status.success() && table.contains(programs), "{table}");
     }
     // A limit no tiling meets: one line naming the kernel and the limit,
     // before a run creates anything.

@@ -23,7 +23,7 @@ use anyhow::{anyhow, bail, Result};
 use crate::kernels::tiling::{self, HeadChunks, Plan};
 use crate::kernels::{
     build, compiled_length, sdpa_backward1, Activations, Kernel, KernelKind, KernelLayout,
-    KernelOptions, KernelProgram, Outputs, Port, Shape, COLUMN_GROUP,
+    KernelOptions, KernelProgram, Outputs, Port, SdpaBackward, Shape, COLUMN_GROUP,
 };
 use crate::model::Model;
 
@@ -157,6 +157,9 @@ struct Prepared {
 struct KernelSet<D: Device> {
     /// How each kernel is tiled (see [`tiling`]).
     plan: Plan,
+    /// The kernels a step runs ([`Plan::in_use`]), in the order of the
+    /// vectors below.
+    kinds: Vec<KernelKind>,
     /// One program per kernel, at its tile shape.
     kernels: Vec<(KernelProgram, D::Program)>,
     /// Input buffers by kernel (see [`NeuralKernels::buffer_index`]).
@@ -181,8 +184,17 @@ pub struct NeuralKernels<D: Device> {
     recomputing: bool,
 }
 
-fn kind_index(kind: KernelKind) -> usize {
-    KernelKind::ALL.iter().position(|k| *k == kind).unwrap_or(0)
+impl<D: Device> KernelSet<D> {
+    /// Where kernel `kind`'s program and buffers are.
+    fn slot(&self, kind: KernelKind) -> Result<usize> {
+        self.kinds.iter().position(|k| *k == kind).ok_or_else(|| {
+            anyhow!(
+                "{}: not compiled, the plan runs the attention backward as {:?}",
+                kind.name(),
+                self.plan.attention_backward
+            )
+        })
+    }
 }
 
 /// Kernel `k`'s weight regions for one unit (or only its adapter regions),
@@ -526,7 +538,12 @@ impl<D: Device> NeuralKernels<D> {
         let plan = tiling::plan(&shape, &self.opts)?;
         let layers = model.cfg.num_hidden_layers;
         let (mut kernels, mut outputs, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
-        for kind in KernelKind::ALL {
+        // Only what a step runs: of the attention backward's two forms, one.
+        let kinds: Vec<KernelKind> = KernelKind::ALL
+            .into_iter()
+            .filter(|&k| plan.in_use(k))
+            .collect();
+        for &kind in &kinds {
             let k = build(kind, &plan.of(kind).shape, &self.opts)
                 .map_err(|e| anyhow!("generating {}: {e}", kind.name()))?;
             let p = self
@@ -551,6 +568,7 @@ impl<D: Device> NeuralKernels<D> {
             sp,
             KernelSet {
                 plan,
+                kinds,
                 kernels,
                 inputs,
                 held,
@@ -647,9 +665,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         Ok(self.sets[&sp].plan.head)
     }
 
-    /// Tile by tile when the two kernels share their tiles: each tile's
-    /// P and dP go from `sdpa_backward1`'s output surface straight into
-    /// `sdpa_backward2`'s input, and only dV, dQ and dK are gathered.
+    /// The fused `sdpa_backward` where the plan runs it (P and dP never
+    /// leave the device); else tile by tile when the two kernels share
+    /// their tiles: each tile's P and dP go from `sdpa_backward1`'s output
+    /// surface straight into `sdpa_backward2`'s input, and only dV, dQ and
+    /// dK are gathered.
     fn attention_backward(
         &mut self,
         model: &Model,
@@ -660,15 +680,30 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
     ) -> Result<AttentionGrads> {
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
+        let fused = self
+            .sets
+            .get(&sp)
+            .is_some_and(|set| set.plan.attention_backward == tiling::AttentionBackward::Fused);
+        if fused {
+            let out = self.run::<SdpaBackward>(model, layer, shape, dropout, acts)?;
+            return Ok(AttentionGrads {
+                dv: out.dv,
+                dq: out.dq,
+                dk: out.dk,
+            });
+        }
         let shares_tiles = self.sets.get(&sp).is_some_and(|set| {
             let (t1, t2) = (
                 set.plan.of(KernelKind::SdpaBackward1),
                 set.plan.of(KernelKind::SdpaBackward2),
             );
-            let (l1, l2) = (
-                &set.kernels[kind_index(KernelKind::SdpaBackward1)].0.layout,
-                &set.kernels[kind_index(KernelKind::SdpaBackward2)].0.layout,
-            );
+            let (Ok(i1), Ok(i2)) = (
+                set.slot(KernelKind::SdpaBackward1),
+                set.slot(KernelKind::SdpaBackward2),
+            ) else {
+                return false;
+            };
+            let (l1, l2) = (&set.kernels[i1].0.layout, &set.kernels[i2].0.layout);
             t1.splits == t2.splits
                 && [Port::Probs, Port::Dp].iter().all(|&p| {
                     l2.region(p).spatial.len() == l1.out_spatial
@@ -681,10 +716,13 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         if !shares_tiles || dropout.iter().any(Option::is_some) {
             return super::attention_backward_in_full(self, model, layer, shape, dropout, acts);
         }
-        let (k1, k2) = (
-            kind_index(KernelKind::SdpaBackward1),
-            kind_index(KernelKind::SdpaBackward2),
-        );
+        let (k1, k2) = {
+            let set = &self.sets[&sp];
+            (
+                set.slot(KernelKind::SdpaBackward1)?,
+                set.slot(KernelKind::SdpaBackward2)?,
+            )
+        };
         let layers = model.cfg.num_hidden_layers;
         let seq = shape.seq;
         let ntiles = self.sets[&sp].plan.of(KernelKind::SdpaBackward1).tiles;
@@ -787,7 +825,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
         let (seq, recomputing) = (shape.seq, self.recomputing);
-        let ki = kind_index(kind);
+        let ki = self
+            .sets
+            .get(&sp)
+            .ok_or_else(|| anyhow!("no kernel set for {sp}"))?
+            .slot(kind)?;
         let (ntiles, layers) = self
             .sets
             .get(&sp)

@@ -234,6 +234,11 @@ pub struct KernelOptions {
     /// among the tilings that pass the rules within the cap: the family
     /// in force, else the M1 (the slowest measured row).
     pub cost_family: ane::family::Family,
+    /// Run a tiled attention backward as the fused `sdpa_backward` (P and
+    /// dP kept on the device) where the cost model predicts it faster
+    /// than the pair; off, `sdpa_backward1`/`sdpa_backward2` always run
+    /// (tests of the pair's tile hand-off). Whole layers keep the pair.
+    pub fuse_attention_backward: bool,
 }
 
 /// The largest tile surface (input or output) the device kernels are built for (where an axis
@@ -347,6 +352,7 @@ impl KernelOptions {
                 .ok()
                 .and_then(|p| p.family)
                 .unwrap_or(ane::family::Family::M1),
+            fuse_attention_backward: true,
         }
     }
 
@@ -414,6 +420,8 @@ impl KernelOptions {
             max_tile_bytes: None,
             // Untiled: nothing to choose.
             cost_family: ane::family::Family::M4,
+            // The seed's six programs per multi-head layer, its ten otherwise.
+            fuse_attention_backward: false,
         }
     }
 }

@@ -366,13 +366,18 @@ fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
     // attention probabilities and their gradient [heads·S, S] in f32: whole
     // on the CPU; on a device whose two attention-backward kernels share
     // their tiles, one tile's block at a time, handed from one kernel's
-    // output to the other's input (`KernelRunner::attention_backward`).
+    // output to the other's input (`KernelRunner::attention_backward`);
+    // none where the fused kernel keeps them on the device.
     let tiled_scores = plan.and_then(|p| {
         let (b1, b2) = (
             p.of(KernelKind::SdpaBackward1),
             p.of(KernelKind::SdpaBackward2),
         );
-        (b1.splits == b2.splits).then(|| (b1.shape.score_channels() * b1.shape.seq * 4) as u64)
+        match p.attention_backward {
+            tiling::AttentionBackward::Fused => Some(0),
+            tiling::AttentionBackward::Pair => (b1.splits == b2.splits)
+                .then(|| (b1.shape.score_channels() * b1.shape.seq * 4) as u64),
+        }
     });
     let scores = tiled_scores.unwrap_or(2 * cfg.num_attention_heads as u64 * s * s * 4);
     let backward = scores + layer_act_bytes(cfg, false) * s;
@@ -405,14 +410,13 @@ fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
 fn device_parts(r: &PlanRequest, mode: DeviceBuffers, plan: &tiling::Plan) -> (Part, Part) {
     let layers = r.cfg.num_hidden_layers;
     let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
-    for k in &plan.kernels {
+    for k in plan.used() {
         let (n, host) = mode.buffers_of(k, plan.units(k.kind, layers));
         device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
         host_bytes += (host * k.surface_bytes().0) as u64;
     }
     let largest = plan
-        .kernels
-        .iter()
+        .used()
         .map(|k| k.surface_bytes().0 as u64)
         .max()
         .unwrap_or(0);

@@ -166,8 +166,12 @@ struct Player<'a> {
 impl Player<'_> {
     /// Every tile of kernel `kind` once: stage, dispatch, compute, read;
     /// where the schedule fuses `kind` with the kernels after it, the
-    /// fused program once (and nothing for the kernels it absorbed).
+    /// fused program once (and nothing for the kernels it absorbed);
+    /// nothing for a kernel the plan does not run ([`Plan::in_use`]).
     fn run(&self, kind: KernelKind) -> Clock {
+        if !self.plan.in_use(kind) {
+            return Clock::default();
+        }
         let k = self.plan.of(kind);
         match self.fused.iter().find(|g| g.contains(&kind)) {
             None => self.run_tiles(k),
@@ -339,8 +343,10 @@ pub fn predict(
     );
     backward.add(&p.host_passes(6.0 * d * s), 1.0);
     backward.add(&beside(&[WoBackward], grad(&[Projection::O])), 1.0);
+    // The pair, or the fused program: the plan runs one of them.
     backward.add(&p.run(SdpaBackward1), 1.0);
     backward.add(&p.run(SdpaBackward2), 1.0);
+    backward.add(&p.run(SdpaBackward), 1.0);
     backward.add(&p.host_passes(4.0 * qkv * s), 1.0);
     backward.add(
         &beside(
@@ -386,8 +392,7 @@ pub fn predict(
         );
         if full && !p.streamed && seed.is_none() {
             let bytes: usize = plan
-                .kernels
-                .iter()
+                .used()
                 .map(|k| k.weight_bytes * k.tiles * plan.units(k.kind, cfg.num_hidden_layers))
                 .sum();
             update.staging += rates.copy_ms(bytes as f64);
@@ -428,8 +433,7 @@ pub fn predict(
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map_or("device", |x| x.0);
     let programs = plan
-        .kernels
-        .iter()
+        .used()
         .filter(|k| seed.is_none() || !k.kind.is_head())
         .count();
     Predicted {

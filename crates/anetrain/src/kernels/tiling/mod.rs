@@ -260,6 +260,12 @@ pub struct KernelTiles {
     /// once per optimizer step in persistent buffers, per evaluation in
     /// streamed ones); the rest is activations, written per evaluation.
     pub weight_bytes: usize,
+    /// Bytes (fp16) of score matrices a tile keeps inside its program
+    /// where the program it replaces had them in surfaces: the fused
+    /// attention backward's P, dP and dS (`sdpa_backward1` outputs P and
+    /// dP, `sdpa_backward2` reads them), so both forms' working sets count
+    /// the same matrices against the on-chip memory.
+    pub scratch_bytes: usize,
 }
 
 impl KernelTiles {
@@ -281,7 +287,7 @@ impl KernelTiles {
             true => inp,
             false => inp - self.weight_bytes,
         };
-        let e = rates.evaluation(self.flop, (inp + out) as f64);
+        let e = rates.evaluation(self.flop, (inp + out + self.scratch_bytes) as f64);
         let n = self.tiles as f64;
         TileCost {
             dispatch_ms: n * e.dispatch_ms,
@@ -373,10 +379,43 @@ pub struct Plan {
     pub limits: ane::family::Limits,
     /// The LM head's vocabulary chunks.
     pub head: HeadChunks,
+    /// Which programs run the attention backward.
+    pub attention_backward: AttentionBackward,
+    /// Every kernel's tiling, those the step does not run among them
+    /// ([`Plan::in_use`]): any kernel can be generated and checked.
     pub kernels: Vec<KernelTiles>,
 }
 
+/// How a layer's attention backward runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum AttentionBackward {
+    /// `sdpa_backward1`, then `sdpa_backward2` on its P and dP (handed
+    /// from one output surface to the next input through the host): whole
+    /// layers, and the seed's programs.
+    Pair,
+    /// `sdpa_backward`, one program per tile with P and dP kept on the
+    /// device: a tiled attention backward, where the cost model predicts
+    /// it faster than the pair.
+    Fused,
+}
+
 impl Plan {
+    /// Whether a training step runs `kind` (one of the attention
+    /// backward's two forms does not).
+    pub fn in_use(&self, kind: KernelKind) -> bool {
+        use KernelKind::*;
+        match kind {
+            SdpaBackward1 | SdpaBackward2 => self.attention_backward == AttentionBackward::Pair,
+            SdpaBackward => self.attention_backward == AttentionBackward::Fused,
+            _ => true,
+        }
+    }
+
+    /// The tilings of the kernels a step runs, in schedule order.
+    pub fn used(&self) -> impl Iterator<Item = &KernelTiles> {
+        self.kernels.iter().filter(|k| self.in_use(k.kind))
+    }
+
     /// The tiles of `kind`.
     pub fn of(&self, kind: KernelKind) -> &KernelTiles {
         self.kernels
@@ -397,7 +436,7 @@ impl Plan {
     /// Distinct programs to compile for one sequence length (one per
     /// kernel: tiles share theirs).
     pub fn programs(&self) -> usize {
-        self.kernels.len()
+        self.used().count()
     }
 
     /// Device evaluations per layer for one forward and backward pass.
@@ -439,7 +478,7 @@ impl Plan {
     /// Σ over kernels of `runs(kind)` × tiles × one tile's FLOPs, and the
     /// evaluations; the layer kernels and the head's are counted apart.
     fn work(&self, runs: impl Fn(KernelKind) -> usize) -> (f64, usize) {
-        self.kernels.iter().fold((0.0, 0), |(f, n), k| {
+        self.used().fold((0.0, 0), |(f, n), k| {
             let r = runs(k.kind) * k.tiles;
             (f + r as f64 * k.flop, n + r)
         })
@@ -534,6 +573,7 @@ mod tests {
             output: [0, 0],
             flop: 0.0,
             weight_bytes: 0,
+            scratch_bytes: 0,
         };
         assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
         // Tile 5 = hidden block 1, dim block 1.

@@ -79,20 +79,49 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
         let prefer = match kind {
             KernelKind::SdpaBackward2 => kernels
                 .iter()
-                .find(|k: &&KernelTiles| k.kind == KernelKind::SdpaBackward1)
-                .map(|k| k.splits.clone()),
+                .find(|(k, _): &&(KernelTiles, Fit)| k.kind == KernelKind::SdpaBackward1)
+                .map(|(k, _)| k.splits.clone()),
             _ => None,
         };
-        kernels.push(plan_kernel(kind, full, o, &rules, prefer)?.0);
+        kernels.push(plan_kernel(kind, full, o, &rules, prefer)?);
     }
+    let attention_backward = attention_backward(&kernels, o);
     let (head, head_kernels) = plan_head(full, o, &rules)?;
+    let mut kernels: Vec<KernelTiles> = kernels.into_iter().map(|(k, _)| k).collect();
     kernels.extend(head_kernels);
     Ok(Plan {
         shape: *full,
         limits: o.limits,
         head,
+        attention_backward,
         kernels,
     })
+}
+
+/// The fused attention backward where the pair is tiled, the fused tiling
+/// passes every rule within the cap, and the cost model predicts it faster
+/// than the pair (on `o.cost_family`, every tile staged); else the pair.
+/// Untiled layers keep the pair (the programs of a whole layer, as the
+/// seed has them).
+fn attention_backward(kernels: &[(KernelTiles, Fit)], o: &KernelOptions) -> AttentionBackward {
+    let of = |kind| kernels.iter().find(|(k, _)| k.kind == kind);
+    let (Some(b1), Some(b2), Some(fused)) = (
+        of(KernelKind::SdpaBackward1),
+        of(KernelKind::SdpaBackward2),
+        of(KernelKind::SdpaBackward),
+    ) else {
+        return AttentionBackward::Pair;
+    };
+    let rates = ane::cost::Rates::of(o.cost_family);
+    let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
+    match o.fuse_attention_backward
+        && b1.0.tiles > 1
+        && fused.1 == Fit::Within
+        && cost(&fused.0) < cost(&b1.0) + cost(&b2.0)
+    {
+        true => AttentionBackward::Fused,
+        false => AttentionBackward::Pair,
+    }
 }
 
 /// The vocabulary chunks (at least `o.min_tiles`, to exercise chunking on
@@ -287,6 +316,10 @@ fn plan_kernel(
             input: [l.in_channels, l.in_spatial],
             output: [l.out_channels, l.out_spatial],
             flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
+            scratch_bytes: match kind {
+                KernelKind::SdpaBackward => 3 * 2 * shape.score_channels() * shape.seq,
+                _ => 0,
+            },
             weight_bytes: l
                 .inputs
                 .iter()
