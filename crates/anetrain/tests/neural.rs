@@ -356,14 +356,21 @@ fn sequence_tiles_give_the_untiled_bits() {
 /// the bits of the two kernels run over the whole layer, tiled by heads
 /// and by blocks of queries or not at all; and so does the fused
 /// `sdpa_backward` (P and dP kept inside, the same fp16 operations) where
-/// the plan runs it.
+/// the plan runs it, its blocks of queries in causal key classes (four
+/// blocks of 32 of 128 positions read 32, 64, 128 and 128 keys: the keys
+/// a class leaves out are masked for all its queries, exact zeros).
 #[test]
 fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
     use anetrain::device::{attention_backward_in_full, NeuralKernels};
     use anetrain::kernels::sdpa_backward1::Acts;
     use anetrain::kernels::tiling::Axis;
     let mut rng = anetrain::util::rng::Rng::new(7);
-    for (kind, tiles) in [("qwen3", 1), ("qwen3", 2), ("llama", 2)] {
+    for (kind, tiles, seq) in [
+        ("qwen3", 1, 60),
+        ("qwen3", 2, 60),
+        ("llama", 2, 60),
+        ("qwen3", 4, 128),
+    ] {
         let model = Model::load(&fixture(kind).join("model")).unwrap();
         let cfg = &model.cfg;
         let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
@@ -371,7 +378,6 @@ fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
         let mut fused = NeuralKernels::new(ane::SimDevice::new(), opts.clone());
         opts.fuse_attention_backward = false;
         let mut runner = NeuralKernels::new(ane::SimDevice::new(), opts);
-        let seq = 60;
         let shape = Shape::new(cfg, seq);
         let mut r = |n: usize| (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>();
         let (q, k, v, da) = (
@@ -402,6 +408,17 @@ fn attention_backward_tile_by_tile_gives_the_whole_layers_bits() {
             tiles > 1,
             "{kind}, {tiles} tiles: {form:?}"
         );
+        let keys: Vec<usize> = (fused.plan().unwrap())
+            .of(anetrain::kernels::KernelKind::SdpaBackward)
+            .keys
+            .iter()
+            .map(|c| c.shape.seq)
+            .collect();
+        match tiles {
+            1 => assert!(keys.is_empty()),
+            2 => assert_eq!(keys, [32, 64], "{kind}"),
+            _ => assert_eq!(keys, [32, 64, 128], "{kind}"),
+        }
         let plan = runner.plan().unwrap();
         let t1 = plan.of(anetrain::kernels::KernelKind::SdpaBackward1);
         assert_eq!(

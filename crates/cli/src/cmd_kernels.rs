@@ -233,13 +233,28 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     }
     let budget = ane::DEFAULT_COMPILE_BUDGET;
     println!(
-        "{} programs to compile per sequence length (tiles of a kernel share one program; {} of the ~{budget} compiles a process gets), {} device evaluations per layer per training step",
+        "{} programs to compile per sequence length (tiles of a kernel share one program, or one per causal key class; {} of the ~{budget} compiles a process gets), {} device evaluations per layer per training step",
         plan.programs(),
         plan.programs(),
         plan.evaluations_per_layer()
     );
+    let fused = plan.of(KernelKind::SdpaBackward);
+    let classes = match fused.keys.is_empty() {
+        true => String::new(),
+        false => format!(
+            "; its blocks of {} queries read only the keys up to the next power of two of their end, {} programs: {} keys",
+            fused.shape.queries,
+            fused.keys.len(),
+            fused
+                .keys
+                .iter()
+                .map(|c| c.shape.seq.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
     println!(
-        "attention backward: {}",
+        "attention backward: {}{}",
         match plan.attention_backward {
             tiling::AttentionBackward::Fused =>
                 "sdpa_backward, one program per tile (P and dP stay on the device; the model predicts it faster than the pair)",
@@ -247,6 +262,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
                 "sdpa_backward1 then sdpa_backward2, tile by tile (P and dP handed through the host)",
             tiling::AttentionBackward::Pair =>
                 "sdpa_backward1 then sdpa_backward2 over the whole layer",
+        },
+        match plan.attention_backward {
+            tiling::AttentionBackward::Fused => classes.as_str(),
+            tiling::AttentionBackward::Pair => "",
         }
     );
     println!(

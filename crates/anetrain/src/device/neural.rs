@@ -106,9 +106,12 @@ impl crate::util::choice::Choice for DeviceBuffers {
 impl DeviceBuffers {
     /// Device input buffers of kernel tiles `k` run for `units` layers (or
     /// head chunks), and (streamed) the host's staging copies beside them.
+    /// A kernel without weights (the attention backward's) holds nothing
+    /// between evaluations: one buffer in either mode.
     pub fn buffers_of(self, k: &tiling::KernelTiles, units: usize) -> (usize, usize) {
         match self {
-            DeviceBuffers::Persistent => (units * k.tiles, 0),
+            DeviceBuffers::Persistent if k.weight_bytes > 0 => (units * k.tiles, 0),
+            DeviceBuffers::Persistent => (1, 0),
             DeviceBuffers::Streamed => (1, 1),
         }
     }
@@ -157,10 +160,13 @@ struct Prepared {
 struct KernelSet<D: Device> {
     /// How each kernel is tiled (see [`tiling`]).
     plan: Plan,
-    /// The kernels a step runs ([`Plan::in_use`]), in the order of the
-    /// vectors below.
-    kinds: Vec<KernelKind>,
-    /// One program per kernel, at its tile shape.
+    /// The programs a step runs: each kernel in use ([`Plan::in_use`]),
+    /// and which of its programs ([`tiling::KernelTiles::programs`]), in
+    /// the order of the vectors below.
+    kinds: Vec<(KernelKind, usize)>,
+    /// Each program's tiles (its shape, the kernel's splits).
+    tiles: Vec<tiling::KernelTiles>,
+    /// One program per kernel (per key class), at its tile shape.
     kernels: Vec<(KernelProgram, D::Program)>,
     /// Input buffers by kernel (see [`NeuralKernels::buffer_index`]).
     inputs: Vec<Vec<D::Buffer>>,
@@ -185,9 +191,16 @@ pub struct NeuralKernels<D: Device> {
 }
 
 impl<D: Device> KernelSet<D> {
-    /// Where kernel `kind`'s program and buffers are.
+    /// Where kernel `kind`'s (first) program and its buffers are.
     fn slot(&self, kind: KernelKind) -> Result<usize> {
-        self.kinds.iter().position(|k| *k == kind).ok_or_else(|| {
+        self.slot_of(kind, 0)
+    }
+
+    /// Where the program tile `t` of kernel `kind` runs is.
+    fn slot_of(&self, kind: KernelKind, t: usize) -> Result<usize> {
+        let program = self.plan.of(kind).program_of(t);
+        let at = self.kinds.iter().position(|k| *k == (kind, program));
+        at.ok_or_else(|| {
             anyhow!(
                 "{}: not compiled, the plan runs the attention backward as {:?}",
                 kind.name(),
@@ -279,7 +292,7 @@ fn stage_weights<D: Device>(
 ) -> Result<()> {
     let (full, head) = (set.plan.shape, set.plan.head);
     let (k, _) = &set.kernels[ki];
-    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    let (l, tiles) = (&k.layout, &set.tiles[ki]);
     let (held, want) = (set.held[ki][b], Held::of(model, unit));
     if held == Some(want) {
         return Ok(());
@@ -327,7 +340,7 @@ fn write_activations<D: Device>(
 ) -> Result<()> {
     let (full, head) = (set.plan.shape, set.plan.head);
     let (k, _) = &set.kernels[ki];
-    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    let (l, tiles) = (&k.layout, &set.tiles[ki]);
     let buf = &mut set.inputs[ki][b];
     for &(port, data) in ports {
         if !l.inputs.iter().any(|r| r.port == port) {
@@ -347,7 +360,7 @@ fn write_activations<D: Device>(
         write_region(device, buf, l, port, &part)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::Mask) {
-        let mask = tiling::tile_mask(tiles, sp, t);
+        let mask = tiling::tile_mask(tiles, t);
         write_region(device, buf, l, Port::Mask, &mask)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::RopeCos) {
@@ -372,7 +385,7 @@ fn evaluate<D: Device>(
 ) -> Result<()> {
     let (full, head) = (set.plan.shape, set.plan.head);
     let (k, prog) = &set.kernels[ki];
-    let tiles = set.plan.of(k.kind);
+    let tiles = &set.tiles[ki];
     let (buf, out) = (&set.inputs[ki][b], &mut set.outputs[ki]);
     let prepared = std::thread::scope(|s| {
         let worker = next.map(|(n, nwant, over)| {
@@ -414,12 +427,12 @@ fn gather(
     port: Port,
     results: &mut BTreeMap<Port, Vec<f32>>,
     part: Vec<f32>,
-    t: usize,
+    (t, seq): (usize, usize),
 ) {
     let acc = results.entry(port).or_default();
     match tiles.tiles {
         1 => *acc = part,
-        _ => tiling::combine(tiles, port, acc, part, t),
+        _ => tiling::combine(tiles, port, acc, part, t, seq),
     }
 }
 
@@ -433,13 +446,13 @@ fn read_outputs<D: Device>(
     results: &mut BTreeMap<Port, Vec<f32>>,
 ) -> Result<()> {
     let (k, _) = &set.kernels[ki];
-    let (l, tiles) = (&k.layout, set.plan.of(k.kind));
+    let (l, tiles) = (&k.layout, &set.tiles[ki]);
     for blk in &l.outputs {
         let mut v = vec![0f32; blk.channels.len() * l.out_spatial];
         device
             .read(&set.outputs[ki], blk.channels.start * l.out_spatial, &mut v)
             .map_err(|e| anyhow!("{e}"))?;
-        gather(tiles, blk.port, results, v, t);
+        gather(tiles, blk.port, results, v, (t, set.plan.shape.seq));
     }
     Ok(())
 }
@@ -538,13 +551,17 @@ impl<D: Device> NeuralKernels<D> {
         let plan = tiling::plan(&shape, &self.opts)?;
         let layers = model.cfg.num_hidden_layers;
         let (mut kernels, mut outputs, mut inputs) = (Vec::new(), Vec::new(), Vec::new());
-        // Only what a step runs: of the attention backward's two forms, one.
-        let kinds: Vec<KernelKind> = KernelKind::ALL
-            .into_iter()
-            .filter(|&k| plan.in_use(k))
-            .collect();
-        for &kind in &kinds {
-            let k = build(kind, &plan.of(kind).shape, &self.opts)
+        // Only what a step runs: of the attention backward's two forms,
+        // one; a program per key class.
+        let (mut kinds, mut tiles) = (Vec::new(), Vec::new());
+        for kind in KernelKind::ALL.into_iter().filter(|&k| plan.in_use(k)) {
+            for (c, t) in plan.of(kind).programs().into_iter().enumerate() {
+                kinds.push((kind, c));
+                tiles.push(t);
+            }
+        }
+        for (&(kind, _), t) in kinds.iter().zip(&tiles) {
+            let k = build(kind, &t.shape, &self.opts)
                 .map_err(|e| anyhow!("generating {}: {e}", kind.name()))?;
             let p = self
                 .device
@@ -552,9 +569,7 @@ impl<D: Device> NeuralKernels<D> {
                 .map_err(|e| anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name()))?;
             let new = |device: &mut D, elems| device.buffer(elems).map_err(|e| anyhow!("{e}"));
             outputs.push(new(&mut self.device, k.layout.output_elems())?);
-            let (n, _) = self
-                .buffers
-                .buffers_of(plan.of(kind), plan.units(kind, layers));
+            let (n, _) = self.buffers.buffers_of(t, plan.units(kind, layers));
             inputs.push(
                 (0..n)
                     .map(|_| new(&mut self.device, k.layout.input_elems()))
@@ -569,6 +584,7 @@ impl<D: Device> NeuralKernels<D> {
             KernelSet {
                 plan,
                 kinds,
+                tiles,
                 kernels,
                 inputs,
                 held,
@@ -723,10 +739,8 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 set.slot(KernelKind::SdpaBackward2)?,
             )
         };
-        let layers = model.cfg.num_hidden_layers;
         let seq = shape.seq;
         let ntiles = self.sets[&sp].plan.of(KernelKind::SdpaBackward1).tiles;
-        let indices = self.buffer_indices(layers, ntiles);
         let set = self
             .sets
             .get_mut(&sp)
@@ -741,7 +755,8 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
         for t in 0..ntiles {
             let unit = Unit { layer, tile: t };
-            let b = indices[layer * ntiles + t];
+            // Neither kernel has weights: one input buffer each.
+            let b = 0;
             let tile = Tile { t, seq, sp };
             stage_weights(&mut self.device, set, k1, model, unit, b)?;
             write_activations(
@@ -770,13 +785,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                     Port::Probs | Port::Dp => {
                         write_region(&mut self.device, &mut set.inputs[k2][b], &l2, blk.port, &v)?
                     }
-                    port => gather(
-                        set.plan.of(KernelKind::SdpaBackward1),
-                        port,
-                        &mut results,
-                        v,
-                        t,
-                    ),
+                    port => gather(&set.tiles[k1], port, &mut results, v, (t, sp)),
                 }
             }
             write_activations(
@@ -825,11 +834,6 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let sp = self.padded(shape.seq)?;
         self.build_set(model, sp)?;
         let (seq, recomputing) = (shape.seq, self.recomputing);
-        let ki = self
-            .sets
-            .get(&sp)
-            .ok_or_else(|| anyhow!("no kernel set for {sp}"))?
-            .slot(kind)?;
         let (ntiles, layers) = self
             .sets
             .get(&sp)
@@ -842,17 +846,24 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             bail!("{}: no unit {layer} (there are {layers})", kind.name());
         }
         let indices = self.buffer_indices(layers, ntiles);
-        let at = |u: Unit| indices[u.layer * ntiles + u.tile];
         let set = self
             .sets
             .get_mut(&sp)
             .ok_or_else(|| anyhow!("no kernel set for {sp}"))?;
-        let ntiles = set.plan.of(kind).tiles;
+        // A kernel without weights keeps nothing between evaluations: one
+        // input buffer per program.
+        let weightless = set.plan.of(kind).weight_bytes == 0;
+        let at = |u: Unit| match weightless {
+            true => 0,
+            false => indices[u.layer * ntiles + u.tile],
+        };
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
         let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
         for t in 0..ntiles {
             let unit = Unit { layer, tile: t };
             let b = at(unit);
+            // The tile's program (its key class's, where it has several).
+            let ki = set.slot_of(kind, t)?;
             stage_weights(&mut self.device, set, ki, model, unit, b)?;
             let tile = Tile { t, seq, sp };
             let ports = acts.ports();
@@ -869,7 +880,8 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.
             let want = Held::of(model, unit);
-            let next = next_unit(kind, unit, ntiles, layers, recomputing).and_then(|n| {
+            let next = next_unit(kind, unit, ntiles, layers, recomputing).filter(|_| !weightless);
+            let next = next.and_then(|n| {
                 let nb = at(n);
                 // What its buffer will hold when they are written.
                 let over = if nb == b {

@@ -410,8 +410,9 @@ fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
 fn device_parts(r: &PlanRequest, mode: DeviceBuffers, plan: &tiling::Plan) -> (Part, Part) {
     let layers = r.cfg.num_hidden_layers;
     let (mut device_bytes, mut host_bytes) = (0u64, 0u64);
-    for k in plan.used() {
-        let (n, host) = mode.buffers_of(k, plan.units(k.kind, layers));
+    // Every program's buffers (a kernel in causal key classes has several).
+    for k in plan.used().flat_map(|k| k.programs()) {
+        let (n, host) = mode.buffers_of(&k, plan.units(k.kind, layers));
         device_bytes += (n * k.surface_bytes().0 + k.surface_bytes().1) as u64;
         host_bytes += (host * k.surface_bytes().0) as u64;
     }

@@ -124,6 +124,14 @@ pub fn tile_activation(
         Some((sp, i)) => row_block(data, data.len() / seq, i, sp.blocks),
         None => data.to_vec(),
     };
+    if positions(k.kind, port) == Positions::Keys && k.shape.seq < seq {
+        // A key class's tile: the keys up to its width.
+        v = v
+            .chunks(seq)
+            .flat_map(|row| &row[..k.shape.seq])
+            .copied()
+            .collect();
+    }
     if let Some((sp, i)) = k.cut_positions(port, t) {
         v = match positions(k.kind, port) {
             // Each head's `[S, S]` rows: the block's rows, whole.
@@ -143,8 +151,8 @@ pub fn tile_activation(
 /// The additive causal mask of tile `t`'s block of queries against all
 /// `seq` keys, `[queries, seq]`: query `lo + r` sees keys `0..=lo + r`
 /// (as [`super::causal_mask`] for the whole).
-pub fn tile_mask(k: &KernelTiles, seq: usize, t: usize) -> Vec<f32> {
-    let qb = k.shape.queries;
+pub fn tile_mask(k: &KernelTiles, t: usize) -> Vec<f32> {
+    let (qb, seq) = (k.shape.queries, k.shape.seq);
     let lo = k.query_block(t) * qb;
     let mut m = vec![0f32; qb * seq];
     for (r, row) in m.chunks_mut(seq).enumerate() {
@@ -165,24 +173,26 @@ pub fn tile_rope(k: &KernelTiles, (cos, sin): (&[f32], &[f32]), t: usize) -> (Ve
 }
 
 /// Adds tile `t`'s result for `port` (`[c, w]`, `w` the tile's positions)
-/// into the full result `acc` (zeros of the full size on the first tile):
-/// at its channel block when a split cuts the port, at its block of
-/// positions when the sequence is split — concatenation along cut axes, a
-/// sum over the others.
-pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, t: usize) {
+/// into the full result `acc` over `seq` positions (zeros of the full size
+/// on the first tile): at its channel block when a split cuts the port, at
+/// its block of positions when the sequence is split — concatenation along
+/// cut axes, a sum over the others; a key class's partial sums over the
+/// first `w` keys.
+pub fn combine(
+    k: &KernelTiles,
+    port: Port,
+    acc: &mut Vec<f32>,
+    part: Vec<f32>,
+    t: usize,
+    seq: usize,
+) {
     let rows_cut = k.cut(activation_extent(port), t);
     let pos_cut = k.cut_positions(port, t);
     let (nr, np) = (
         rows_cut.map_or(1, |(sp, _)| sp.blocks),
         pos_cut.map_or(1, |(sp, _)| sp.blocks),
     );
-    if t == 0 {
-        *acc = vec![0.0; part.len() * nr * np];
-    }
     let along = positions(k.kind, port);
-    if along == Positions::Shared && k.query_block(t) > 0 {
-        return;
-    }
     let scores = along == Positions::ScoreRows;
     // The part as `[rows, w]` placed at row r0, column c0 of the whole
     // `[.., width]`; score rows go head by head.
@@ -190,8 +200,18 @@ pub fn combine(k: &KernelTiles, port: Port, acc: &mut Vec<f32>, part: Vec<f32>, 
         Positions::ScoreRows | Positions::Keys | Positions::Shared => k.shape.seq,
         _ => k.shape.queries,
     };
-    let width = if scores { w } else { w * np };
+    let width = match along {
+        Positions::ScoreRows => w,
+        Positions::Keys => seq,
+        _ => w * np,
+    };
     let c = part.len() / w;
+    if t == 0 {
+        *acc = vec![0.0; c * nr * if scores { w * np } else { width }];
+    }
+    if along == Positions::Shared && k.query_block(t) > 0 {
+        return;
+    }
     let r0 = rows_cut.map_or(0, |(_, i)| i * c * if scores { np } else { 1 });
     let c0 = match scores {
         true => 0,

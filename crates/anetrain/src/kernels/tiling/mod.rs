@@ -254,7 +254,9 @@ pub struct KernelTiles {
     /// `[channels, width]` of a tile's input and output surfaces.
     pub input: [usize; 2],
     pub output: [usize; 2],
-    /// FLOPs of one tile's matrix products (counted from its program).
+    /// FLOPs of one tile's matrix products (counted from its program; the
+    /// whole's where [`KernelTiles::keys`] gives the tiles programs of
+    /// their own, see [`KernelTiles::total_flop`]).
     pub flop: f64,
     /// Bytes (fp16) of a tile's input surface that hold weights (staged
     /// once per optimizer step in persistent buffers, per evaluation in
@@ -266,9 +268,76 @@ pub struct KernelTiles {
     /// dP, `sdpa_backward2` reads them), so both forms' working sets count
     /// the same matrices against the on-chip memory.
     pub scratch_bytes: usize,
+    /// Causal key classes, shortest first (empty: every tile reads every
+    /// key, one program): a block of queries reads only the keys up to
+    /// the next power-of-two multiple of its end, the rest being masked
+    /// for every query in it. The last class is the whole (`shape`).
+    pub keys: Vec<KeyClass>,
+}
+
+/// The program of the tiles whose blocks of queries read the first
+/// `shape.seq` keys (see [`KernelTiles::keys`]).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct KeyClass {
+    pub shape: Shape,
+    pub input: [usize; 2],
+    pub output: [usize; 2],
+    pub flop: f64,
+    pub scratch_bytes: usize,
+    /// How many of the kernel's tiles run it.
+    pub tiles: usize,
+}
+
+/// The key class of query block `i` of `n`: block `i` ends at query
+/// `(i + 1)·qb`, and reads the keys up to the next power of two of
+/// `i + 1` blocks — so that a block's `[C, qb]` still fills whole rows
+/// of its `keys`-wide surface (`Shape::query_rows_whole`) and a sequence
+/// of `n` blocks needs `log₂ n + 1` programs, not `n`.
+pub fn key_class(i: usize) -> usize {
+    (i + 1).next_power_of_two().trailing_zeros() as usize
 }
 
 impl KernelTiles {
+    /// The tiles' programs: one, or one per key class, each as the
+    /// tiles of a kernel of its own shape (the splits and tile count
+    /// stay the kernel's, so a tile's blocks are cut as before).
+    pub fn programs(&self) -> Vec<KernelTiles> {
+        if self.keys.is_empty() {
+            return vec![self.clone()];
+        }
+        (0..self.keys.len()).map(|c| self.program(c)).collect()
+    }
+
+    /// Key class `c`'s program as tiles of its shape.
+    fn program(&self, c: usize) -> KernelTiles {
+        let kc = &self.keys[c];
+        KernelTiles {
+            shape: kc.shape,
+            input: kc.input,
+            output: kc.output,
+            flop: kc.flop,
+            scratch_bytes: kc.scratch_bytes,
+            keys: vec![],
+            ..self.clone()
+        }
+    }
+
+    /// FLOPs of every tile once.
+    pub fn total_flop(&self) -> f64 {
+        match self.keys.is_empty() {
+            true => self.tiles as f64 * self.flop,
+            false => self.keys.iter().map(|kc| kc.tiles as f64 * kc.flop).sum(),
+        }
+    }
+
+    /// Which of [`KernelTiles::programs`] tile `t` runs.
+    pub fn program_of(&self, t: usize) -> usize {
+        match self.keys.is_empty() {
+            true => 0,
+            false => key_class(self.query_block(t)),
+        }
+    }
+
     /// Bytes of one tile's input and output surfaces (fp16).
     pub fn surface_bytes(&self) -> (usize, usize) {
         (
@@ -282,6 +351,25 @@ impl KernelTiles {
     /// compute; reading the outputs): what plans are chosen by, and what
     /// a step's timeline adds up (`plan::timeline`).
     pub fn predicted(&self, rates: &ane::cost::Rates, streamed: bool) -> TileCost {
+        if !self.keys.is_empty() {
+            // Each key class's tiles at its program's cost.
+            return self
+                .keys
+                .iter()
+                .enumerate()
+                .map(|(c, kc)| {
+                    let one = KernelTiles {
+                        tiles: kc.tiles,
+                        ..self.program(c)
+                    };
+                    one.predicted(rates, streamed)
+                })
+                .fold(TileCost::default(), |a, b| TileCost {
+                    dispatch_ms: a.dispatch_ms + b.dispatch_ms,
+                    device_ms: a.device_ms + b.device_ms,
+                    staging_ms: a.staging_ms + b.staging_ms,
+                });
+        }
         let (inp, out) = self.surface_bytes();
         let staged = match streamed {
             true => inp,
@@ -436,7 +524,7 @@ impl Plan {
     /// Distinct programs to compile for one sequence length (one per
     /// kernel: tiles share theirs).
     pub fn programs(&self) -> usize {
-        self.used().count()
+        self.used().map(|k| k.keys.len().max(1)).sum()
     }
 
     /// Device evaluations per layer for one forward and backward pass.
@@ -479,8 +567,8 @@ impl Plan {
     /// evaluations; the layer kernels and the head's are counted apart.
     fn work(&self, runs: impl Fn(KernelKind) -> usize) -> (f64, usize) {
         self.used().fold((0.0, 0), |(f, n), k| {
-            let r = runs(k.kind) * k.tiles;
-            (f + r as f64 * k.flop, n + r)
+            let r = runs(k.kind);
+            (f + r as f64 * k.total_flop(), n + r * k.tiles)
         })
     }
 }
@@ -574,6 +662,7 @@ mod tests {
             flop: 0.0,
             weight_bytes: 0,
             scratch_bytes: 0,
+            keys: vec![],
         };
         assert_eq!((k.shape.hidden, k.shape.dim), (192, 32));
         // Tile 5 = hidden block 1, dim block 1.
@@ -592,7 +681,7 @@ mod tests {
         // dx is cut along dim and summed over hidden blocks.
         let mut acc = vec![];
         for t in 0..8 {
-            combine(&k, Port::Dx, &mut acc, vec![1.0; 32 * 4], t);
+            combine(&k, Port::Dx, &mut acc, vec![1.0; 32 * 4], t, full.seq);
         }
         assert_eq!(acc, vec![2.0; d * 4]);
     }

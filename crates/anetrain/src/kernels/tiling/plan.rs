@@ -3,7 +3,7 @@
 //! of `ane::cost`), and the LM head's vocabulary chunks.
 
 use super::*;
-use crate::kernels::build_unfilled;
+use crate::kernels::{build_unfilled, KernelProgram};
 
 /// The divisors of `n`, ascending.
 pub(super) fn divisors(n: usize) -> Vec<usize> {
@@ -259,6 +259,11 @@ pub enum PlanError {
 const CHOICE_SPAN: usize = 4;
 const CHOICE_COUNT: usize = 12;
 
+/// The span for a kernel in causal key classes ([`KernelTiles::keys`]),
+/// whose finer query blocks read fewer keys: up to 32 blocks of queries
+/// per group of heads.
+const CAUSAL_CHOICE_SPAN: usize = 32;
+
 /// The tiling predicted fastest on `o.cost_family` (every tile staged,
 /// as streamed buffers do); the fewest tiles among equals.
 fn cheapest(tilings: Vec<KernelTiles>, o: &KernelOptions) -> Option<KernelTiles> {
@@ -267,6 +272,80 @@ fn cheapest(tilings: Vec<KernelTiles>, o: &KernelOptions) -> Option<KernelTiles>
     tilings
         .into_iter()
         .reduce(|best, t| if cost(&t) < cost(&best) { t } else { best })
+}
+
+/// The tiles of `kind` cut by `splits`, whose program `k` is generated
+/// at `shape`: its surfaces, FLOPs and bytes as the cost model reads them.
+fn tiles_of(kind: KernelKind, splits: Vec<Split>, shape: Shape, k: &KernelProgram) -> KernelTiles {
+    let l = &k.layout;
+    KernelTiles {
+        kind,
+        tiles: splits.iter().map(|s| s.blocks).product(),
+        splits,
+        shape,
+        input: [l.in_channels, l.in_spatial],
+        output: [l.out_channels, l.out_spatial],
+        flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
+        scratch_bytes: match kind {
+            KernelKind::SdpaBackward => 3 * 2 * shape.score_channels() * shape.seq,
+            _ => 0,
+        },
+        weight_bytes: l
+            .inputs
+            .iter()
+            .filter(|r| r.port.is_weight())
+            .map(|r| 2 * r.channels.len() * r.spatial.len())
+            .sum(),
+        keys: vec![],
+    }
+}
+
+/// The causal key classes of the fused attention backward cut into blocks
+/// of queries ([`KernelTiles::keys`]): block `i` reads the keys of
+/// [`key_class`]`(i)`, each class a program of its own; none (every tile
+/// reads every key) where the sequence is not cut, or a class's program
+/// would break a rule or not lay its queries in whole rows.
+fn key_classes(
+    t: &KernelTiles,
+    o: &KernelOptions,
+    rules: &ane::rules::RuleSet,
+) -> Result<Vec<KeyClass>, PlanError> {
+    let blocks = t
+        .splits
+        .iter()
+        .find(|s| s.axis == Axis::Seq)
+        .map_or(1, |s| s.blocks);
+    if t.kind != KernelKind::SdpaBackward || blocks < 2 {
+        return Ok(vec![]);
+    }
+    let mut classes = vec![];
+    for c in 0..=key_class(blocks - 1) {
+        let shape = Shape {
+            seq: (t.shape.queries << c).min(t.shape.seq),
+            ..t.shape
+        };
+        if !shape.query_rows_whole() {
+            return Ok(vec![]);
+        }
+        let k = build_unfilled(t.kind, &shape, o).map_err(|e| PlanError::Build {
+            kernel: t.kind.name(),
+            message: e.to_string(),
+        })?;
+        if !ane::rules::check(&k.program, rules).is_empty() {
+            return Ok(vec![]);
+        }
+        let c_tiles = tiles_of(t.kind, t.splits.clone(), shape, &k);
+        let in_class = (0..blocks).filter(|&i| key_class(i) == c).count();
+        classes.push(KeyClass {
+            shape,
+            input: c_tiles.input,
+            output: c_tiles.output,
+            flop: c_tiles.flop,
+            scratch_bytes: c_tiles.scratch_bytes,
+            tiles: t.tiles / blocks * in_class,
+        });
+    }
+    Ok(classes)
 }
 
 /// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
@@ -282,6 +361,11 @@ fn plan_kernel(
     let mut within: Vec<KernelTiles> = vec![];
     let mut last_problem = String::new();
     let preferred = prefer.is_some();
+    // Where blocks of queries skip masked keys, more of them remove work.
+    let (span, count) = match kind {
+        KernelKind::SdpaBackward => (CAUSAL_CHOICE_SPAN, 4 * CHOICE_COUNT),
+        _ => (CHOICE_SPAN, CHOICE_COUNT),
+    };
     let mut list = candidates(kind, full, o);
     if let Some(p) = prefer {
         list.insert(0, p);
@@ -290,7 +374,7 @@ fn plan_kernel(
         let tiles: usize = splits.iter().map(|s| s.blocks).product();
         if within
             .first()
-            .is_some_and(|w| tiles > CHOICE_SPAN * w.tiles || within.len() >= CHOICE_COUNT)
+            .is_some_and(|w| tiles > span * w.tiles || within.len() >= count)
         {
             break;
         }
@@ -307,26 +391,10 @@ fn plan_kernel(
             last_problem = f.message.clone();
             continue;
         }
-        let l = &k.layout;
-        let tiles = KernelTiles {
-            kind,
-            tiles: splits.iter().map(|s| s.blocks).product(),
-            splits,
-            shape,
-            input: [l.in_channels, l.in_spatial],
-            output: [l.out_channels, l.out_spatial],
-            flop: k.program.functions.iter().map(|f| f.matmul_flops()).sum(),
-            scratch_bytes: match kind {
-                KernelKind::SdpaBackward => 3 * 2 * shape.score_channels() * shape.seq,
-                _ => 0,
-            },
-            weight_bytes: l
-                .inputs
-                .iter()
-                .filter(|r| r.port.is_weight())
-                .map(|r| 2 * r.channels.len() * r.spatial.len())
-                .sum(),
-        };
+        let mut tiles = tiles_of(kind, splits, shape, &k);
+        if findings.is_empty() {
+            tiles.keys = key_classes(&tiles, o, rules)?;
+        }
         let small_enough = o
             .max_tile_bytes
             .is_none_or(|cap| tiles.largest_surface() <= cap);
