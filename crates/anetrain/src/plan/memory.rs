@@ -395,7 +395,10 @@ fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
         Part {
             name: "layer backward",
             bytes: backward,
-            detail: format!("attention scores {} and upstream gradients", size(scores)),
+            detail: match scores {
+                0 => "upstream gradients (the attention scores stay on the device)".into(),
+                _ => format!("attention scores {} and upstream gradients", size(scores)),
+            },
         },
         Part {
             name: "LM head",
