@@ -8,7 +8,7 @@ use common::{fixture, rel};
 
 use anetrain::device::{CpuKernels, Dropout, KernelRunner};
 use anetrain::engine::{zero_grads, Engine};
-use anetrain::kernels::{Kernel, Shape};
+use anetrain::kernels::{Kernel, KernelKind, Shape};
 use anetrain::model::Model;
 
 /// A fixture's model, token rows (flat), expected logits (flat) and row count.
@@ -333,6 +333,12 @@ fn sequence_tiles_give_the_untiled_bits() {
                 "{kind}: {k:?}"
             );
         }
+        // The blocks of queries read 32 and 64 keys (causal key classes),
+        // in the forward and in the fused backward.
+        for kernel in [KernelKind::SdpaForward, KernelKind::SdpaBackward] {
+            let keys: Vec<usize> = plan.of(kernel).keys.iter().map(|c| c.shape.seq).collect();
+            assert_eq!(keys, [32, 64], "{kind}: {}", kernel.name());
+        }
         assert_eq!(lt.to_bits(), lp.to_bits(), "{kind}: loss {lt} vs {lp}");
         // Blocks of queries sum their partial dK, dV in f32 from fp16
         // results: the gradients move by rounding, not more.
@@ -511,6 +517,8 @@ fn a_long_sequence_runs_in_query_blocks_and_matches_the_cpu_loss() {
         forward.splits.iter().any(|s| s.axis == Axis::Seq),
         "{forward:?}"
     );
+    // A program per causal key class: the blocks read only the keys they see.
+    assert!(forward.keys.len() >= 3, "{forward:?}");
     assert!(
         ((ls - lc) / lc).abs() < 1e-2,
         "4096 tokens: ane-sim loss {ls} vs cpu {lc}"

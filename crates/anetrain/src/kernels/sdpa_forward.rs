@@ -14,7 +14,8 @@
 //! block only (`xnorm_block`, RoPE's angles at the block's positions and
 //! the causal mask as inputs) and k, v for every position; its attention
 //! and q are the block's, laid out as whole rows of the surface, and every
-//! block's k and v are the same (the first block's are kept).
+//! block computes k and v over the keys it reads (the last block's, every
+//! key, are kept).
 
 use super::prelude::*;
 use rayon::prelude::*;

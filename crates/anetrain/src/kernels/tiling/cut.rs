@@ -202,14 +202,16 @@ pub fn combine(
     };
     let width = match along {
         Positions::ScoreRows => w,
-        Positions::Keys => seq,
+        Positions::Keys | Positions::Shared => seq,
         _ => w * np,
     };
     let c = part.len() / w;
     if t == 0 {
         *acc = vec![0.0; c * nr * if scores { w * np } else { width }];
     }
-    if along == Positions::Shared && k.query_block(t) > 0 {
+    // Every block computes the shared k and v over its keys: the last
+    // block's, which reads them all, are kept.
+    if along == Positions::Shared && k.query_block(t) + 1 < k.query_blocks() {
         return;
     }
     let r0 = rows_cut.map_or(0, |(_, i)| i * c * if scores { np } else { 1 });

@@ -201,7 +201,7 @@ enum Positions {
     /// Score rows `[heads·S, S]`: each head's rows are cut to the block.
     ScoreRows,
     /// Results along the keys that every block computes whole
-    /// (`sdpa_forward`'s k and v): the first block's are kept.
+    /// (`sdpa_forward`'s k and v): the last block's (every key) are kept.
     Shared,
     /// Not an activation (weights), or made per tile (the mask).
     None,
@@ -426,6 +426,14 @@ impl KernelTiles {
         self.indices(t)
             .into_iter()
             .find(|(sp, _)| sp.axis == Axis::Seq)
+    }
+
+    /// Blocks of queries (or positions) the sequence is cut into.
+    fn query_blocks(&self) -> usize {
+        self.splits
+            .iter()
+            .find(|s| s.axis == Axis::Seq)
+            .map_or(1, |s| s.blocks)
     }
 
     /// Tile `t`'s block of queries (0 when the sequence is not split).

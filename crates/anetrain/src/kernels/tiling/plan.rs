@@ -300,23 +300,21 @@ fn tiles_of(kind: KernelKind, splits: Vec<Split>, shape: Shape, k: &KernelProgra
     }
 }
 
-/// The causal key classes of the fused attention backward cut into blocks
-/// of queries ([`KernelTiles::keys`]): block `i` reads the keys of
-/// [`key_class`]`(i)`, each class a program of its own; none (every tile
-/// reads every key) where the sequence is not cut, or a class's program
-/// would break a rule or not lay its queries in whole rows.
-fn key_classes(
-    t: &KernelTiles,
-    o: &KernelOptions,
-    rules: &ane::rules::RuleSet,
-) -> Result<Vec<KeyClass>, PlanError> {
+/// The causal key classes of an attention kernel cut into blocks of
+/// queries (`sdpa_forward`, the fused `sdpa_backward`; the pair hands P
+/// and dP between equal tiles) ([`KernelTiles::keys`]): block `i` reads
+/// the keys of [`key_class`]`(i)`, each class a program of its own; none
+/// (every tile reads every key) where the sequence is not cut, or a
+/// class's program would break a rule or not lay its queries in whole
+/// rows.
+fn key_classes(t: &KernelTiles, o: &KernelOptions, rules: &ane::rules::RuleSet) -> Vec<KeyClass> {
     let blocks = t
         .splits
         .iter()
         .find(|s| s.axis == Axis::Seq)
         .map_or(1, |s| s.blocks);
-    if t.kind != KernelKind::SdpaBackward || blocks < 2 {
-        return Ok(vec![]);
+    if !matches!(t.kind, KernelKind::SdpaBackward | KernelKind::SdpaForward) || blocks < 2 {
+        return vec![];
     }
     let mut classes = vec![];
     for c in 0..=key_class(blocks - 1) {
@@ -325,14 +323,15 @@ fn key_classes(
             ..t.shape
         };
         if !shape.query_rows_whole() {
-            return Ok(vec![]);
+            return vec![];
         }
-        let k = build_unfilled(t.kind, &shape, o).map_err(|e| PlanError::Build {
-            kernel: t.kind.name(),
-            message: e.to_string(),
-        })?;
+        // A class whose program cannot be laid out or breaks a rule: the
+        // tiles read every key.
+        let Ok(k) = build_unfilled(t.kind, &shape, o) else {
+            return vec![];
+        };
         if !ane::rules::check(&k.program, rules).is_empty() {
-            return Ok(vec![]);
+            return vec![];
         }
         let c_tiles = tiles_of(t.kind, t.splits.clone(), shape, &k);
         let in_class = (0..blocks).filter(|&i| key_class(i) == c).count();
@@ -345,7 +344,7 @@ fn key_classes(
             tiles: t.tiles / blocks * in_class,
         });
     }
-    Ok(classes)
+    classes
 }
 
 /// One kernel's tiling at `full` (see [`plan`]), and how well it fits.
@@ -393,7 +392,7 @@ fn plan_kernel(
         }
         let mut tiles = tiles_of(kind, splits, shape, &k);
         if findings.is_empty() {
-            tiles.keys = key_classes(&tiles, o, rules)?;
+            tiles.keys = key_classes(&tiles, o, rules);
         }
         let small_enough = o
             .max_tile_bytes
