@@ -945,6 +945,10 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(1);
     }
+    if let Err(e) = anetrain::kernels::tiling::fuse_attention_backward_from_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(1);
+    }
     // Run the command on a worker of the thread pool the matrix multiply
     // and the elementwise passes share: each parallel region then starts by
     // handing work to an already-awake sibling, not by waking the pool from

@@ -194,3 +194,42 @@ fn larger_models_dump_tile_programs_that_pass_every_rule() {
     }
     assert!(!run.exists());
 }
+
+/// `ANETRAIN_ANE_ATTENTION_BACKWARD`: `pair` keeps the pair where the plan
+/// would fuse the attention backward (to compare the two on a chip); a
+/// value it does not know stops every command in one line.
+#[test]
+fn the_attention_backward_form_can_be_pinned_and_a_typo_is_named() {
+    let plan = |form: Option<&str>| {
+        let mut c = bin();
+        c.args(["kernels", "plan", "--model", "qwen3-0.6b", "--seq", "4096"]);
+        if let Some(f) = form {
+            c.env("ANETRAIN_ANE_ATTENTION_BACKWARD", f);
+        }
+        c.output().unwrap()
+    };
+    let said = |o: &std::process::Output| String::from_utf8_lossy(&o.stdout).into_owned();
+    let fused = plan(None);
+    assert!(fused.status.success());
+    assert!(
+        said(&fused).contains("attention backward: sdpa_backward, one program per tile"),
+        "{}",
+        said(&fused)
+    );
+    let pair = plan(Some("pair"));
+    assert!(pair.status.success());
+    assert!(
+        said(&pair)
+            .contains("attention backward: sdpa_backward1 then sdpa_backward2, tile by tile"),
+        "{}",
+        said(&pair)
+    );
+    let typo = plan(Some("fsued"));
+    let err = String::from_utf8_lossy(&typo.stderr);
+    assert_eq!(typo.status.code(), Some(1));
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("ANETRAIN_ANE_ATTENTION_BACKWARD=fsued"),
+        "{err}"
+    );
+}

@@ -352,7 +352,8 @@ impl KernelOptions {
                 .ok()
                 .and_then(|p| p.family)
                 .unwrap_or(ane::family::Family::M1),
-            fuse_attention_backward: true,
+            // A bad value stops the CLI before any command (`main`).
+            fuse_attention_backward: tiling::fuse_attention_backward_from_env().unwrap_or(true),
         }
     }
 

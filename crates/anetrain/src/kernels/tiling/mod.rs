@@ -48,6 +48,27 @@ pub const MIN_TILES_ENV: &str = "ANETRAIN_ANE_MIN_TILES";
 /// Forces sequence tiling (see [`KernelOptions::min_seq_tiles`]).
 pub const SEQ_TILES_ENV: &str = "ANETRAIN_ANE_SEQ_TILES";
 
+/// `pair` runs the attention backward as `sdpa_backward1`/`sdpa_backward2`
+/// even where the plan would fuse it (see
+/// [`KernelOptions::fuse_attention_backward`]): the two forms compared on a
+/// chip, where the cost model's working-set assumption meets the device.
+pub const ATTENTION_BACKWARD_ENV: &str = "ANETRAIN_ANE_ATTENTION_BACKWARD";
+
+/// Whether [`ATTENTION_BACKWARD_ENV`] leaves the fused form allowed
+/// (`fused`, the default) or asks for the pair, or what is wrong with it.
+pub fn fuse_attention_backward_from_env() -> Result<bool, String> {
+    match std::env::var(ATTENTION_BACKWARD_ENV) {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim() {
+            "" | "fused" => Ok(true),
+            "pair" => Ok(false),
+            other => Err(format!(
+                "{ATTENTION_BACKWARD_ENV}={other}: use 'fused' (the default: the cost model chooses) or 'pair'"
+            )),
+        },
+    }
+}
+
 /// `ANETRAIN_ANE_MIN_TILES` as a number (1 when unset or unusable).
 pub fn min_tiles_from_env() -> usize {
     count_from_env(MIN_TILES_ENV)
