@@ -56,14 +56,18 @@ fn plan_for(what: &str, cfg: &ModelConfig, seq: usize, limits: Limits, lora: boo
         for sp in &k.splits {
             assert_eq!(sp.axis.count(&full) % sp.blocks, 0, "{what} {:?}", k.kind);
         }
-        let p = build(k.kind, &k.shape, &o).unwrap();
-        let broken = ane::rules::check(&p.program, &rules);
-        assert!(
-            broken.is_empty(),
-            "{what} {:?} ({} tiles): {broken:?}",
-            k.kind,
-            k.tiles
-        );
+        // Every program: one per kernel, one per causal key class.
+        for program in k.programs() {
+            let p = build(k.kind, &program.shape, &o).unwrap();
+            let broken = ane::rules::check(&p.program, &rules);
+            assert!(
+                broken.is_empty(),
+                "{what} {:?} ({} tiles, {} keys): {broken:?}",
+                k.kind,
+                k.tiles,
+                program.shape.seq
+            );
+        }
         assert!(
             k.input[1] <= limits.max_spatial && k.output[1] <= limits.max_spatial,
             "{what} {k:?}"
@@ -129,6 +133,33 @@ fn an_untileable_model_is_refused_with_one_line_naming_kernel_and_limit() {
         e.contains("128") && e.contains("ANETRAIN_ANE_MAX_DIM"),
         "{e}"
     );
+}
+
+/// `eval` on rows of every length compiles one set per power of two up to
+/// the longest (`NeuralKernels::padded`): for the largest shapes here, on
+/// every family, every length from 32 to 8192 tokens compiles within the
+/// process's budget, causal key classes included
+/// (`tiling::MAX_KEY_CLASSES`).
+#[test]
+fn every_length_to_8192_compiles_within_the_budget() {
+    for f in Family::ALL {
+        for name in ["qwen3-4b", "llama-3.2-3b"] {
+            let cfg = config(name);
+            let mut o = KernelOptions::hf(&cfg);
+            (o.limits, o.cost_family) = (f.limits(), f);
+            let programs: usize = (5..=13)
+                .map(|p| {
+                    tiling::plan(&Shape::new(&cfg, 1 << p), &o)
+                        .unwrap()
+                        .programs()
+                })
+                .sum();
+            assert!(
+                programs <= ane::DEFAULT_COMPILE_BUDGET,
+                "{name} on {f}: {programs} programs"
+            );
+        }
+    }
 }
 
 #[test]

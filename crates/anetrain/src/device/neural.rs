@@ -499,10 +499,12 @@ impl<D: Device> NeuralKernels<D> {
     /// sequence fits in it; else the smallest power-of-two multiple of 32
     /// that fits. Compiled lengths only grow and a new set replaces the
     /// smaller one (its programs are unloaded), so `eval` on rows of any mix
-    /// of lengths compiles at most one set per power of two — 12 programs
-    /// each, 108 for every length up to 8192 (the longest attention plans
-    /// for on M1–M3), within the ~119-compile budget — at the price of
-    /// padding short rows to the longest seen.
+    /// of lengths compiles at most one set per power of two — 11 to 15
+    /// programs each (a kernel in causal key classes has up to three), at
+    /// most 114 for every length up to 8192 (the longest attention plans
+    /// for on M1–M3) and every model shape in `testdata/configs`, within the
+    /// ~119-compile budget — at the price of padding short rows to the
+    /// longest seen.
     fn padded(&self, seq: usize) -> Result<usize> {
         match self.fixed_seq {
             Some(f) if seq > f => bail!("sequence of {seq} tokens exceeds the compiled length {f}"),

@@ -39,38 +39,18 @@ impl Kernel for SdpaBackward1 {
     type Out = Out;
 
     fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
-        b.rows(Port::QRope, s.query_rows(s.q_dim()))
-            .rows(Port::KRope, s.kv_dim())
-            .rows(Port::V, s.kv_dim())
-            .rows(Port::Da, s.query_rows(s.q_dim()));
-        if s.query_block() {
-            b.rows(Port::Mask, s.queries);
-        }
+        inputs(b, s);
         b.output(Port::Dv, s.kv_dim())
             .output(Port::Probs, s.score_channels())
             .output(Port::Dp, s.score_channels());
     }
 
     fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
-        let (kvh, r, seq, hd, qb) = (s.kv_heads, s.ratio(), s.seq, s.head_dim, s.queries);
-        let qc = g.query_channels(Port::QRope, s.q_dim(), s)?;
-        let kc = g.region(Port::KRope)?;
-        let vc = g.region(Port::V)?;
-        let dac = g.query_channels(Port::Da, s.q_dim(), s)?;
-        let q = g.channels_to_heads("q", &qc, s.heads)?;
-        let k = g.channels_to_heads("k", &kc, kvh)?;
-        let v = g.channels_to_heads("v_h", &vc, kvh)?;
-        let da = g.channels_to_heads("da_h", &dac, s.heads)?;
-        let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
-        let daf = g.reshape("da_fold", &da, &[1, kvh, r * qb, hd])?;
-        let probs = g.attention_probs(&qf, &k, s)?;
-        // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
-        let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
-        let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
-        let dvc = g.heads_rows_to_channels("dv", &dv)?;
+        let a = recompute(g, s)?;
+        let dvc = g.heads_rows_to_channels("dv", &a.dv)?;
         let sc = s.score_channels();
-        let pf = g.reshape("probs_out", &probs, &[1, sc, 1, seq])?;
-        let dpf = g.reshape("dp_out", &dp, &[1, sc, 1, seq])?;
+        let pf = g.reshape("probs_out", &a.probs, &[1, sc, 1, s.seq])?;
+        let dpf = g.reshape("dp_out", &a.dp, &[1, sc, 1, s.seq])?;
         Ok(vec![dvc, pf, dpf])
     }
 
@@ -125,6 +105,59 @@ impl Kernel for SdpaBackward1 {
             });
         Out { dv, probs, dp }
     }
+}
+
+/// The inputs of `sdpa_backward1` and of the fused `sdpa_backward`: roped
+/// q, k, v and dA as rows of an `S`-wide surface (a block's q and dA in
+/// whole rows), and a block's mask.
+pub(super) fn inputs(b: &mut LayoutBuilder, s: &Shape) {
+    b.rows(Port::QRope, s.query_rows(s.q_dim()))
+        .rows(Port::KRope, s.kv_dim())
+        .rows(Port::V, s.kv_dim())
+        .rows(Port::Da, s.query_rows(s.q_dim()));
+    if s.query_block() {
+        b.rows(Port::Mask, s.queries);
+    }
+}
+
+/// The attention recomputed and the gradients that need only P, with the
+/// folded operands `sdpa_backward2`'s maths reads next.
+pub(super) struct Recomputed {
+    /// P and dP, `[1, KV, R·queries, S]`.
+    pub probs: Value,
+    pub dp: Value,
+    /// dV `[1, KV, S, HD]`.
+    pub dv: Value,
+    /// Roped q folded `[1, KV, R·queries, HD]`, k `[1, KV, S, HD]`.
+    pub q_fold: Value,
+    pub k: Value,
+}
+
+/// P = softmax(qᵀk/√HD + mask), dV = Σ_h Pᵀ·dA, dP = dA·Vᵀ from the
+/// [`inputs`] regions.
+pub(super) fn recompute(g: &mut Gen, s: &Shape) -> mil::Result<Recomputed> {
+    let (kvh, r, hd, qb) = (s.kv_heads, s.ratio(), s.head_dim, s.queries);
+    let qc = g.query_channels(Port::QRope, s.q_dim(), s)?;
+    let kc = g.region(Port::KRope)?;
+    let vc = g.region(Port::V)?;
+    let dac = g.query_channels(Port::Da, s.q_dim(), s)?;
+    let q = g.channels_to_heads("q", &qc, s.heads)?;
+    let k = g.channels_to_heads("k", &kc, kvh)?;
+    let v = g.channels_to_heads("v_h", &vc, kvh)?;
+    let da = g.channels_to_heads("da_h", &dac, s.heads)?;
+    let q_fold = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
+    let daf = g.reshape("da_fold", &da, &[1, kvh, r * qb, hd])?;
+    let probs = g.attention_probs(&q_fold, &k, s)?;
+    // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
+    let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
+    let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
+    Ok(Recomputed {
+        probs,
+        dp,
+        dv,
+        q_fold,
+        k,
+    })
 }
 
 /// The twin for a block of `queries` (`qb`) against all `S` keys:

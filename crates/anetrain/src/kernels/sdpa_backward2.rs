@@ -51,27 +51,7 @@ impl Kernel for SdpaBackward2 {
         let q = g.channels_to_heads("q", &qc, s.heads)?;
         let k = g.channels_to_heads("k", &kc, kvh)?;
         let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
-        // dS = P ⊙ (dP − Σ_j P⊙dP) / √HD
-        let pdp = g.b.mul("pdp", &probs, &dp)?;
-        let axes = g.ints("axes", &[-1])?;
-        let keep = g.flag(true)?;
-        let rs = g.b.reduce("reduce_sum", "pdp_sum", &pdp, &axes, &keep)?;
-        let dps = g.b.sub("dp_centered", &dp, &rs)?;
-        let ds0 = g.b.mul("ds_raw", &probs, &dps)?;
-        let sc = g.scalar("scale", 1.0 / (hd as f64).sqrt())?;
-        let ds = g.b.mul("ds", &ds0, &sc)?;
-        // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
-        let dq = g.matmul("dq_fold", &ds, &k, false, false)?;
-        let dk = g.matmul("dk_h", &ds, &qf, true, false)?;
-        let dqh = g.reshape("dq_h", &dq, &[1, s.heads, qb, hd])?;
-        let dqc = match s.query_block() {
-            false => g.heads_rows_to_channels("dq", &dqh)?,
-            true => {
-                let c = g.heads_rows_to_channels("dq_block", &dqh)?;
-                g.query_rows_out("dq", &c, s)?
-            }
-        };
-        let dkc = g.heads_rows_to_channels("dk", &dk)?;
+        let (dqc, dkc) = softmax_backward(g, s, &probs, &dp, &qf, &k)?;
         Ok(vec![dqc, dkc])
     }
 
@@ -124,4 +104,41 @@ impl Kernel for SdpaBackward2 {
             });
         Out { dq, dk }
     }
+}
+
+/// dS = P ⊙ (dP − Σ_j P⊙dP)/√HD, dQ = dS·K, dK = Σ_h dSᵀ·Q from folded P,
+/// dP (`[1, KV, R·queries, S]`), q and k: dq `[Q, queries]` (a block's in
+/// whole rows) and dK `[KV, S]` as output channels (this kernel's maths,
+/// and the fused `sdpa_backward`'s second half).
+pub(super) fn softmax_backward(
+    g: &mut Gen,
+    s: &Shape,
+    probs: &Value,
+    dp: &Value,
+    qf: &Value,
+    k: &Value,
+) -> mil::Result<(Value, Value)> {
+    let (hd, qb) = (s.head_dim, s.queries);
+    // dS = P ⊙ (dP − Σ_j P⊙dP) / √HD
+    let pdp = g.b.mul("pdp", probs, dp)?;
+    let axes = g.ints("axes", &[-1])?;
+    let keep = g.flag(true)?;
+    let rs = g.b.reduce("reduce_sum", "pdp_sum", &pdp, &axes, &keep)?;
+    let dps = g.b.sub("dp_centered", dp, &rs)?;
+    let ds0 = g.b.mul("ds_raw", probs, &dps)?;
+    let sc = g.scalar("scale", 1.0 / (hd as f64).sqrt())?;
+    let ds = g.b.mul("ds", &ds0, &sc)?;
+    // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
+    let dq = g.matmul("dq_fold", &ds, k, false, false)?;
+    let dk = g.matmul("dk_h", &ds, qf, true, false)?;
+    let dqh = g.reshape("dq_h", &dq, &[1, s.heads, qb, hd])?;
+    let dqc = match s.query_block() {
+        false => g.heads_rows_to_channels("dq", &dqh)?,
+        true => {
+            let c = g.heads_rows_to_channels("dq_block", &dqh)?;
+            g.query_rows_out("dq", &c, s)?
+        }
+    };
+    let dkc = g.heads_rows_to_channels("dk", &dk)?;
+    Ok((dqc, dkc))
 }

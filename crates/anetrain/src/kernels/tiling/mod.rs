@@ -309,13 +309,37 @@ pub struct KeyClass {
     pub tiles: usize,
 }
 
-/// The key class of query block `i` of `n`: block `i` ends at query
-/// `(i + 1)·qb`, and reads the keys up to the next power of two of
-/// `i + 1` blocks — so that a block's `[C, qb]` still fills whole rows
-/// of its `keys`-wide surface (`Shape::query_rows_whole`) and a sequence
-/// of `n` blocks needs `log₂ n + 1` programs, not `n`.
-pub fn key_class(i: usize) -> usize {
-    (i + 1).next_power_of_two().trailing_zeros() as usize
+/// Key classes a kernel's blocks of queries are grouped into at most:
+/// each is a program, and a process compiles about 119
+/// (`ane::DEFAULT_COMPILE_BUDGET`). With three, `eval` over every
+/// power-of-two length up to 8192 compiles at most 114 programs for every
+/// model shape here (`testdata/configs`), on every family (120 for
+/// Qwen3-4B on the M1 with a class per power of two); the shortest
+/// blocks then read the first class's keys (at 16 blocks, 0.69 of the
+/// keys on average where a class per power of two reads 0.67).
+pub const MAX_KEY_CLASSES: usize = 3;
+
+/// The key class of query block `i` of `blocks` (see
+/// [`KernelTiles::keys`]): block `i` ends at query `(i + 1)·qb` and reads
+/// the keys up to the next power of two of `i + 1` blocks — so that a
+/// block's `[C, qb]` still fills whole rows of its `keys`-wide surface
+/// (`Shape::query_rows_whole`) — the shortest classes merged into the
+/// first of the last [`MAX_KEY_CLASSES`].
+pub fn key_class(i: usize, blocks: usize) -> usize {
+    let pow2 = |i: usize| (i + 1).next_power_of_two().trailing_zeros() as usize;
+    pow2(i).max(first_key_class(blocks)) - first_key_class(blocks)
+}
+
+/// Keys read by key class `c` of `blocks` blocks of `qb` queries over
+/// `seq` keys.
+pub fn class_keys(c: usize, blocks: usize, qb: usize, seq: usize) -> usize {
+    (qb << (c + first_key_class(blocks))).min(seq)
+}
+
+/// The power of two (in blocks) of the shortest class kept.
+fn first_key_class(blocks: usize) -> usize {
+    let last = blocks.max(1).next_power_of_two().trailing_zeros() as usize;
+    (last + 1).saturating_sub(MAX_KEY_CLASSES)
 }
 
 impl KernelTiles {
@@ -355,7 +379,7 @@ impl KernelTiles {
     pub fn program_of(&self, t: usize) -> usize {
         match self.keys.is_empty() {
             true => 0,
-            false => key_class(self.query_block(t)),
+            false => key_class(self.query_block(t), self.query_blocks()),
         }
     }
 

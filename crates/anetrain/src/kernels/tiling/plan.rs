@@ -303,7 +303,7 @@ fn tiles_of(kind: KernelKind, splits: Vec<Split>, shape: Shape, k: &KernelProgra
 /// The causal key classes of an attention kernel cut into blocks of
 /// queries (`sdpa_forward`, the fused `sdpa_backward`; the pair hands P
 /// and dP between equal tiles) ([`KernelTiles::keys`]): block `i` reads
-/// the keys of [`key_class`]`(i)`, each class a program of its own; none
+/// the keys of [`key_class`]`(i, n)`, each class a program of its own; none
 /// (every tile reads every key) where the sequence is not cut, or a
 /// class's program would break a rule or not lay its queries in whole
 /// rows.
@@ -317,9 +317,9 @@ fn key_classes(t: &KernelTiles, o: &KernelOptions, rules: &ane::rules::RuleSet) 
         return vec![];
     }
     let mut classes = vec![];
-    for c in 0..=key_class(blocks - 1) {
+    for c in 0..=key_class(blocks - 1, blocks) {
         let shape = Shape {
-            seq: (t.shape.queries << c).min(t.shape.seq),
+            seq: class_keys(c, blocks, t.shape.queries, t.shape.seq),
             ..t.shape
         };
         if !shape.query_rows_whole() {
@@ -334,7 +334,7 @@ fn key_classes(t: &KernelTiles, o: &KernelOptions, rules: &ane::rules::RuleSet) 
             return vec![];
         }
         let c_tiles = tiles_of(t.kind, t.splits.clone(), shape, &k);
-        let in_class = (0..blocks).filter(|&i| key_class(i) == c).count();
+        let in_class = (0..blocks).filter(|&i| key_class(i, blocks) == c).count();
         classes.push(KeyClass {
             shape,
             input: c_tiles.input,
