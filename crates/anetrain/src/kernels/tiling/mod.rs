@@ -684,6 +684,80 @@ mod tests {
     use crate::model::config::ModelConfig;
 
     #[test]
+    fn blocks_of_queries_fall_into_at_most_three_power_of_two_key_classes() {
+        let classes = |n: usize| (0..n).map(|i| key_class(i, n)).collect::<Vec<_>>();
+        assert_eq!(classes(1), [0]);
+        assert_eq!(classes(2), [0, 1]);
+        assert_eq!(classes(4), [0, 1, 2, 2]);
+        // Sixteen blocks: the shortest four share the first kept class.
+        assert_eq!(
+            classes(16),
+            [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+        );
+        let keys = |n: usize| {
+            (0..3)
+                .map(|c| class_keys(c, n, 256, 256 * n))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(keys(4), [256, 512, 1024]);
+        assert_eq!(keys(16), [1024, 2048, 4096]);
+        // Every block reads at least the keys up to its last query.
+        for n in [2, 3, 4, 8, 16, 32] {
+            for i in 0..n {
+                assert!(class_keys(key_class(i, n), n, 32, 32 * n) >= 32 * (i + 1));
+            }
+        }
+    }
+
+    /// A key class's tile: k is cut to its keys, the mask is `[queries,
+    /// keys]`, and its partial dK lands in the first `keys` columns.
+    #[test]
+    fn a_key_class_tile_cuts_and_sums_its_keys() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let full = Shape::new(&cfg, 128);
+        let splits = vec![Split {
+            axis: Axis::Seq,
+            blocks: 4,
+        }];
+        // Block 1 of 4 (queries 32..64) reads 64 keys.
+        let k = KernelTiles {
+            kind: KernelKind::SdpaBackward,
+            tiles: 4,
+            shape: Shape {
+                seq: 64,
+                ..tile_shape(KernelKind::SdpaBackward, &full, &splits)
+            },
+            splits,
+            input: [0, 0],
+            output: [0, 0],
+            flop: 0.0,
+            weight_bytes: 0,
+            scratch_bytes: 0,
+            keys: vec![],
+        };
+        let kv = full.kv_dim();
+        let keys: Vec<f32> = (0..kv * 128).map(|i| (i % 128) as f32).collect();
+        let cut = tile_activation(&k, Port::KRope, &keys, 128, 1);
+        assert_eq!(cut.len(), kv * 64);
+        assert_eq!(&cut[..3], &[0., 1., 2.]);
+        assert_eq!(cut[64], 0.0, "each row restarts at key 0");
+        let mask = tile_mask(&k, 1);
+        assert_eq!(mask.len(), 32 * 64);
+        // Query 32 + r sees keys 0..=32 + r.
+        assert_eq!(mask[33], crate::kernels::MASKED);
+        assert_eq!(mask[32], 0.0);
+        assert_eq!(mask[31 * 64 + 63], 0.0);
+        let mut acc = vec![];
+        for t in 0..2 {
+            combine(&k, Port::Dk, &mut acc, vec![1.0; kv * 64], t, 128);
+        }
+        assert_eq!(acc.len(), kv * 128);
+        assert!(acc
+            .chunks(128)
+            .all(|row| row[..64].iter().all(|&v| v == 2.0) && row[64..].iter().all(|&v| v == 0.0)));
+    }
+
+    #[test]
     fn blocks_cut_rows_and_columns() {
         let m: Vec<f32> = (0..12).map(|i| i as f32).collect(); // [3, 4]
         assert_eq!(col_block(&m, 4, 1, 2), vec![2., 3., 6., 7., 10., 11.]);
