@@ -259,9 +259,10 @@ pub enum PlanError {
 const CHOICE_SPAN: usize = 4;
 const CHOICE_COUNT: usize = 12;
 
-/// The span for a kernel in causal key classes ([`KernelTiles::keys`]),
-/// whose finer query blocks read fewer keys: up to 32 blocks of queries
-/// per group of heads.
+/// The span for the fused attention backward, whose finer blocks of
+/// queries read fewer keys ([`KernelTiles::keys`]) and hold smaller score
+/// matrices: tilings up to 32 times the fewest tiles are compared (and
+/// four times as many of them).
 const CAUSAL_CHOICE_SPAN: usize = 32;
 
 /// The tiling predicted fastest on `o.cost_family` (every tile staged,
@@ -308,11 +309,7 @@ fn tiles_of(kind: KernelKind, splits: Vec<Split>, shape: Shape, k: &KernelProgra
 /// class's program would break a rule or not lay its queries in whole
 /// rows.
 fn key_classes(t: &KernelTiles, o: &KernelOptions, rules: &ane::rules::RuleSet) -> Vec<KeyClass> {
-    let blocks = t
-        .splits
-        .iter()
-        .find(|s| s.axis == Axis::Seq)
-        .map_or(1, |s| s.blocks);
+    let blocks = t.query_blocks();
     if !matches!(t.kind, KernelKind::SdpaBackward | KernelKind::SdpaForward) || blocks < 2 {
         return vec![];
     }
