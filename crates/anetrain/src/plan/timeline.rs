@@ -432,10 +432,12 @@ pub fn predict(
         .iter()
         .max_by(|a, b| a.1.total_cmp(&b.1))
         .map_or("device", |x| x.0);
-    let programs = plan
-        .used()
-        .filter(|k| seed.is_none() || !k.kind.is_head())
-        .count();
+    // The seed's LM head runs on the host: no head programs.
+    let head_programs = match seed {
+        Some(_) => plan.used().filter(|k| k.kind.is_head()).count(),
+        None => 0,
+    };
+    let programs = plan.programs() - head_programs;
     Predicted {
         family: rates.family.name().to_string(),
         step_ms,
