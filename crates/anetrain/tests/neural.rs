@@ -296,6 +296,43 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
     let model = Model::init(&cfg, 7).unwrap();
     let row: Vec<u32> = (0..60).map(|i| (i * 613 % 4000) as u32).collect();
     assert_eq!(check("vocabulary 4000", &model, &row, 4), 4);
+    // LoRA freezes the head: the device gathers dxf in the statistics
+    // pass, each chunk's exp(z − m) scaled to 2ᵏ per column on its way to
+    // fp16, and it matches the CPU's one-chunk gradient as closely.
+    let mut model = model;
+    let lora = anetrain::model::lora::LoraConfig::every_projection(4);
+    model.lora = Some(anetrain::model::lora::Lora::init(&cfg, lora, 1).unwrap());
+    let n = row.len() - 1;
+    let xf = Engine::cpu(&model)
+        .forward(&model, &row[..n], None)
+        .unwrap()
+        .xf;
+    fn loss<R: anetrain::device::KernelRunner>(
+        eng: &mut Engine<R>,
+        model: &Model,
+        xf: &[f32],
+        row: &[u32],
+    ) -> (f64, Vec<f32>) {
+        let mut g = zero_grads(model);
+        g.reset();
+        let scale = 1.0 / (row.len() - 1) as f32;
+        eng.head_loss(model, xf, &row[1..], 2, scale, Some(&mut g))
+            .unwrap()
+    }
+    let (lc, dc) = loss(&mut Engine::cpu(&model), &model, &xf, &row);
+    let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
+    opts.min_tiles = 4;
+    let runner = anetrain::device::NeuralKernels::new(ane::SimDevice::new(), opts.clone());
+    let mut sim = Engine::with_runner(runner, opts);
+    let (ls, ds) = loss(&mut sim, &model, &xf, &row);
+    assert_eq!(sim.runner.plan().unwrap().head.chunks, 4);
+    let r = rel(&ds, &dc);
+    eprintln!("frozen head, 4 chunks: loss {lc} vs {ls}, dxf rel err {r:.2e}");
+    assert!(
+        (lc - ls).abs() <= 1e-2 * lc,
+        "frozen head: loss {lc} vs {ls}"
+    );
+    assert!(r <= 1e-2, "frozen head: dxf rel err {r}");
 }
 
 /// Sequence tiles (`KernelOptions::min_seq_tiles`, the in-process form of

@@ -268,12 +268,16 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             tiling::AttentionBackward::Pair => "",
         }
     );
+    let how = match lora.is_some() {
+        true => "head_forward once a chunk: the frozen head's input gradient is gathered beside the statistics",
+        false => "head_forward twice over several chunks: statistics, then the gradient",
+    };
     println!(
-        "LM head: {} vocabulary chunks of {} rows ({} tokens), {} device evaluations per sequence with a gradient (head_forward twice over several chunks: statistics, then the gradient)",
+        "LM head: {} vocabulary chunks of {} rows ({} tokens), {} device evaluations per sequence with a gradient ({how})",
         plan.head.chunks,
         plan.head.rows,
         shape.vocab,
-        plan.head_work(true).1
+        plan.head_work(tiling::HeadPass::gradient(lora.is_none())).1
     );
     println!("{}", work.describe());
     let family = match a.family {

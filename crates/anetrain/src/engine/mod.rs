@@ -672,6 +672,26 @@ pub struct HeadStatistics {
     ranges: Vec<std::ops::Range<usize>>,
     /// The last chunk's exp(z − m), which a one-chunk vocabulary reuses.
     last: Vec<f32>,
+    /// A frozen head's input gradient gathered beside the statistics
+    /// (see [`FrozenHeadGradient`]), when a gradient was asked for over
+    /// several chunks.
+    frozen: Option<FrozenHeadGradient>,
+}
+
+/// The input gradient of a frozen LM head (LoRA), gathered in the
+/// statistics pass, so each chunk's logits are computed once, not twice:
+///   u_s = Σ_v exp(z_vs − m_s)·E_v  (rescaled by exp(m_old − m_new) as m_s grows)
+///   dxf_s = w_s·(u_s/Σ_s − E_{t_s})  once the weights w_s are known
+/// A head that trains needs each chunk's normalised gradient for its own
+/// weight gradient dE_c = dz_c·xfᵀ, so it keeps the second pass.
+struct FrozenHeadGradient {
+    /// u, `[D, S]`.
+    u: Vec<f32>,
+}
+
+/// Whether the LM head's weights train (they are frozen under LoRA).
+fn head_trains(model: &Model) -> bool {
+    model.lora.is_none()
 }
 
 /// What the head's gradient pass reads.
@@ -721,6 +741,43 @@ fn exp_shifted(lt: &mut [f32], max: &[f32], seq: usize) -> Vec<f64> {
         sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
     }
     sum
+}
+
+/// `lt [rows, S]` ← lt·scale per column, in place.
+fn scale_columns(lt: &mut [f32], scale: &[f32], seq: usize) {
+    use rayon::prelude::*;
+    lt.par_chunks_mut(BLOCK_ROWS * seq).for_each(|b| {
+        for row in b.chunks_mut(seq) {
+            row.iter_mut().zip(scale).for_each(|(z, c)| *z *= c);
+        }
+    });
+}
+
+/// dxf `[D, S]` of a frozen head from its gathered u (see
+/// [`FrozenHeadGradient`]): w_s·(u_s/Σ_s − E_{t_s}), the target's row in f32.
+fn frozen_head_input_gradient(
+    model: &Model,
+    f: &FrozenHeadGradient,
+    stats: &SoftmaxStats,
+    targets: &[u32],
+    weights: &[f32],
+) -> Vec<f32> {
+    let (d, seq) = (model.cfg.hidden_size, targets.len());
+    let head = model.lm_head_param();
+    let mut dxf = vec![0f32; d * seq];
+    let mut scratch = Vec::new();
+    for (s, (&t, &w)) in targets.iter().zip(weights).enumerate() {
+        if w == 0.0 {
+            continue;
+        }
+        let row = head.rows(t as usize..t as usize + 1, &mut scratch);
+        let inv = 1.0 / stats.sum[s];
+        for (c, &e) in row.iter().enumerate() {
+            let p = (f.u[c * seq + s] as f64 * inv) as f32;
+            dxf[c * seq + s] = w * (p - e);
+        }
+    }
+    dxf
 }
 
 /// The power of two the logits' gradient is sent to the head's backward
@@ -813,7 +870,7 @@ impl<R: KernelRunner> Engine<R> {
         grad_scale: f32,
         grads: Option<&mut Grads>,
     ) -> Result<(f64, Vec<f32>)> {
-        let head = self.head_statistics(model, xf, targets)?;
+        let head = self.head_statistics(model, xf, targets, grads.is_some())?;
         let loss = head.nll[first..].iter().sum();
         let Some(grads) = grads else {
             return Ok((loss, vec![]));
@@ -830,11 +887,15 @@ impl<R: KernelRunner> Engine<R> {
     /// kernels), the statistics on the host in f32/f64; per position s,
     /// with z = E·xf (`[Vc, S]` a chunk):
     ///   nll_s = m_s + ln Σ_v exp(z_vs − m_s) − z_{t_s,s},   m_s, Σ kept running
+    /// With `gradient` (an [`Engine::head_backward`] follows) and a frozen
+    /// head over several chunks, the input gradient is gathered in the
+    /// same pass ([`FrozenHeadGradient`]).
     pub fn head_statistics(
         &mut self,
         model: &Model,
         xf: &[f32],
         targets: &[u32],
+        gradient: bool,
     ) -> Result<HeadStatistics> {
         let v = model.cfg.vocab_size;
         if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
@@ -842,12 +903,14 @@ impl<R: KernelRunner> Engine<R> {
         }
         let chunks = self.runner.head_chunks(model, targets.len())?;
         let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
-        let (stats, last) = self.softmax_statistics(model, xf, targets, &ranges)?;
+        let gather = gradient && ranges.len() > 1 && !head_trains(model);
+        let (stats, last, frozen) = self.softmax_statistics(model, xf, targets, &ranges, gather)?;
         Ok(HeadStatistics {
             nll: stats.nll(),
             stats,
             ranges,
             last,
+            frozen,
         })
     }
 
@@ -855,9 +918,11 @@ impl<R: KernelRunner> Engine<R> {
     /// or zero) into the LM head (unless LoRA freezes it) and the returned
     /// `dxf`, from [`Engine::head_statistics`] of the same sequence:
     ///   dz_vs = w_s·(exp(z_vs − m_s)/Σ_s − [v = t_s]),  dxf = Σ_c E_cᵀ·dz_c,  dE_c = dz_c·xfᵀ
-    /// Over several chunks, each chunk's logits are computed twice (once
-    /// for the statistics, once for the gradient): one more head forward
-    /// per sequence, where keeping them would hold the whole `[V, S]`.
+    /// Over several chunks, a head that trains computes each chunk's
+    /// logits twice (once for the statistics, once for the gradient): one
+    /// more head forward per sequence, where keeping them would hold the
+    /// whole `[V, S]`; a frozen head's dxf was gathered with the
+    /// statistics ([`FrozenHeadGradient`]) and is only finished here.
     pub fn head_backward(
         &mut self,
         model: &Model,
@@ -867,6 +932,15 @@ impl<R: KernelRunner> Engine<R> {
         weights: &[f32],
         grads: &mut Grads,
     ) -> Result<Vec<f32>> {
+        if let Some(f) = &head.frozen {
+            return Ok(frozen_head_input_gradient(
+                model,
+                f,
+                &head.stats,
+                targets,
+                weights,
+            ));
+        }
         let pass = GradientPass {
             xf,
             targets,
@@ -879,20 +953,34 @@ impl<R: KernelRunner> Engine<R> {
 
     /// Pass 1 of [`Engine::head_statistics`]: the softmax statistics, chunk by
     /// chunk; also the last chunk's exp(z − m), which a one-chunk
-    /// vocabulary reuses in pass 2.
+    /// vocabulary reuses in pass 2; with `gather`, a frozen head's input
+    /// gradient u ([`FrozenHeadGradient`]): each chunk's exp(z_c − m) is
+    /// sent to the head's backward kernel as 2ᵏ·exp(z_c − m)/Σ_c (its
+    /// columns sum to 2ᵏ, the bound of [`head_grad_scale`]) and the
+    /// product scaled back by Σ_c/2ᵏ on the host.
     fn softmax_statistics(
         &mut self,
         model: &Model,
         xf: &[f32],
         targets: &[u32],
         ranges: &[std::ops::Range<usize>],
-    ) -> Result<(SoftmaxStats, Vec<f32>)> {
+        gather: bool,
+    ) -> Result<(SoftmaxStats, Vec<f32>, Option<FrozenHeadGradient>)> {
         let seq = targets.len();
         let mut st = SoftmaxStats {
             max: vec![f32::NEG_INFINITY; seq],
             sum: vec![0f64; seq],
             target_logit: vec![0f32; seq],
         };
+        let d = model.cfg.hidden_size;
+        let k = match gather {
+            true => head_grad_scale(self.head_max_abs(model)),
+            false => 1.0,
+        };
+        let mut frozen = gather.then(|| FrozenHeadGradient {
+            u: vec![0f32; d * seq],
+        });
+        let shape = Shape::new(&model.cfg, seq);
         let mut lt = Vec::new();
         for (c, r) in ranges.iter().enumerate() {
             lt = self.head_chunk(model, xf, c, r.len())?;
@@ -902,16 +990,42 @@ impl<R: KernelRunner> Engine<R> {
                 }
             }
             let chunk_max = column_max(&lt, seq);
+            let mut rescale = vec![1f32; seq];
             for (s, &cm) in chunk_max.iter().enumerate() {
                 if cm > st.max[s] {
-                    st.sum[s] *= ((st.max[s] - cm) as f64).exp();
+                    let f = ((st.max[s] - cm) as f64).exp();
+                    st.sum[s] *= f;
+                    rescale[s] = f as f32;
                     st.max[s] = cm;
                 }
             }
             let part = exp_shifted(&mut lt, &st.max, seq);
             st.sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
+            if let Some(f) = frozen.as_mut() {
+                let to_device: Vec<f32> = part
+                    .iter()
+                    .map(|&p| if p > 0.0 { (k as f64 / p) as f32 } else { 0.0 })
+                    .collect();
+                scale_columns(&mut lt, &to_device, seq);
+                let acts = kernels::head_backward::Acts { dlogits: &lt };
+                let shape = shape.head_chunk(r.len());
+                let out = self.runner.run::<kernels::HeadBackward>(
+                    model,
+                    c,
+                    &shape,
+                    &Default::default(),
+                    &acts,
+                )?;
+                // u_s ← u_s·exp(m_old − m_new) + (Σ_c/2ᵏ)·E_cᵀ·dz_c
+                let back: Vec<f32> = part.iter().map(|&p| (p / k as f64) as f32).collect();
+                for (u, o) in f.u.chunks_mut(seq).zip(out.dxf.chunks(seq)) {
+                    for s in 0..seq {
+                        u[s] = u[s] * rescale[s] + o[s] * back[s];
+                    }
+                }
+            }
         }
-        Ok((st, lt))
+        Ok((st, lt, frozen))
     }
 
     /// Pass 2, [`Engine::head_backward`]: the gradient, chunk by chunk (the
@@ -954,14 +1068,7 @@ impl<R: KernelRunner> Engine<R> {
                 lt = self.head_chunk(model, p.xf, c, r.len())?;
                 exp_shifted(&mut lt, &p.stats.max, seq);
             }
-            {
-                use rayon::prelude::*;
-                lt.par_chunks_mut(BLOCK_ROWS * seq).for_each(|b| {
-                    for row in b.chunks_mut(seq) {
-                        row.iter_mut().zip(&scale).for_each(|(z, c)| *z *= c);
-                    }
-                });
-            }
+            scale_columns(&mut lt, &scale, seq);
             for (s, &t) in p.targets.iter().enumerate() {
                 if r.contains(&(t as usize)) && relative[s] != 0.0 {
                     lt[(t as usize - r.start) * seq + s] -= k * relative[s];
@@ -1070,6 +1177,92 @@ mod tests {
             for s in 0..first {
                 assert_eq!(dxf[c * seq + s], 0.0);
             }
+        }
+    }
+
+    /// The CPU engine's kernels, counting the LM head's forward runs.
+    struct CountingHeads {
+        inner: CpuKernels,
+        head_forwards: usize,
+    }
+
+    impl KernelRunner for CountingHeads {
+        fn run<K: kernels::Kernel>(
+            &mut self,
+            model: &Model,
+            layer: usize,
+            shape: &Shape,
+            dropout: &Dropout,
+            acts: &K::Acts<'_>,
+        ) -> Result<K::Out> {
+            self.head_forwards += (K::KIND == kernels::KernelKind::HeadForward) as usize;
+            self.inner.run::<K>(model, layer, shape, dropout, acts)
+        }
+
+        fn head_chunks(
+            &mut self,
+            model: &Model,
+            seq: usize,
+        ) -> Result<kernels::tiling::HeadChunks> {
+            self.inner.head_chunks(model, seq)
+        }
+    }
+
+    /// A frozen head (LoRA) gathers its input gradient in the statistics
+    /// pass: each chunk's logits are computed once, where a head that
+    /// trains computes them twice, and dxf is the two-pass one (the
+    /// trained head's, the same maths) to 1e-5 of its largest value, with
+    /// per-position weights given after the statistics (as DPO does).
+    #[test]
+    fn a_frozen_head_computes_each_chunk_once_for_the_same_input_gradient() {
+        let mut cfg = crate::model::config::ModelConfig::preset("tiny").unwrap();
+        cfg.vocab_size = 700;
+        let mut model = Model::init(&cfg, 3).unwrap();
+        let (d, v, seq) = (cfg.hidden_size, cfg.vocab_size, 9);
+        let mut rng = Rng::new(5);
+        let xf = rng.normals(d * seq, 3.0);
+        let targets: Vec<u32> = (0..seq).map(|_| rng.below(v) as u32).collect();
+        let weights: Vec<f32> = (0..seq).map(|s| [0.0, 0.5, -0.25][s % 3]).collect();
+        let run = |model: &Model, chunk: usize| {
+            let opts = KernelOptions::for_model(model);
+            let mut inner = CpuKernels::new(opts.clone());
+            inner.head_rows = chunk;
+            let runner = CountingHeads {
+                inner,
+                head_forwards: 0,
+            };
+            let mut eng = Engine::with_runner(runner, opts);
+            let mut g = zero_grads(model);
+            g.reset();
+            let head = eng.head_statistics(model, &xf, &targets, true).unwrap();
+            let nll = head.nll.clone();
+            let dxf = eng
+                .head_backward(model, &xf, &targets, head, &weights, &mut g)
+                .unwrap();
+            (nll, dxf, eng.runner.head_forwards)
+        };
+        let (nll, trained, forwards) = run(&model, 256);
+        assert_eq!(forwards, 6, "a head that trains: 3 chunks, twice");
+        let lora = crate::model::lora::LoraConfig::every_projection(4);
+        model.lora = Some(crate::model::lora::Lora::init(&cfg, lora, 1).unwrap());
+        for chunk in [7, 256, 699] {
+            let (nll_f, frozen, forwards) = run(&model, chunk);
+            assert_eq!(forwards, v.div_ceil(chunk), "chunk {chunk}: once each");
+            for (a, b) in nll_f.iter().zip(&nll) {
+                assert!(
+                    (a - b).abs() <= 1e-6 * b.abs(),
+                    "chunk {chunk}: nll {a} vs {b}"
+                );
+            }
+            let scale = trained.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (i, (a, b)) in frozen.iter().zip(&trained).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * scale,
+                    "chunk {chunk}: dxf[{i}] {a} vs {b}"
+                );
+            }
+            // Unweighted positions get no gradient.
+            assert!((0..d).all(|c| frozen[c * seq] == 0.0));
         }
     }
 

@@ -9,7 +9,8 @@
 //!
 //! The schedule is `Engine::forward`/`backward` and `head_loss` as they run
 //! (see `engine`): per layer the attention and FFN kernels, the LM head's
-//! chunks (statistics, then forward again and backward), the layers'
+//! chunks (statistics, then forward again and backward; a frozen head's
+//! backward beside the statistics), the layers'
 //! backward from the last, and AdamW. The seed's step (maderix/ANE
 //! `training/training_dynamic/train.m`) is played too, as its programs and
 //! host work are, to validate the model against its published times.
@@ -464,9 +465,10 @@ fn projection_gradients(cfg: &ModelConfig, tokens: usize) -> f64 {
 }
 
 /// The LM head and loss of one row (engine `head_loss`): over several
-/// chunks, each chunk's forward and the softmax statistics, then each
-/// chunk's forward again, its logits' gradient and backward beside the
-/// head's weight gradient (when it trains); one chunk runs forward once.
+/// chunks, each chunk's forward and the softmax statistics, then — when
+/// the head trains — each chunk's forward again, its logits' gradient
+/// and backward beside the head's weight gradient; a frozen head's
+/// backward follows each chunk's statistics; one chunk runs forward once.
 fn head(p: &Player, cfg: &ModelConfig, full: bool) -> Clock {
     let plan = p.plan;
     let (rows, chunks) = (plan.head.rows as f64, plan.head.chunks as f64);
@@ -476,11 +478,16 @@ fn head(p: &Player, cfg: &ModelConfig, full: bool) -> Clock {
     // Statistics: the running maximum and Σ exp over each chunk's logits.
     c.add(&forward, chunks);
     c.add(&p.host_passes(3.0 * rows * s), chunks);
-    if chunks > 1.0 {
+    // A head that trains computes each chunk again for its normalised
+    // gradient; a frozen one sends the statistics pass's exp(z − m) on.
+    let again = full && chunks > 1.0;
+    if again {
         c.add(&forward, chunks);
     }
     // The gradient softmax − one-hot, scaled; dE = dz·xfᵀ beside the backward.
-    c.add(&p.host_passes(3.0 * rows * s), chunks);
+    let gathered = !full && chunks > 1.0;
+    let passes = if gathered { 1.0 } else { 3.0 };
+    c.add(&p.host_passes(passes * rows * s), chunks);
     let dw = if full { 2.0 * rows * d * s } else { 0.0 };
     c.add(&p.beside(&[KernelKind::HeadBackward], dw), chunks);
     c.add(&p.host_passes(2.0 * d * s), chunks);
@@ -772,6 +779,42 @@ pub fn validate() -> anyhow::Result<Vec<Validation>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The timeline plays the evaluations the work count has, full and
+    /// LoRA (whose frozen head runs each chunk's forward once), with
+    /// and without checkpointing: the schedule and the count agree.
+    #[test]
+    fn the_timeline_plays_every_counted_evaluation() {
+        use crate::kernels::{tiling, KernelOptions, Shape};
+        let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
+        let seq = 1024;
+        for lora in [None, Some(LoraConfig::every_projection(16))] {
+            for grad_checkpoint in [false, true] {
+                let mut o = KernelOptions::hf(&cfg).with_lora(lora.as_ref());
+                o.cost_family = ane::family::Family::M4;
+                o.limits = ane::family::Family::M4.limits();
+                let plan = tiling::plan(&Shape::new(&cfg, seq), &o).unwrap();
+                assert!(plan.head.chunks > 1);
+                let setup = StepSetup {
+                    seq,
+                    batch: 1,
+                    lora: lora.clone(),
+                    grad_checkpoint,
+                    buffers: DeviceBuffers::Persistent,
+                    reference_forwards: 0,
+                };
+                let p = predict(&cfg, &plan, &setup, &Rates::of(o.cost_family), None);
+                let full = lora.is_none();
+                let work =
+                    crate::plan::work::StepWork::plan(&cfg, seq, 1, &o, full, grad_checkpoint)
+                        .unwrap();
+                assert_eq!(
+                    p.evaluations, work.device_evaluations,
+                    "full {full}, checkpointing {grad_checkpoint}"
+                );
+            }
+        }
+    }
 
     /// What `doctor` measured on this chip replaces the table's row for
     /// its family only.

@@ -25,6 +25,11 @@ use crate::model::config::ModelConfig;
 /// 2ᵏ/Σ (1).
 pub const HOST_FLOP_PER_LOGIT: f64 = 8.0;
 
+/// The same for a frozen head over several chunks, its input gradient
+/// gathered in the statistics pass: the maximum, exp and sum (4), and
+/// the scale by 2ᵏ/Σ_c (1).
+pub const FROZEN_HOST_FLOP_PER_LOGIT: f64 = 5.0;
+
 /// One training step's work by place (FLOPs).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepWork {
@@ -63,7 +68,7 @@ impl StepWork {
         let compiled = crate::kernels::compiled_length(seq);
         let plan = tiling::plan(&Shape::new(cfg, compiled), opts)?;
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
-        let (head_flop, head_evaluations) = plan.head_work(true);
+        let (head_flop, head_evaluations) = plan.head_work(tiling::HeadPass::gradient(full));
         let layers = cfg.num_hidden_layers;
         let (d, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
         let tokens = (seq * batch) as f64;
@@ -73,7 +78,11 @@ impl StepWork {
             true => projection_flops(cfg, seq * batch) / 3.0 + head_gradient,
             false => 0.0,
         };
-        let softmax = HOST_FLOP_PER_LOGIT * v * tokens;
+        let per_logit = match full || plan.head.chunks == 1 {
+            true => HOST_FLOP_PER_LOGIT,
+            false => FROZEN_HOST_FLOP_PER_LOGIT,
+        };
+        let softmax = per_logit * v * tokens;
         let dxf_sums = 2.0 * (plan.head.chunks as f64) * d * tokens;
         Ok(StepWork {
             device_flop: (flop * layers as f64 + head_flop) * batch as f64,
@@ -97,7 +106,7 @@ impl StepWork {
     ) -> Result<StepWork> {
         let plan = tiling::plan(&Shape::new(cfg, self.compiled_seq), opts)?;
         let (flop, evaluations) = plan.forward_work_per_layer();
-        let (head_flop, head_evaluations) = plan.head_work(false);
+        let (head_flop, head_evaluations) = plan.head_work(tiling::HeadPass::Statistics);
         let n = sequences as f64;
         self.reference_flop = (flop * cfg.num_hidden_layers as f64 + head_flop) * n;
         self.reference_evaluations =
@@ -206,5 +215,33 @@ mod tests {
         // and the head's.
         let wg = projection_flops(&cfg, 64) / 3.0 + head;
         assert_eq!(plain.host_weight_gradient_flop, wg);
+    }
+
+    /// Over several chunks a head that trains runs each chunk's forward
+    /// twice; a frozen one (LoRA) once: one head forward's products and
+    /// evaluations fewer, and 3 of the 8 host operations a logit.
+    #[test]
+    fn a_frozen_head_runs_each_chunk_forward_once() {
+        let cfg = ModelConfig::preset("tiny").unwrap();
+        let (v, d, seq) = (cfg.vocab_size as f64, cfg.hidden_size as f64, 64);
+        let lora = crate::model::lora::LoraConfig::every_projection(4);
+        let mut o = KernelOptions::hf(&cfg).with_lora(Some(&lora));
+        o.min_tiles = 2;
+        let plan = tiling::plan(&Shape::new(&cfg, seq), &o).unwrap();
+        let chunks = plan.head.chunks;
+        assert!(chunks >= 2, "{chunks}");
+        let (forward_flop, forward_evaluations) = plan.head_work(tiling::HeadPass::Statistics);
+        let trained = plan.head_work(tiling::HeadPass::Gradient);
+        let frozen = plan.head_work(tiling::HeadPass::FrozenGradient);
+        assert_eq!(trained.1 - frozen.1, forward_evaluations);
+        assert!((trained.0 - frozen.0 - forward_flop).abs() < 1e-6 * forward_flop);
+        let lora_step = StepWork::plan(&cfg, seq, 1, &o, false, false).unwrap();
+        let full_step = StepWork::plan(&cfg, seq, 1, &o, true, false).unwrap();
+        assert_eq!(
+            full_step.device_evaluations - lora_step.device_evaluations,
+            forward_evaluations
+        );
+        let dxf_sums = 2.0 * chunks as f64 * d * seq as f64;
+        assert_eq!(lora_step.host_flop, 5.0 * v * seq as f64 + dxf_sums);
     }
 }

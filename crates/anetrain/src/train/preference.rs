@@ -335,7 +335,7 @@ fn sequence_forward<R: KernelRunner>(
     };
     let t1 = Instant::now();
     *t_forward += (t1 - t).as_secs_f64();
-    let head = eng.head_statistics(model, &fwd.xf, &e.tokens[1..])?;
+    let head = eng.head_statistics(model, &fwd.xf, &e.tokens[1..], training)?;
     Ok((fwd, head, t1))
 }
 

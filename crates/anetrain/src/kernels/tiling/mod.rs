@@ -603,15 +603,16 @@ impl Plan {
     }
 
     /// FLOPs and evaluations of the LM head on the device for one
-    /// sequence: each chunk's forward once, and with a `gradient` its
-    /// backward once and (over several chunks) its forward again — the
-    /// first pass gathers the softmax statistics, the second forms the
-    /// logits' gradient (see `engine::head_loss`).
-    pub fn head_work(&self, gradient: bool) -> (f64, usize) {
+    /// sequence computing `pass` (see [`HeadPass`]).
+    pub fn head_work(&self, pass: HeadPass) -> (f64, usize) {
         let c = self.head.chunks;
-        self.work(|k| match (k, gradient) {
-            (KernelKind::HeadForward, true) if c > 1 => 2 * c,
-            (KernelKind::HeadForward, _) | (KernelKind::HeadBackward, true) => c,
+        let forwards = match pass {
+            HeadPass::Gradient if c > 1 => 2 * c,
+            _ => c,
+        };
+        self.work(|k| match (k, pass) {
+            (KernelKind::HeadForward, _) => forwards,
+            (KernelKind::HeadBackward, HeadPass::Gradient | HeadPass::FrozenGradient) => c,
             _ => 0,
         })
     }
@@ -623,6 +624,32 @@ impl Plan {
             let r = runs(k.kind);
             (f + r as f64 * k.total_flop(), n + r * k.tiles)
         })
+    }
+}
+
+/// What the LM head computes for one sequence, chunk by chunk
+/// (`engine::head_loss`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadPass {
+    /// Each chunk's forward once: the softmax statistics (an evaluation,
+    /// DPO's reference).
+    Statistics,
+    /// Each chunk's forward and backward once: a frozen head (LoRA)
+    /// gathers its input gradient beside the statistics.
+    FrozenGradient,
+    /// A head that trains: over several chunks each chunk's forward
+    /// twice (the statistics, then its normalised gradient, which its own
+    /// weight gradient needs) and its backward once.
+    Gradient,
+}
+
+impl HeadPass {
+    /// The pass of a step with a gradient, the head training or not.
+    pub fn gradient(trains: bool) -> HeadPass {
+        match trains {
+            true => HeadPass::Gradient,
+            false => HeadPass::FrozenGradient,
+        }
     }
 }
 

@@ -188,10 +188,15 @@ pub fn plan_head(
         match worst {
             Fit::Within => {
                 // Predicted time per sequence with a gradient: each chunk's
-                // forward (twice over several chunks) and its backward
-                // (see `Plan::head_work`).
+                // forward (twice over several chunks when the head trains,
+                // once when LoRA freezes it) and its backward (see
+                // `Plan::head_work`).
                 let rates = ane::cost::Rates::of(o.cost_family);
-                let forwards = if found.0.chunks > 1 { 2.0 } else { 1.0 };
+                let pass = HeadPass::gradient(o.lora.is_none());
+                let forwards = match pass == HeadPass::Gradient && found.0.chunks > 1 {
+                    true => 2.0,
+                    false => 1.0,
+                };
                 let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
                 let e = found.0.chunks as f64 * (forwards * cost(&found.1[0]) + cost(&found.1[1]));
                 if best.as_ref().is_none_or(|(b, _)| e < *b) {
