@@ -107,10 +107,18 @@ impl KernelRunner for OffHost {
     }
 }
 
+/// A layer's weight gradients queued on the worker thread (full and
+/// LoRA: the worker holds the projections' or the adapters' gradients
+/// for the layer) are the inline ones, bit for bit.
 #[test]
 fn overlapped_weight_gradients_are_bit_identical() {
-    for kind in ["qwen3", "llama"] {
-        let model = Model::load(&fixture(kind).join("model")).unwrap();
+    for (kind, lora) in [("qwen3", false), ("llama", false), ("qwen3", true)] {
+        let mut model = Model::load(&fixture(kind).join("model")).unwrap();
+        if lora {
+            let cfg = anetrain::model::lora::LoraConfig::every_projection(4);
+            let adapters = anetrain::model::lora::Lora::init(&model.cfg, cfg, 1).unwrap();
+            model.lora = Some(adapters);
+        }
         let row: Vec<u32> = (0..17).map(|i| (i * 29 % 90) as u32).collect();
         let rows = vec![row];
         let mut plain = Engine::cpu(&model);
@@ -123,7 +131,7 @@ fn overlapped_weight_gradients_are_bit_identical() {
         let mut gb = zero_grads(&model);
         common::batch_loss(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
         common::batch_loss(&mut off, &model, &rows, Some(&mut gb)).unwrap();
-        assert_eq!(ga, gb, "{kind}");
+        assert_eq!(ga, gb, "{kind}, LoRA {lora}");
         // Kernels stayed on the calling thread (a device is driven from one).
         assert_eq!(off.runner.1.len(), 1);
     }

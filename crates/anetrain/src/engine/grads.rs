@@ -53,6 +53,29 @@ impl Grads {
     }
 
     /// Ends a step's writes: zeroes every buffer nothing wrote.
+    /// Moves gradients `ids` (with their written state) into a `Grads`
+    /// of their own, the others left empty there, so another thread can
+    /// write them while this one writes the rest; [`Grads::put_back`]
+    /// returns them. Buffers move, nothing is copied.
+    pub fn take(&mut self, ids: &[usize]) -> Grads {
+        let mut out = Grads {
+            bufs: vec![Vec::new(); self.bufs.len()],
+            written: self.written.clone(),
+        };
+        for &id in ids {
+            std::mem::swap(&mut out.bufs[id], &mut self.bufs[id]);
+        }
+        out
+    }
+
+    /// Returns gradients `ids` taken by [`Grads::take`], as `taken` left them.
+    pub fn put_back(&mut self, mut taken: Grads, ids: &[usize]) {
+        for &id in ids {
+            self.bufs[id] = std::mem::take(&mut taken.bufs[id]);
+            self.written[id] = taken.written[id];
+        }
+    }
+
     pub fn finish(&mut self) {
         for id in 0..self.bufs.len() {
             self.accumulator(id);

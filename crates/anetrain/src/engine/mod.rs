@@ -12,6 +12,8 @@
 pub mod generate;
 pub mod grads;
 
+use std::sync::Arc;
+
 use anyhow::{bail, Result};
 use linalg::{matmul, MatMut, MatRef};
 
@@ -41,6 +43,48 @@ fn overlapped<T>(
         }
         out
     })
+}
+
+/// A group of weight gradients of one layer's backward.
+type GradJob<'q> = Box<dyn FnOnce(&mut Grads) + Send + 'q>;
+
+/// Where a layer's weight gradients run: at once, on this thread (the
+/// CPU engine, whose kernels use every core), or queued for the worker
+/// thread that computes them beside a device's kernels, in order.
+enum GradQueue<'q> {
+    Inline,
+    Worker(std::sync::mpsc::Sender<GradJob<'q>>),
+}
+
+impl<'q> GradQueue<'q> {
+    /// Runs `job` on `grads` now, or queues it for the worker (which
+    /// holds the layer's projection gradients, see [`Grads::take`]).
+    fn push(&self, grads: &mut Grads, job: impl FnOnce(&mut Grads) + Send + 'q) {
+        match self {
+            GradQueue::Inline => job(grads),
+            GradQueue::Worker(tx) => {
+                // The worker only stops when the queue is dropped or a
+                // job panics; the panic is resumed where it is joined.
+                let _ = tx.send(Box::new(job));
+            }
+        }
+    }
+}
+
+/// The gradients a layer's weight-gradient jobs write: every projection's
+/// weight, or with LoRA its adapters.
+fn projection_grad_ids(model: &Model, layer: usize) -> Vec<usize> {
+    match &model.lora {
+        None => Projection::ALL
+            .iter()
+            .map(|t| t.base(&model.layers[layer]))
+            .collect(),
+        Some(l) => l.slots[layer]
+            .iter()
+            .flatten()
+            .flat_map(|ids| [ids.a, ids.b])
+            .collect(),
+    }
 }
 
 /// A kernel output kept for the backward: in f16 when every value is an
@@ -469,8 +513,39 @@ impl<R: KernelRunner> Engine<R> {
                 shape,
                 eps,
             };
-            self.ffn_backward(&c, &mut dx, grads, &mut scratch)?;
-            self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch)?;
+            if !self.runner.overlaps_host() {
+                let queue = GradQueue::Inline;
+                self.ffn_backward(&c, &mut dx, grads, &mut scratch, &queue)?;
+                self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)?;
+                continue;
+            }
+            // The layer's weight gradients on one worker thread, queued as
+            // their upstream gradients appear, beside every kernel of the
+            // layer's backward; joined when the layer ends (its
+            // activations, which they read, are dropped then).
+            let ids = projection_grad_ids(model, i);
+            let mut theirs = grads.take(&ids);
+            std::thread::scope(|s| {
+                let (tx, rx) = std::sync::mpsc::channel::<GradJob>();
+                let worker = s.spawn(move || {
+                    for job in rx {
+                        job(&mut theirs);
+                    }
+                    theirs
+                });
+                let queue = GradQueue::Worker(tx);
+                let mut layer = || -> Result<()> {
+                    self.ffn_backward(&c, &mut dx, grads, &mut scratch, &queue)?;
+                    self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)
+                };
+                let out = layer();
+                drop(queue);
+                match worker.join() {
+                    Ok(theirs) => grads.put_back(theirs, &ids),
+                    Err(panic) => std::panic::resume_unwind(panic),
+                }
+                out
+            })?;
         }
         if model.lora.is_some() {
             return Ok(()); // the embedding is frozen
@@ -488,42 +563,38 @@ impl<R: KernelRunner> Engine<R> {
     /// The FFN block backward, `dx` from the block's output to its input:
     ///   x' = x2 + α·W2·(silu(W1·x2n)·W3·x2n),  x2n = rmsnorm(x2)·w_ffn
     ///   dx2 = dx' + rmsnorm'(W1ᵀ·dh1 + W3ᵀ·dh3),  dh1, dh3 = swiglu'(W2ᵀ·α·dx')
-    /// Each group of weight gradients runs beside the kernel that needs the
-    /// same upstream gradient (on a worker thread when kernels run on a
-    /// device).
-    fn ffn_backward(
+    /// Each group of weight gradients goes to `queue` as soon as its
+    /// upstream gradient exists, before the kernel that needs the same
+    /// gradient (on a device, the worker runs it beside the kernels).
+    fn ffn_backward<'q>(
         &mut self,
-        c: &LayerCtx,
+        c: &'q LayerCtx<'q>,
         dx: &mut [f32],
         grads: &mut Grads,
         scratch: &mut Vec<f32>,
+        queue: &GradQueue<'q>,
     ) -> Result<()> {
-        let (a, overlap) = (c.acts, self.runner.overlaps_host());
+        let a = c.acts;
         let alpha = self.opts.residual_scale as f32;
-        let dffn: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-        let dgate = overlapped(
-            overlap,
-            || c.grad(grads, Projection::Down, &dffn, &a.gate.get()),
-            || {
-                let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
-                Ok(self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate)
-            },
-        )?;
+        let dffn: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
+        let dy = dffn.clone();
+        queue.push(grads, move |g| {
+            c.grad(g, Projection::Down, &dy, &c.acts.gate.get())
+        });
+        let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
+        let dgate = self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate;
         let (dh1, dh3) = maths::swiglu_backward(&a.h1.get(), &a.h3.get(), &dgate);
-        let dx2n = overlapped(
-            overlap,
-            || {
-                c.grad(grads, Projection::Gate, &dh1, &a.x2n);
-                c.grad(grads, Projection::Up, &dh3, &a.x2n);
-            },
-            || {
-                let acts = kernels::ffn_backward_w13::Acts {
-                    dh1: &dh1,
-                    dh3: &dh3,
-                };
-                Ok(self.run::<kernels::FfnBackwardW13>(c, &acts)?.dx)
-            },
-        )?;
+        let (dh1, dh3) = (Arc::new(dh1), Arc::new(dh3));
+        let (dy1, dy3) = (dh1.clone(), dh3.clone());
+        queue.push(grads, move |g| {
+            c.grad(g, Projection::Gate, &dy1, &c.acts.x2n);
+            c.grad(g, Projection::Up, &dy3, &c.acts.x2n);
+        });
+        let acts = kernels::ffn_backward_w13::Acts {
+            dh1: &dh1,
+            dh3: &dh3,
+        };
+        let dx2n = self.run::<kernels::FfnBackwardW13>(c, &acts)?.dx;
         let dnorm = c.norm_backward(&a.x2, c.ids.ffn_norm, &dx2n, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
         Ok(())
@@ -534,26 +605,25 @@ impl<R: KernelRunner> Engine<R> {
     ///   x2 = x + α·Wo·attn(q, k, v),  q = rope(qknorm(Wq·xn)), … ,  xn = rmsnorm(x)·w_attn
     ///   da = Woᵀ·α·dx2 → dq, dk, dv (two device kernels) → unrope, QK-norm'
     ///   dx = dx2 + rmsnorm'(Wqᵀ·dq + Wkᵀ·dk + Wvᵀ·dv)
-    fn attention_backward(
+    fn attention_backward<'q>(
         &mut self,
-        c: &LayerCtx,
+        c: &'q LayerCtx<'q>,
         (cos, sin): &(Vec<f32>, Vec<f32>),
         dx: &mut [f32],
         grads: &mut Grads,
         scratch: &mut Vec<f32>,
+        queue: &GradQueue<'q>,
     ) -> Result<()> {
-        let (a, overlap) = (c.acts, self.runner.overlaps_host());
+        let a = c.acts;
         let (hd, seq) = (c.shape.head_dim, c.shape.seq);
         let alpha = self.opts.residual_scale as f32;
-        let dout: Vec<f32> = dx.iter().map(|v| alpha * v).collect();
-        let da = overlapped(
-            overlap,
-            || c.grad(grads, Projection::O, &dout, &a.attn.get()),
-            || {
-                let acts = kernels::wo_backward::Acts { dy: &dout };
-                Ok(self.run::<kernels::WoBackward>(c, &acts)?.da)
-            },
-        )?;
+        let dout: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
+        let dy = dout.clone();
+        queue.push(grads, move |g| {
+            c.grad(g, Projection::O, &dy, &c.acts.attn.get())
+        });
+        let acts = kernels::wo_backward::Acts { dy: &dout };
+        let da = self.run::<kernels::WoBackward>(c, &acts)?.da;
         let (q_rope, k_rope) = (a.q_rope.get(), a.k_rope.get());
         let g = self.runner.attention_backward(
             c.model,
@@ -580,21 +650,18 @@ impl<R: KernelRunner> Engine<R> {
             let gk = base_grad(c.model, grads, kn, scratch);
             dk = maths::head_rms_norm_backward(&a.k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
         }
-        let (mut dxn, dxkv) = overlapped(
-            overlap,
-            || {
-                c.grad(grads, Projection::Q, &dq, &a.xn);
-                c.grad(grads, Projection::K, &dk, &a.xn);
-                c.grad(grads, Projection::V, &dv, &a.xn);
-            },
-            || {
-                let dxq =
-                    self.run::<kernels::QBackward>(c, &kernels::q_backward::Acts { dq: &dq })?;
-                let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
-                let dxkv = self.run::<kernels::KvBackward>(c, &acts)?;
-                Ok((dxq.dx, dxkv.dx))
-            },
-        )?;
+        let (dq, dk, dv) = (Arc::new(dq), Arc::new(dk), Arc::new(dv));
+        let (gq, gk, gv) = (dq.clone(), dk.clone(), dv.clone());
+        queue.push(grads, move |g| {
+            c.grad(g, Projection::Q, &gq, &c.acts.xn);
+            c.grad(g, Projection::K, &gk, &c.acts.xn);
+            c.grad(g, Projection::V, &gv, &c.acts.xn);
+        });
+        let mut dxn = self
+            .run::<kernels::QBackward>(c, &kernels::q_backward::Acts { dq: &dq })?
+            .dx;
+        let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
+        let dxkv = self.run::<kernels::KvBackward>(c, &acts)?.dx;
         add_scaled(&mut dxn, &dxkv, 1.0);
         let dnorm = c.norm_backward(&a.x, c.ids.attn_norm, &dxn, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);

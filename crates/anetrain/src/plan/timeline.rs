@@ -4,8 +4,10 @@
 //!
 //!   evaluation = stage activations (+ weights when streamed) → dispatch →
 //!                compute → read outputs, all on the calling thread
-//!   overlap    = weight gradients on the worker beside the kernel that
-//!                needs the same upstream gradient: max(kernel, gradients)
+//!   overlap    = a layer's weight gradients queued on the worker as their
+//!                upstream gradients appear, beside the rest of the layer's
+//!                kernels; the layer waits for the queue at its end (the
+//!                LM head's: beside each chunk's backward)
 //!
 //! The schedule is `Engine::forward`/`backward` and `head_loss` as they run
 //! (see `engine`): per layer the attention and FFN kernels, the LM head's
@@ -152,6 +154,35 @@ impl Clock {
         self.staging += n * other.staging;
         self.host += n * other.host;
         self.evaluations += n as usize * other.evaluations;
+    }
+}
+
+/// A layer's backward with its weight gradients on the worker (engine
+/// `GradQueue`): a job starts when it is queued or when the worker is
+/// done with the one before, whichever is later; the layer ends when
+/// both its kernels and the worker are done.
+#[derive(Default)]
+struct Queued {
+    main: Clock,
+    worker_done: f64,
+}
+
+impl Queued {
+    /// Queues `ms` of weight gradients now.
+    fn job(&mut self, ms: f64) {
+        let start = self.main.total().max(self.worker_done);
+        self.worker_done = start + ms;
+    }
+
+    /// The layer's own thread does `c`.
+    fn then(&mut self, c: &Clock) {
+        self.main.add(c, 1.0);
+    }
+
+    /// The layer, waiting for the worker at its end.
+    fn end(mut self) -> Clock {
+        self.main.host += (self.worker_done - self.main.total()).max(0.0);
+        self.main
     }
 }
 
@@ -323,40 +354,38 @@ pub fn predict(
     forward.add(&p.run(FfnForward), 1.0);
 
     // One layer's backward (engine `ffn_backward`, `attention_backward`):
-    // each kernel beside the weight gradients of the same upstream gradient.
+    // each group of weight gradients queued on the worker when its
+    // upstream gradient exists, the kernels going on beside the queue.
     let mut backward = Clock::default();
     if setup.grad_checkpoint {
         backward.add(&forward, 1.0);
     }
-    let seed_queue = seed.is_some();
-    let beside = |kinds: &[KernelKind], g: f64| match seed_queue {
-        // The seed queues every weight gradient on one serial queue for
-        // the whole backward (counted after the layers).
-        true => p.beside(kinds, 0.0),
-        false => p.beside(kinds, g),
+    // The seed queues every weight gradient on one serial queue for the
+    // whole backward (counted after the layers).
+    let job = |ps: &[Projection]| match seed {
+        Some(_) => 0.0,
+        None => rates.host_gemm_ms(grad(ps)),
     };
-    backward.add(&p.host_passes(d * s), 1.0);
-    backward.add(&beside(&[FfnBackwardW2], grad(&[Projection::Down])), 1.0);
-    backward.add(&p.host_passes(5.0 * h * s), 1.0);
-    backward.add(
-        &beside(&[FfnBackwardW13], grad(&[Projection::Gate, Projection::Up])),
-        1.0,
-    );
-    backward.add(&p.host_passes(6.0 * d * s), 1.0);
-    backward.add(&beside(&[WoBackward], grad(&[Projection::O])), 1.0);
+    let mut layer = Queued::default();
+    layer.then(&p.host_passes(d * s));
+    layer.job(job(&[Projection::Down]));
+    layer.then(&p.run(FfnBackwardW2));
+    layer.then(&p.host_passes(5.0 * h * s));
+    layer.job(job(&[Projection::Gate, Projection::Up]));
+    layer.then(&p.run(FfnBackwardW13));
+    layer.then(&p.host_passes(6.0 * d * s));
+    layer.job(job(&[Projection::O]));
+    layer.then(&p.run(WoBackward));
     // The pair, or the fused program: the plan runs one of them.
-    backward.add(&p.run(SdpaBackward1), 1.0);
-    backward.add(&p.run(SdpaBackward2), 1.0);
-    backward.add(&p.run(SdpaBackward), 1.0);
-    backward.add(&p.host_passes(4.0 * qkv * s), 1.0);
-    backward.add(
-        &beside(
-            &[QBackward, KvBackward],
-            grad(&[Projection::Q, Projection::K, Projection::V]),
-        ),
-        1.0,
-    );
-    backward.add(&p.host_passes(6.0 * d * s), 1.0);
+    layer.then(&p.run(SdpaBackward1));
+    layer.then(&p.run(SdpaBackward2));
+    layer.then(&p.run(SdpaBackward));
+    layer.then(&p.host_passes(4.0 * qkv * s));
+    layer.job(job(&[Projection::Q, Projection::K, Projection::V]));
+    layer.then(&p.run(QBackward));
+    layer.then(&p.run(KvBackward));
+    layer.then(&p.host_passes(6.0 * d * s));
+    backward.add(&layer.end(), 1.0);
 
     let layers = cfg.num_hidden_layers as f64;
     let full = lora.is_none();
@@ -779,6 +808,30 @@ pub fn validate() -> anyhow::Result<Vec<Validation>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A queued job starts when it is queued or when the worker is free,
+    /// and the layer waits for the last: jobs of 5 and 20 ms queued
+    /// before kernels of 10 and 5 ms end at 30 ms (10 + 20), not 35
+    /// (each kernel beside its own job: max(10, 5) + max(5, 20)).
+    #[test]
+    fn queued_weight_gradients_overlap_every_later_kernel() {
+        let kernel = |ms| Clock {
+            device: ms,
+            ..Clock::default()
+        };
+        let mut q = Queued::default();
+        q.job(5.0);
+        q.then(&kernel(10.0));
+        q.job(20.0);
+        q.then(&kernel(5.0));
+        let c = q.end();
+        assert_eq!((c.device, c.host, c.total()), (15.0, 15.0, 30.0));
+        // A worker with nothing left adds nothing.
+        let mut q = Queued::default();
+        q.job(5.0);
+        q.then(&kernel(10.0));
+        assert_eq!(q.end().total(), 10.0);
+    }
 
     /// The timeline plays the evaluations the work count has, full and
     /// LoRA (whose frozen head runs each chunk's forward once), with

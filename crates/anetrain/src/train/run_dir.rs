@@ -233,12 +233,21 @@ pub(super) fn remove_fresh_run() -> bool {
 mod tests {
     use super::*;
 
+    /// [`FRESH_RUN`] is the process's: tests that create run directories
+    /// take turns, or one's removal could take the other's directory.
+    static FRESH_RUN_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+        FRESH_RUN_TESTS.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A default name another run has taken gets a suffix; a directory
     /// another process holds is refused in one line naming its pid and
     /// left in place; a created directory is removed with only the parents
     /// left empty.
     #[test]
     fn run_directories_are_claimed_once() {
+        let _turn = one_at_a_time();
         let d = tempfile::tempdir().unwrap();
         let base = d.path().join("runs/tiny-20261206-031500");
         let (a, _made_a, _lock_a) = claim(&base, true, false).unwrap();
@@ -263,6 +272,7 @@ mod tests {
     /// them once one does, and touches nothing when no run is fresh.
     #[test]
     fn abandoning_a_fresh_run_removes_only_what_holds_no_checkpoint() {
+        let _turn = one_at_a_time();
         let root = tempfile::tempdir().unwrap();
         let dir = root.path().join("runs/a");
         let run = NewRunDir::create(&dir).unwrap();
