@@ -87,6 +87,10 @@ pub const FITTED: Fitted = Fitted {
     host_ms_per_eval: 0.222,
 };
 
+/// The name [`Rates::unmeasured`] gives the scratch share (assumed, on
+/// every family, until `doctor` measures it).
+pub const SCRATCH_SHARE: &str = "scratch share";
+
 /// Numbers fitted to whole-step measurements rather than measured alone.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fitted {
@@ -117,6 +121,13 @@ pub struct Rates {
     pub on_chip_bytes: f64,
     /// Past `on_chip_bytes`, the rate falls as (bytes / on_chip)^-this.
     pub cliff_exponent: f64,
+    /// The share of a program's intermediate matrices (its scratch, such
+    /// as the fused attention backward's P, dP and dS) counted in its
+    /// working set beside its surfaces. No source measures whether the
+    /// compiler keeps them on chip: the table assumes they all count (1,
+    /// the slower prediction), and `doctor`'s scratch probe measures it
+    /// ([`Measured::scratch`]).
+    pub scratch_share: f64,
     /// Host copy into or out of a surface (GB/s), and host elementwise
     /// passes over f32 activations (norms, softmax, AdamW).
     pub copy_gbs: f64,
@@ -141,6 +152,24 @@ pub struct Measured {
     pub write_gbs: f64,
     /// Compiling and loading one program (ms).
     pub compile_ms: f64,
+    /// A program whose intermediate matrices are far larger than its
+    /// surfaces, timed (absent in profiles of older builds).
+    #[serde(default)]
+    pub scratch: Option<ScratchTiming>,
+}
+
+/// One timed evaluation of a program with large intermediates
+/// (`timing::scratch_chain`): what [`Rates::with_measured`] reads the
+/// scratch share from.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScratchTiming {
+    pub flop: f64,
+    /// Bytes of its input and output surfaces.
+    pub surface_bytes: f64,
+    /// Bytes of its intermediate matrices.
+    pub scratch_bytes: f64,
+    /// Median evaluation, dispatch included (ms).
+    pub ms: f64,
 }
 
 /// One evaluation's cost, split as the timeline reports it.
@@ -166,6 +195,7 @@ impl Rates {
         if family == Family::M2 {
             unmeasured.push("compile");
         }
+        unmeasured.push(SCRATCH_SHARE);
         let dispatch_ms = match family {
             Family::M1 | Family::M2 | Family::M3 => 0.23,
             Family::M4 => 0.095,
@@ -195,6 +225,7 @@ impl Rates {
                 _ => 2.0e6,
             },
             cliff_exponent: 0.6,
+            scratch_share: 1.0,
             // 2560×2560 fp16 weights (13.1 MB) copied into a surface in
             // 0.27 ms (apple-neural-engine-field-guide README, measured on
             // an M3 Max; no other family is published).
@@ -238,7 +269,43 @@ impl Rates {
         self.copy_gbs = m.write_gbs;
         self.compile_ms = m.compile_ms;
         self.unmeasured.clear();
+        match &m.scratch {
+            Some(p) => self.scratch_share = self.scratch_share_of(p),
+            // A profile from before the scratch probe.
+            None => self.unmeasured.push(SCRATCH_SHARE),
+        }
         self
+    }
+
+    /// The scratch share in [0, 1] for which the model gives the probe's
+    /// measured time (0 where it ran no slower than its surfaces alone
+    /// predict, 1 where it ran as slowly as all its scratch counting or
+    /// slower); by bisection, the time growing with the share.
+    fn scratch_share_of(&self, p: &ScratchTiming) -> f64 {
+        let at = |share: f64| {
+            let r = Rates {
+                scratch_share: share,
+                ..self.clone()
+            };
+            r.dispatch_ms
+                + r.evaluation_of(p.flop, p.surface_bytes, p.scratch_bytes)
+                    .device_ms
+        };
+        if p.ms <= at(0.0) {
+            return 0.0;
+        }
+        if p.ms >= at(1.0) {
+            return 1.0;
+        }
+        let (mut lo, mut hi) = (0.0, 1.0);
+        for _ in 0..50 {
+            let mid = 0.5 * (lo + hi);
+            match at(mid) < p.ms {
+                true => lo = mid,
+                false => hi = mid,
+            }
+        }
+        0.5 * (lo + hi)
     }
 
     /// Milliseconds of a compiled GEMM's compute for `flop` (dispatch
@@ -247,6 +314,14 @@ impl Rates {
         let n = (flop / 2.0).cbrt();
         let rate = rate_at(self.ane_gemm, n, self.gemm_dispatch_ms) * self.ane_scale;
         flop / rate
+    }
+
+    /// One evaluation of a dynamic-weight program of `flop` whose surfaces
+    /// hold `surface_bytes` and whose intermediate matrices hold
+    /// `scratch_bytes` ([`Rates::scratch_share`] of them counted beside
+    /// the surfaces).
+    pub fn evaluation_of(&self, flop: f64, surface_bytes: f64, scratch_bytes: f64) -> EvalCost {
+        self.evaluation(flop, surface_bytes + self.scratch_share * scratch_bytes)
     }
 
     /// One evaluation of a dynamic-weight program of `flop` whose input and
@@ -340,7 +415,9 @@ mod tests {
     #[test]
     fn unmeasured_families_say_so_and_are_no_faster_than_the_slowest_measured() {
         let (m1, m2) = (Rates::of(Family::M1), Rates::of(Family::M2));
-        assert!(m1.unmeasured.is_empty() && !m2.unmeasured.is_empty());
+        // Every family assumes the scratch share; the M2 takes more.
+        assert_eq!(m1.unmeasured, [SCRATCH_SHARE]);
+        assert!(m2.unmeasured.len() > 1 && m2.unmeasured.contains(&SCRATCH_SHARE));
         let f = 1e10;
         assert!(m2.compiled_ms(f) >= m1.compiled_ms(f));
         assert!(m2.dispatch_ms >= m1.dispatch_ms);
@@ -356,10 +433,56 @@ mod tests {
             matmuls: vec![(f, 0.2 + 2.0 * m4.compiled_ms(f))],
             write_gbs: 10.0,
             compile_ms: 40.0,
+            scratch: None,
         };
         let r = m4.clone().with_measured(&m);
         assert!((r.fitted.dynamic_efficiency - 0.5).abs() < 1e-12);
         assert_eq!((r.dispatch_ms, r.copy_gbs, r.compile_ms), (0.2, 10.0, 40.0));
         assert!((r.copy_ms(1e7) - 1.0).abs() < 1e-12);
+        assert_eq!(r.scratch_share, 1.0, "no probe: the table's assumption");
+        assert_eq!(r.unmeasured, [SCRATCH_SHARE]);
+    }
+
+    /// The scratch probe's time gives back the share that predicts it:
+    /// a time made with a quarter of the scratch counting reads as 0.25;
+    /// one as fast as the surfaces alone as 0; one slower than all of it
+    /// counting as 1. Its 64 MB of scratch (doctor's shape) moves the M4's
+    /// prediction by more than 2×, so one run tells the cases apart.
+    #[test]
+    fn the_scratch_probe_measures_the_share_of_scratch_that_counts() {
+        let m4 = Rates::of(Family::M4);
+        // doctor's probe: d 128, 4096 × 4096 scores and probabilities.
+        let (d, n) = (128.0, 4096.0);
+        let (flop, surfaces, scratch) = (4.0 * n * n * d, 2.0 * d * 3.0 * n, 2.0 * 2.0 * n * n);
+        let time = |share: f64| {
+            let r = Rates {
+                scratch_share: share,
+                ..m4.clone()
+            };
+            r.dispatch_ms + r.evaluation_of(flop, surfaces, scratch).device_ms
+        };
+        assert!(
+            time(1.0) > 2.0 * time(0.0),
+            "{} vs {}",
+            time(1.0),
+            time(0.0)
+        );
+        let probe = |ms| Measured {
+            dispatch_ms: m4.dispatch_ms,
+            matmuls: vec![],
+            write_gbs: m4.copy_gbs,
+            compile_ms: m4.compile_ms,
+            scratch: Some(ScratchTiming {
+                flop,
+                surface_bytes: surfaces,
+                scratch_bytes: scratch,
+                ms,
+            }),
+        };
+        assert!(m4.clone().with_measured(&probe(1.0)).unmeasured.is_empty());
+        let share = |ms| m4.clone().with_measured(&probe(ms)).scratch_share;
+        assert!((share(time(0.25)) - 0.25).abs() < 1e-9);
+        assert_eq!(share(0.9 * time(0.0)), 0.0);
+        assert_eq!(share(1.5 * time(1.0)), 1.0);
     }
 }

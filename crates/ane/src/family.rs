@@ -511,12 +511,23 @@ mod tests {
                 matmuls: vec![(1e9, 0.5), (2e9, 0.9)],
                 write_gbs: 30.0,
                 compile_ms: 45.0,
+                scratch: Some(crate::cost::ScratchTiming {
+                    flop: 8.6e9,
+                    surface_bytes: 3.1e6,
+                    scratch_bytes: 6.7e7,
+                    ms: 4.5,
+                }),
             }),
         };
         save(&p, &path).unwrap();
         assert_eq!(load_saved(&path).unwrap(), Some(p.clone()));
-        // A profile of an older build, without timing, still reads.
+        // Profiles of older builds, without the scratch probe or without
+        // timing, still read.
         let mut old = serde_json::to_value(&p).unwrap();
+        old["timing"].as_object_mut().unwrap().remove("scratch");
+        std::fs::write(&path, old.to_string()).unwrap();
+        let timing = load_saved(&path).unwrap().unwrap().timing.unwrap();
+        assert_eq!((timing.scratch, timing.compile_ms), (None, 45.0));
         old.as_object_mut().unwrap().remove("timing");
         std::fs::write(&path, old.to_string()).unwrap();
         assert_eq!(load_saved(&path).unwrap().unwrap().timing, None);

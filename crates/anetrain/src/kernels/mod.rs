@@ -234,6 +234,10 @@ pub struct KernelOptions {
     /// among the tilings that pass the rules within the cap: the family
     /// in force, else the M1 (the slowest measured row).
     pub cost_family: ane::family::Family,
+    /// What `anetrain doctor` measured on this machine's engine (its
+    /// profile's family and timing): used in place of the table's rates
+    /// when `cost_family` is that family ([`KernelOptions::cost_rates`]).
+    pub cost_measured: Option<(ane::family::Family, ane::cost::Measured)>,
     /// Run a tiled attention backward as the fused `sdpa_backward` (P and
     /// dP kept on the device) where the cost model predicts it faster
     /// than the pair; off, `sdpa_backward1`/`sdpa_backward2` always run
@@ -334,6 +338,10 @@ impl KernelOptions {
     /// Hugging Face semantics for `cfg`.
     pub fn hf(cfg: &ModelConfig) -> KernelOptions {
         let profile = ane::family::Profile::in_force();
+        let measured = profile
+            .as_ref()
+            .ok()
+            .and_then(|p| p.family.zip(p.timing.clone()));
         KernelOptions {
             rope: Rope::HalfSplit,
             rope_theta: cfg.rope_theta,
@@ -352,8 +360,20 @@ impl KernelOptions {
                 .ok()
                 .and_then(|p| p.family)
                 .unwrap_or(ane::family::Family::M1),
+            cost_measured: measured,
             // A bad value stops the CLI before any command (`main`).
             fuse_attention_backward: tiling::fuse_attention_backward_from_env().unwrap_or(true),
+        }
+    }
+
+    /// The rates plans are chosen by: `cost_family`'s row of the table,
+    /// with what `doctor` measured on this chip in its place when the
+    /// chip is of that family.
+    pub fn cost_rates(&self) -> ane::cost::Rates {
+        let table = ane::cost::Rates::of(self.cost_family);
+        match &self.cost_measured {
+            Some((f, m)) if *f == self.cost_family => table.with_measured(m),
+            _ => table,
         }
     }
 
@@ -421,6 +441,7 @@ impl KernelOptions {
             max_tile_bytes: None,
             // Untiled: nothing to choose.
             cost_family: ane::family::Family::M4,
+            cost_measured: None,
             // The seed's six programs per multi-head layer, its ten otherwise.
             fuse_attention_backward: false,
         }

@@ -480,7 +480,13 @@ pub fn predict(
         compile_ms: programs as f64 * rates.compile_ms,
         dominant,
         passes,
-        unmeasured: rates.unmeasured.clone(),
+        // The scratch share matters only to a plan that keeps scratch.
+        unmeasured: rates
+            .unmeasured
+            .iter()
+            .copied()
+            .filter(|&u| u != ane::cost::SCRATCH_SHARE || plan.used().any(|k| k.scratch_bytes > 0))
+            .collect(),
     }
 }
 
@@ -809,6 +815,59 @@ pub fn validate() -> anyhow::Result<Vec<Validation>> {
 mod tests {
     use super::*;
 
+    /// What `doctor` measured on an M4 chooses the M4's plans too: a
+    /// scratch probe that ran as fast as its surfaces alone predict (no
+    /// intermediate slowing it) gives a share of 0, and the plan for
+    /// Qwen3-0.6B at 4096 tokens, chosen and played with it, is faster
+    /// than the table's; other families keep the table.
+    #[test]
+    fn a_measured_scratch_share_chooses_and_costs_the_plan() {
+        use crate::kernels::{tiling, KernelOptions, Shape};
+        use ane::family::Family;
+        let table = Rates::of(Family::M4);
+        let (flop, surfaces, scratch) = (8.6e9, 3.1e6, 6.7e7);
+        let measured = ane::cost::Measured {
+            dispatch_ms: table.dispatch_ms,
+            matmuls: vec![],
+            write_gbs: table.copy_gbs,
+            compile_ms: table.compile_ms,
+            scratch: Some(ane::cost::ScratchTiming {
+                flop,
+                surface_bytes: surfaces,
+                scratch_bytes: scratch,
+                ms: table.dispatch_ms + table.evaluation(flop, surfaces).device_ms,
+            }),
+        };
+        let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
+        let step = |measured: Option<ane::cost::Measured>, family: Family| {
+            let mut o = KernelOptions::hf(&cfg);
+            (o.cost_family, o.limits) = (family, family.limits());
+            o.cost_measured = measured.map(|m| (Family::M4, m));
+            let rates = o.cost_rates();
+            let plan = tiling::plan(&Shape::new(&cfg, 4096), &o).unwrap();
+            let setup = StepSetup {
+                seq: 4096,
+                batch: 1,
+                lora: None,
+                grad_checkpoint: true,
+                buffers: DeviceBuffers::Persistent,
+                reference_forwards: 0,
+            };
+            (
+                rates.scratch_share,
+                predict(&cfg, &plan, &setup, &rates, None).step_ms,
+            )
+        };
+        let (share, with_table) = step(None, Family::M4);
+        let (measured_share, with_measured) = step(Some(measured.clone()), Family::M4);
+        assert_eq!((share, measured_share), (1.0, 0.0));
+        assert!(
+            with_measured < 0.9 * with_table,
+            "{with_measured} vs {with_table}"
+        );
+        assert_eq!(step(Some(measured), Family::M5), step(None, Family::M5));
+    }
+
     /// A queued job starts when it is queued or when the worker is free,
     /// and the layer waits for the last: jobs of 5 and 20 ms queued
     /// before kernels of 10 and 5 ms end at 30 ms (10 + 20), not 35
@@ -880,6 +939,7 @@ mod tests {
             matmuls: vec![],
             write_gbs: 5.0,
             compile_ms: 10.0,
+            scratch: None,
         });
         let (m4, m5) = (rates_for(Family::M4, &p), rates_for(Family::M5, &p));
         assert_eq!((m4.dispatch_ms, m4.copy_gbs), (0.5, 5.0));

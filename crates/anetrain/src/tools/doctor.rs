@@ -134,6 +134,9 @@ pub struct TimingRow {
     pub dynamic_efficiency: f64,
     pub write_gbs: f64,
     pub compile_ms: f64,
+    /// The share of a program's intermediate matrices that slows it as
+    /// surfaces would (the table assumes all; see `ane::cost::Rates`).
+    pub scratch_share: f64,
 }
 
 impl TimingRow {
@@ -143,11 +146,12 @@ impl TimingRow {
             dynamic_efficiency: r.fitted.dynamic_efficiency,
             write_gbs: r.copy_gbs,
             compile_ms: r.compile_ms,
+            scratch_share: r.scratch_share,
         }
     }
 }
 
-/// The timing probes on the Neural Engine (within their own three
+/// The timing probes on the Neural Engine (within their own four
 /// compiles), beside the table's row for `family`; on any other device,
 /// the table alone and a line saying nothing was measured.
 fn measure_timing(
@@ -170,14 +174,22 @@ fn measure_timing(
     }
     let measured = ane::AneDevice::open()
         .map_err(|e| e.to_string())
-        .and_then(|mut d| ane::timing::measure(&mut d, 50, &ane::timing::MATMUL_SHAPES));
+        .and_then(|mut d| {
+            ane::timing::measure(
+                &mut d,
+                50,
+                &ane::timing::MATMUL_SHAPES,
+                ane::timing::SCRATCH_SHAPE,
+            )
+        });
     match measured {
         Ok(m) => {
             let row = TimingRow::of(&table.clone().with_measured(&m));
             progress(&format!(
-                "timing dispatch {:.3} ms (table {:.3}), η {:.2} (table {:.2}), writes {:.1} GB/s (table {:.1}), compile {:.0} ms (table {:.0})",
+                "timing dispatch {:.3} ms (table {:.3}), η {:.2} (table {:.2}), writes {:.1} GB/s (table {:.1}), compile {:.0} ms (table {:.0}), scratch share {:.2} (table {:.2}, assumed)",
                 row.dispatch_ms, t.table.dispatch_ms, row.dynamic_efficiency, t.table.dynamic_efficiency,
-                row.write_gbs, t.table.write_gbs, row.compile_ms, t.table.compile_ms
+                row.write_gbs, t.table.write_gbs, row.compile_ms, t.table.compile_ms,
+                row.scratch_share, t.table.scratch_share
             ));
             t.measured = Some(row);
             t.note =
@@ -770,7 +782,7 @@ impl Report {
             t.note
         );
         type Get = fn(&TimingRow) -> f64;
-        let rows: [(&str, Get, usize); 4] = [
+        let rows: [(&str, Get, usize); 5] = [
             ("dispatch per evaluation (ms)", |r| r.dispatch_ms, 3),
             (
                 "η, dynamic-weight matmul / compiled GEMM",
@@ -779,6 +791,11 @@ impl Report {
             ),
             ("surface writes (GB/s)", |r| r.write_gbs, 1),
             ("compile per program (ms)", |r| r.compile_ms, 0),
+            (
+                "scratch share (intermediates counted as surfaces; table: assumed)",
+                |r| r.scratch_share,
+                2,
+            ),
         ];
         for (name, get, p) in rows {
             let _ = writeln!(

@@ -420,7 +420,7 @@ impl KernelTiles {
             true => inp,
             false => inp - self.weight_bytes,
         };
-        let e = rates.evaluation(self.flop, (inp + out + self.scratch_bytes) as f64);
+        let e = rates.evaluation_of(self.flop, (inp + out) as f64, self.scratch_bytes as f64);
         let n = self.tiles as f64;
         TileCost {
             dispatch_ms: n * e.dispatch_ms,

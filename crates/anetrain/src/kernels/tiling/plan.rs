@@ -63,7 +63,7 @@ pub(super) fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> V
 /// Plans every kernel: among the equal tilings whose program passes every
 /// rule the device's limits `o.limits` imply ([`ane::rules::RuleSet::for_limits`]:
 /// per-axis caps, contraction multiples, …) with surfaces within
-/// `o.max_tile_bytes`, the one predicted fastest on `o.cost_family`
+/// `o.max_tile_bytes`, the one predicted fastest on `o.cost_rates()`
 /// (compared from the fewest tiles up, see [`CHOICE_SPAN`]); failing the size, the passing tiling with the
 /// smallest largest surface; failing the rules, the fewest tiles that at
 /// least fit the axis caps. The LM head's kernels are planned with its
@@ -100,7 +100,7 @@ pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
 
 /// The fused attention backward where the pair is tiled, the fused tiling
 /// passes every rule within the cap, and the cost model predicts it faster
-/// than the pair (on `o.cost_family`, every tile staged); else the pair.
+/// than the pair (on `o.cost_rates()`, every tile staged); else the pair.
 /// Untiled layers keep the pair (the programs of a whole layer, as the
 /// seed has them).
 fn attention_backward(kernels: &[(KernelTiles, Fit)], o: &KernelOptions) -> AttentionBackward {
@@ -112,7 +112,7 @@ fn attention_backward(kernels: &[(KernelTiles, Fit)], o: &KernelOptions) -> Atte
     ) else {
         return AttentionBackward::Pair;
     };
-    let rates = ane::cost::Rates::of(o.cost_family);
+    let rates = o.cost_rates();
     let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
     match o.fuse_attention_backward
         && b1.0.tiles > 1
@@ -191,7 +191,7 @@ pub fn plan_head(
                 // forward (twice over several chunks when the head trains,
                 // once when LoRA freezes it) and its backward (see
                 // `Plan::head_work`).
-                let rates = ane::cost::Rates::of(o.cost_family);
+                let rates = o.cost_rates();
                 let pass = HeadPass::gradient(o.lora.is_none());
                 let forwards = match pass == HeadPass::Gradient && found.0.chunks > 1 {
                     true => 2.0,
@@ -270,10 +270,10 @@ const CHOICE_COUNT: usize = 12;
 /// four times as many of them).
 const CAUSAL_CHOICE_SPAN: usize = 32;
 
-/// The tiling predicted fastest on `o.cost_family` (every tile staged,
+/// The tiling predicted fastest on `o.cost_rates()` (every tile staged,
 /// as streamed buffers do); the fewest tiles among equals.
 fn cheapest(tilings: Vec<KernelTiles>, o: &KernelOptions) -> Option<KernelTiles> {
-    let rates = ane::cost::Rates::of(o.cost_family);
+    let rates = o.cost_rates();
     let cost = |t: &KernelTiles| t.predicted(&rates, true).total();
     tilings
         .into_iter()
