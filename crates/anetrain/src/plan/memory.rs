@@ -362,7 +362,9 @@ fn resident_parts(r: &PlanRequest) -> Vec<Part> {
 fn transient_parts(r: &PlanRequest, plan: Option<&tiling::Plan>) -> Vec<Part> {
     let cfg = r.cfg;
     let (d, v, s) = (cfg.hidden_size as u64, cfg.vocab_size as u64, r.seq as u64);
-    // A layer's backward: upstream gradients of every width, and the
+    // A layer's backward: upstream gradients of every width (one of each
+    // alive at once, as when the weight-gradient queue still holds the
+    // FFN's while the attention's exist: `engine::GradQueue`), and the
     // attention probabilities and their gradient [heads·S, S] in f32: whole
     // on the CPU; on a device whose two attention-backward kernels share
     // their tiles, one tile's block at a time, handed from one kernel's
