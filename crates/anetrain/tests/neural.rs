@@ -107,6 +107,56 @@ impl KernelRunner for OffHost {
     }
 }
 
+/// The CPU twins behind a runner that runs off the host and fails at
+/// `wo_backward`, as a device error would, mid-layer.
+struct FailsAtWo(CpuKernels);
+
+impl KernelRunner for FailsAtWo {
+    fn run<K: Kernel>(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> anyhow::Result<K::Out> {
+        if K::KIND == KernelKind::WoBackward {
+            anyhow::bail!("wo_backward: the device failed");
+        }
+        self.0.run::<K>(model, layer, shape, dropout, acts)
+    }
+
+    fn head_chunks(
+        &mut self,
+        model: &Model,
+        seq: usize,
+    ) -> anyhow::Result<anetrain::kernels::tiling::HeadChunks> {
+        self.0.head_chunks(model, seq)
+    }
+
+    fn overlaps_host(&self) -> bool {
+        true
+    }
+}
+
+/// A kernel failing while the worker holds the layer's weight gradients
+/// (after the FFN's were queued) returns the device's error, and the
+/// gradients are all back, each its full size.
+#[test]
+fn a_device_error_mid_layer_returns_the_queued_gradients() {
+    let model = Model::load(&fixture("qwen3").join("model")).unwrap();
+    let rows = vec![(0..17).map(|i| (i * 29 % 90) as u32).collect::<Vec<u32>>()];
+    let opts = Engine::cpu(&model).opts.clone();
+    let mut eng = Engine::with_runner(FailsAtWo(CpuKernels::new(opts.clone())), opts);
+    let mut g = zero_grads(&model);
+    let e = common::batch_loss(&mut eng, &model, &rows, Some(&mut g)).unwrap_err();
+    assert!(format!("{e:#}").contains("the device failed"), "{e:#}");
+    g.finish();
+    for (p, buf) in model.trainable().iter().zip(g.iter()) {
+        assert_eq!(buf.len(), p.data.len(), "{}", p.name);
+    }
+}
+
 /// A layer's weight gradients queued on the worker thread (full and
 /// LoRA: the worker holds the projections' or the adapters' gradients
 /// for the layer) are the inline ones, bit for bit.
