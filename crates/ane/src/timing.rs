@@ -55,8 +55,9 @@ fn text(
 /// `y [N, S] = Wᵀ·x` with `x [K, S]` in the input's first `S` columns and
 /// `W [K, N]` in the next `N`, as the kernels pack dynamic weights: the
 /// input viewed as `[1, K, (S+N)/32, 32]` and cut along axis 2, so no
-/// slice begins at a width offset (M1–M3 crop those, see the kernels'
-/// `Gen::region`). `S` and `N` are multiples of 32.
+/// slice begins at a width offset (M1–M3 compute those through a crop
+/// that saturates |v| > 4094: ANEForge `docs/numeric-cliffs.md`; the
+/// kernels' `Gen::region` does the same). `S` and `N` are multiples of 32.
 fn dynamic_matmul(k: usize, n: usize, s: usize) -> String {
     text([1, k, 1, s + n], |b, x| {
         let (k, n, s) = (k as i64, n as i64, s as i64);
