@@ -78,8 +78,24 @@ fn ane_sim_gradients_track_the_cpu_engine_and_restage_after_updates() {
 }
 
 /// The CPU twins behind a runner that claims to run off the host, so the
-/// engine takes its overlapped path (weight gradients on a worker thread).
-struct OffHost(CpuKernels, std::collections::HashSet<std::thread::ThreadId>);
+/// engine takes its overlapped path (weight gradients on a worker thread):
+/// the threads its kernels ran on, and a kernel that fails, as a device
+/// error would, if any.
+struct OffHost {
+    cpu: CpuKernels,
+    threads: std::collections::HashSet<std::thread::ThreadId>,
+    fails: Option<KernelKind>,
+}
+
+impl OffHost {
+    fn new(opts: anetrain::kernels::KernelOptions, fails: Option<KernelKind>) -> OffHost {
+        OffHost {
+            cpu: CpuKernels::new(opts),
+            threads: Default::default(),
+            fails,
+        }
+    }
+}
 
 impl KernelRunner for OffHost {
     fn run<K: Kernel>(
@@ -90,40 +106,11 @@ impl KernelRunner for OffHost {
         dropout: &Dropout,
         acts: &K::Acts<'_>,
     ) -> anyhow::Result<K::Out> {
-        self.1.insert(std::thread::current().id());
-        self.0.run::<K>(model, layer, shape, dropout, acts)
-    }
-
-    fn head_chunks(
-        &mut self,
-        model: &Model,
-        seq: usize,
-    ) -> anyhow::Result<anetrain::kernels::tiling::HeadChunks> {
-        self.0.head_chunks(model, seq)
-    }
-
-    fn overlaps_host(&self) -> bool {
-        true
-    }
-}
-
-/// The CPU twins behind a runner that runs off the host and fails at
-/// `wo_backward`, as a device error would, mid-layer.
-struct FailsAtWo(CpuKernels);
-
-impl KernelRunner for FailsAtWo {
-    fn run<K: Kernel>(
-        &mut self,
-        model: &Model,
-        layer: usize,
-        shape: &Shape,
-        dropout: &Dropout,
-        acts: &K::Acts<'_>,
-    ) -> anyhow::Result<K::Out> {
-        if K::KIND == KernelKind::WoBackward {
-            anyhow::bail!("wo_backward: the device failed");
+        if self.fails == Some(K::KIND) {
+            anyhow::bail!("{}: the device failed", K::KIND.name());
         }
-        self.0.run::<K>(model, layer, shape, dropout, acts)
+        self.threads.insert(std::thread::current().id());
+        self.cpu.run::<K>(model, layer, shape, dropout, acts)
     }
 
     fn head_chunks(
@@ -131,7 +118,7 @@ impl KernelRunner for FailsAtWo {
         model: &Model,
         seq: usize,
     ) -> anyhow::Result<anetrain::kernels::tiling::HeadChunks> {
-        self.0.head_chunks(model, seq)
+        self.cpu.head_chunks(model, seq)
     }
 
     fn overlaps_host(&self) -> bool {
@@ -147,7 +134,8 @@ fn a_device_error_mid_layer_returns_the_queued_gradients() {
     let model = Model::load(&fixture("qwen3").join("model")).unwrap();
     let rows = vec![(0..17).map(|i| (i * 29 % 90) as u32).collect::<Vec<u32>>()];
     let opts = Engine::cpu(&model).opts.clone();
-    let mut eng = Engine::with_runner(FailsAtWo(CpuKernels::new(opts.clone())), opts);
+    let runner = OffHost::new(opts.clone(), Some(KernelKind::WoBackward));
+    let mut eng = Engine::with_runner(runner, opts);
     let mut g = zero_grads(&model);
     let e = common::batch_loss(&mut eng, &model, &rows, Some(&mut g)).unwrap_err();
     assert!(format!("{e:#}").contains("the device failed"), "{e:#}");
@@ -173,17 +161,14 @@ fn overlapped_weight_gradients_are_bit_identical() {
         let rows = vec![row];
         let mut plain = Engine::cpu(&model);
         let opts = plain.opts.clone();
-        let mut off = Engine::with_runner(
-            OffHost(CpuKernels::new(opts.clone()), Default::default()),
-            opts,
-        );
+        let mut off = Engine::with_runner(OffHost::new(opts.clone(), None), opts);
         let mut ga = zero_grads(&model);
         let mut gb = zero_grads(&model);
         common::batch_loss(&mut plain, &model, &rows, Some(&mut ga)).unwrap();
         common::batch_loss(&mut off, &model, &rows, Some(&mut gb)).unwrap();
         assert_eq!(ga, gb, "{kind}, LoRA {lora}");
         // Kernels stayed on the calling thread (a device is driven from one).
-        assert_eq!(off.runner.1.len(), 1);
+        assert_eq!(off.runner.threads.len(), 1);
     }
 }
 
