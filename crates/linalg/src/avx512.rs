@@ -35,8 +35,9 @@ const MR: usize = 14;
 /// Columns of C one micro-kernel call produces (two 16-lane vectors).
 const NR: usize = 32;
 /// Depth of a packed slice: one MR × KC panel of A is 14 KB, held in L1
-/// while it sweeps the B block.
-const KC: usize = 256;
+/// while it sweeps the B block. The slices fix the order of each element's
+/// sum, which `crate::in_order` defines and also computes elsewhere.
+const KC: usize = crate::in_order::SLICE;
 /// Rows of A packed together (MC × KC floats = 336 KB).
 const MC: usize = MR * 24;
 /// Columns of B packed together: the KC × NC block (1 MB) stays in L2

@@ -39,6 +39,7 @@ mod avx512;
 mod cblas;
 #[cfg(feature = "backends")]
 mod gemm_crate;
+mod in_order;
 #[cfg(all(feature = "backends", target_os = "linux", target_arch = "x86_64"))]
 mod mkl;
 mod view;
@@ -231,6 +232,52 @@ pub fn matmul_serial(a: MatRef<'_>, b: MatRef<'_>, c: MatMut<'_>, accumulate: bo
     multiply(backend, false, a, b, c, accumulate)
 }
 
+/// `c = a·b`, or `c += a·b` when `accumulate`, with every element the
+/// chain of fused multiply-adds over the inner dimension in order (the
+/// `in_order` module): the same bits on every CPU and whatever the other
+/// rows and columns of the product, so a program split into blocks gives
+/// the rows the whole program gives. Our AVX-512 kernel computes it where
+/// it is the selected backend, a portable kernel everywhere else; threaded
+/// as [`matmul`]. The simulated Neural Engine's products go through it.
+///
+/// Panics as [`matmul`] does.
+pub fn matmul_in_order(a: MatRef<'_>, b: MatRef<'_>, mut c: MatMut<'_>, accumulate: bool) {
+    if !check_shapes(&a, &b, &mut c, accumulate) {
+        return;
+    }
+    let ptr = c.as_mut_ptr();
+    let ldc = c.row_stride;
+    #[cfg(feature = "backends")]
+    {
+        let parts = part_count(a.rows, b.cols, a.cols);
+        #[cfg(target_arch = "x86_64")]
+        if selected() == Backend::Avx512 && avx512::available() {
+            let (tm, tn) = avx512::PART_TILE;
+            // SAFETY: `check_shapes` proved both views and the m × n block
+            // of `c` lie inside their slices; `c` is a unique borrow; the
+            // CPU has AVX-512.
+            unsafe {
+                in_parts(a, b, ptr, ldc, parts, tm, tn, |a, b, c| {
+                    avx512::serial(a, b, c, ldc, accumulate)
+                })
+            };
+            return;
+        }
+        let (tm, tn) = in_order::PART_TILE;
+        // SAFETY: as above.
+        unsafe {
+            in_parts(a, b, ptr, ldc, parts, tm, tn, |a, b, c| {
+                in_order::serial(a, b, c, ldc, accumulate)
+            })
+        };
+    }
+    #[cfg(not(feature = "backends"))]
+    // SAFETY: as above.
+    unsafe {
+        in_order::serial(a, b, ptr, ldc, accumulate)
+    };
+}
+
 /// The backend every build has that takes any views.
 fn portable() -> Backend {
     if cfg!(feature = "backends") {
@@ -245,9 +292,25 @@ fn multiply(
     threaded: bool,
     a: MatRef<'_>,
     b: MatRef<'_>,
-    c: MatMut<'_>,
+    mut c: MatMut<'_>,
     accumulate: bool,
 ) {
+    if !check_shapes(&a, &b, &mut c, accumulate) {
+        return;
+    }
+    #[cfg(feature = "backends")]
+    through_backend(backend, threaded, a, b, c, accumulate);
+    #[cfg(not(feature = "backends"))]
+    {
+        let _ = (backend, threaded);
+        naive(a, b, c, accumulate);
+    }
+}
+
+/// Panics if a view reaches outside its slice or the shapes disagree;
+/// finishes an empty product (zeroing C for a zero inner dimension unless
+/// accumulating) and returns whether a product remains to be computed.
+fn check_shapes(a: &MatRef<'_>, b: &MatRef<'_>, c: &mut MatMut<'_>, accumulate: bool) -> bool {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "matmul: inner dimensions differ");
     assert_eq!(
@@ -258,21 +321,15 @@ fn multiply(
     assert!(a.extent() <= a.data.len() && b.extent() <= b.data.len());
     assert!(c.extent() <= c.data.len() && c.row_stride >= n);
     if m == 0 || n == 0 {
-        return;
+        return false;
     }
     if k == 0 {
         if !accumulate {
             c.fill(0.0);
         }
-        return;
+        return false;
     }
-    #[cfg(feature = "backends")]
-    through_backend(backend, threaded, a, b, c, accumulate);
-    #[cfg(not(feature = "backends"))]
-    {
-        let _ = (backend, threaded);
-        naive(a, b, c, accumulate);
-    }
+    true
 }
 
 /// The checked product through `backend`, or the portable backend when
@@ -365,12 +422,12 @@ fn naive(a: MatRef<'_>, b: MatRef<'_>, mut c: MatMut<'_>, accumulate: bool) {
     }
 }
 
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 /// Below this many multiply-adds a product runs on the calling thread:
 /// splitting it would cost more than it saves.
 const PARALLEL_MIN_MACS: usize = 1 << 21;
 
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 /// How many parts [`in_parts`] should split an `m × k · k × n` product
 /// into: every thread of the pool when the product is large enough.
 fn part_count(m: usize, n: usize, k: usize) -> usize {
@@ -391,7 +448,7 @@ fn part_count(m: usize, n: usize, k: usize) -> usize {
 /// `c` points at an `m × n` block with row stride `ldc` that nothing else
 /// reads or writes during the call, and `part` writes only the block it is
 /// given.
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn in_parts(
     a: MatRef<'_>,
@@ -445,15 +502,15 @@ unsafe fn in_parts(
     });
 }
 
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
 // SAFETY: the threads of `in_parts` only write disjoint parts of the
 // destination through it.
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 unsafe impl Send for SendPtr {}
 // SAFETY: as above.
-#[cfg(all(feature = "backends", target_arch = "x86_64"))]
+#[cfg(feature = "backends")]
 unsafe impl Sync for SendPtr {}
 
 #[cfg(test)]
@@ -540,13 +597,14 @@ mod tests {
         enum Way {
             Backend(Backend),
             Serial,
+            InOrder,
             Loops,
         }
         let ways = Backend::ALL
             .iter()
             .filter(|b| b.available())
             .map(|&b| Way::Backend(b))
-            .chain([Way::Serial, Way::Loops]);
+            .chain([Way::Serial, Way::InOrder, Way::Loops]);
         for way in ways {
             for &(m, k, n) in &shapes {
                 for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
@@ -561,12 +619,119 @@ mod tests {
                             |a, b, c, acc| match way {
                                 Way::Backend(backend) => backend.matmul(a, b, c, acc),
                                 Way::Serial => matmul_serial(a, b, c, acc),
+                                Way::InOrder => matmul_in_order(a, b, c, acc),
                                 Way::Loops => naive(a, b, c, acc),
                             },
                             (m, k, n),
                             (ta, tb),
                             accumulate,
                             tol,
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The ordered product is, per slice of the inner dimension, the chain
+    /// of fused multiply-adds, the slices added in order, bit for bit, through every kernel that computes it
+    /// (the portable one; our AVX-512 kernel where the CPU has it): on
+    /// fp32 operands (where a fused and an unfused multiply-add differ),
+    /// on fp16-valued ones, over shapes with partial tiles on both sides,
+    /// transposed operands, and both overwrite and accumulate. A block of
+    /// rows gives the rows of the whole product.
+    #[test]
+    fn the_ordered_product_is_the_fma_chain_in_every_kernel() {
+        let shapes = [
+            (1, 1, 1),
+            (7, 3, 17),
+            (13, 300, 31),
+            (40, 70, 36),
+            (3, 9, 100),
+        ];
+        let value = |i: usize, salt: f32| ((i as f32 * 0.618 + salt).sin() * 1.3).clamp(-1.0, 1.0);
+        for fp16_values in [false, true] {
+            let round = |x: f32| {
+                if fp16_values {
+                    // The nearest value with an 11-bit significand.
+                    let bits = x.to_bits();
+                    f32::from_bits((bits + 0x0fff + ((bits >> 13) & 1)) & !0x1fff)
+                } else {
+                    x
+                }
+            };
+            for &(m, k, n) in &shapes {
+                for (ta, tb) in [(false, false), (true, true)] {
+                    for accumulate in [false, true] {
+                        let a_data: Vec<f32> = (0..m * k).map(|i| round(value(i, 0.1))).collect();
+                        let b_data: Vec<f32> = (0..k * n).map(|i| round(value(i, 0.7))).collect();
+                        let init: Vec<f32> = (0..m * n).map(|i| value(i, 2.0)).collect();
+                        let a = if ta {
+                            MatRef::row_major(&a_data, 0, k, m).t()
+                        } else {
+                            MatRef::row_major(&a_data, 0, m, k)
+                        };
+                        let b = if tb {
+                            MatRef::row_major(&b_data, 0, n, k).t()
+                        } else {
+                            MatRef::row_major(&b_data, 0, k, n)
+                        };
+                        let want: Vec<u32> = (0..m * n)
+                            .map(|e| {
+                                let (i, j) = (e / n, e % n);
+                                let slices = (0..k).step_by(in_order::SLICE).map(|p0| {
+                                    (p0..k.min(p0 + in_order::SLICE))
+                                        .fold(0f32, |s, p| a.at(i, p).mul_add(b.at(p, j), s))
+                                });
+                                let mut c = None;
+                                for s in slices {
+                                    c = Some(match c {
+                                        None if !accumulate => s,
+                                        None => init[e] + s,
+                                        Some(c) => c + s,
+                                    });
+                                }
+                                c.unwrap().to_bits()
+                            })
+                            .collect();
+                        let label =
+                            format!("{m}x{k}x{n} ta={ta} acc={accumulate} fp16={fp16_values}");
+                        let mut out = init.clone();
+                        // SAFETY: the views lie in their slices; `out` is m × n.
+                        unsafe { in_order::serial(a, b, out.as_mut_ptr(), n, accumulate) };
+                        for (e, (o, w)) in out.iter().zip(&want).enumerate() {
+                            assert_eq!(o.to_bits(), *w, "portable {label} at {e}");
+                        }
+                        #[cfg(all(feature = "backends", target_arch = "x86_64"))]
+                        if avx512::available() {
+                            let mut out = init.clone();
+                            // SAFETY: as above; the CPU has AVX-512.
+                            unsafe { avx512::serial(a, b, out.as_mut_ptr(), n, accumulate) };
+                            assert!(
+                                out.iter().map(|v| v.to_bits()).eq(want.iter().copied()),
+                                "avx512 {label}"
+                            );
+                        }
+                        let mut out = init.clone();
+                        matmul_in_order(a, b, MatMut::row_major(&mut out, 0, m, n), accumulate);
+                        assert!(
+                            out.iter().map(|v| v.to_bits()).eq(want.iter().copied()),
+                            "matmul_in_order {label}"
+                        );
+                        // The last rows alone, as a tiled program computes them.
+                        let lo = m / 2;
+                        let mut part = init[lo * n..].to_vec();
+                        matmul_in_order(
+                            a.rows_range(lo, m),
+                            b,
+                            MatMut::row_major(&mut part, 0, m - lo, n),
+                            accumulate,
+                        );
+                        assert!(
+                            part.iter()
+                                .map(|v| v.to_bits())
+                                .eq(want[lo * n..].iter().copied()),
+                            "rows {lo}.. {label}"
                         );
                     }
                 }

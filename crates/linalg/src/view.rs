@@ -110,7 +110,7 @@ impl<'a> MatMut<'a> {
     }
 
     /// Sets every element of the view to `v` (the gaps between rows stay).
-    pub fn fill(self, v: f32) {
+    pub fn fill(&mut self, v: f32) {
         for r in 0..self.rows {
             self.data[self.offset + r * self.row_stride..][..self.cols].fill(v);
         }

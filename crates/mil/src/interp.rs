@@ -2,7 +2,11 @@
 //! constants (literal and BLOBFILE) materialised once; `run` evaluates it
 //! in fp16 mode (inputs and every fp16 result rounded to the nearest half,
 //! matmuls and reductions accumulated in f32 — what the ANE computes) or
-//! fp32 mode (no rounding of inputs or results).
+//! fp32 mode (no rounding of inputs or results). Matrix products sum in
+//! the order of their inner dimension (`linalg::matmul_in_order`), so a
+//! run gives the same bits on every CPU and whatever backend the host's
+//! own products use, and a row of a product does not depend on how many
+//! other rows the program holds.
 //!
 //! In both modes a constant holds a value of its declared dtype: the literal
 //! `fp16(0.176777)` *is* the half 0.17676. (This is also how the reference

@@ -7,7 +7,7 @@
 use crate::ir::ConstVal;
 use crate::tensor::Tensor;
 use crate::types::{shape_str, DType, Ty};
-use linalg::{matmul, MatMut, MatRef};
+use linalg::{matmul_in_order, MatMut, MatRef};
 
 /// The set of dtypes an input accepts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -752,7 +752,7 @@ impl OpDef for Matmul {
             let ya = MatRef::row_major(yv, offs[1], if ty { s.n } else { s.k }, ycols);
             let xa = if tx { xa.t() } else { xa };
             let ya = if ty { ya.t() } else { ya };
-            matmul(
+            matmul_in_order(
                 xa,
                 ya,
                 MatMut::row_major(&mut out, b * s.m * s.n, s.m, s.n),
@@ -1496,7 +1496,7 @@ impl OpDef for Conv {
         let (xv, wv) = (x.f32s()?, w.f32s()?);
         let mut out = vec![0f32; n * o * hw];
         for b in 0..n {
-            matmul(
+            matmul_in_order(
                 MatRef::row_major(wv, 0, o, c),
                 MatRef::row_major(xv, b * c * hw, c, hw),
                 MatMut::row_major(&mut out, b * o * hw, o, hw),
