@@ -138,3 +138,25 @@ impl std::ops::Index<usize> for Grads {
         &self.bufs[id]
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grads_overwrite_first_then_accumulate_and_refuse_stale_reads() {
+        let mut g = Grads::from(vec![vec![5.0f32; 3], vec![7.0f32; 2], vec![9.0f32; 4]]);
+        g.reset();
+        let (buf, accumulate) = g.product_target(0);
+        assert!(!accumulate);
+        buf.fill(1.0);
+        assert!(g.product_target(0).1, "a second product accumulates");
+        g.accumulator(1)[0] += 2.0;
+        assert_eq!(g[1], vec![2.0, 0.0], "an accumulator starts from zero");
+        let stale = std::panic::catch_unwind(|| g[2].clone());
+        assert!(stale.is_err(), "reading an unwritten gradient is refused");
+        g.finish();
+        assert_eq!(g[0], vec![1.0; 3]);
+        assert_eq!(g[2], vec![0.0; 4], "finish zeroes what nothing wrote");
+    }
+}
