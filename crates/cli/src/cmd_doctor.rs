@@ -1,12 +1,52 @@
 //! `anetrain doctor`: progress on stderr, the markdown summary on stdout,
 //! the JSON report in `--report FILE`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anetrain::tools::doctor::{self, DoctorRequest};
 use anyhow::{bail, Context, Result};
 
-pub fn run(model: &str, seq: usize, steps: u64, evals: usize, report: Option<&Path>) -> Result<()> {
+#[derive(clap::Args)]
+pub struct Args {
+    /// A preset, a model directory with config.json, or a Hub id.
+    #[arg(long, default_value = "tiny")]
+    model: String,
+    /// Sequence length the kernels are built and trained at.
+    #[arg(long, default_value_t = 128)]
+    seq: usize,
+    /// Training steps on each of the device and ane-sim (0: skip).
+    #[arg(long, default_value_t = 10)]
+    steps: u64,
+    /// Timed evaluations per kernel.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    evals: u64,
+    /// Write the full report here as JSON.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+    /// Without a Neural Engine: the chip family the simulator plays
+    /// (m1 … m5; as ANETRAIN_SIM_FAMILY).
+    #[arg(long, value_name = "FAMILY")]
+    sim_family: Option<String>,
+}
+
+impl Args {
+    /// The chip family the simulator plays, if asked for.
+    pub fn sim_family(&self) -> Option<&str> {
+        self.sim_family.as_deref()
+    }
+}
+
+pub fn run_args(a: Args) -> Result<()> {
+    run(
+        &crate::hub::resolve(&a.model, crate::hub::Need::Config)?,
+        a.seq,
+        a.steps,
+        a.evals as usize,
+        a.report.as_deref(),
+    )
+}
+
+fn run(model: &str, seq: usize, steps: u64, evals: usize, report: Option<&Path>) -> Result<()> {
     if seq == 0 || !seq.is_multiple_of(16) {
         bail!("--seq {seq}: the kernels are built for a positive multiple of 16");
     }

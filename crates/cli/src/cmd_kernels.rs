@@ -1,6 +1,6 @@
-//! `anetrain kernels dump` and `anetrain kernels check`.
+//! `anetrain kernels dump`, `anetrain kernels plan` and `anetrain kernels check`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anetrain::device::backend::Backend;
@@ -421,4 +421,154 @@ pub fn run_check(
         bail!("{}", problems.join("; "));
     }
     Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: KernelsCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum KernelsCommand {
+    /// Write every kernel's .mil, its blobs under weights/, and layout.json.
+    Dump {
+        /// A preset (qwen3-0.6b, stories15m, stories42m, stories110m, tiny),
+        /// a model directory with config.json, or a Hub id ORG/NAME.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Sequence length the kernels are built for.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Use the seed's conventions (interleaved RoPE, θ=10000, no QK-norm,
+        /// DeepNet residual scale) and its file names.
+        #[arg(long)]
+        seed_compat: bool,
+        /// Only these kernels (repeatable), e.g. --kernel sdpa_forward.
+        #[arg(long = "kernel", value_name = "NAME")]
+        kernels: Vec<String>,
+    },
+    /// Show how each kernel is tiled for a model under the device limits in
+    /// force: kernels whose input or output would pass the device's largest
+    /// dimension (16384, or ANETRAIN_ANE_MAX_DIM) run as several programs
+    /// of one smaller shape, split along the intermediate size or groups of
+    /// KV heads, their results concatenated or summed.
+    Plan {
+        /// A preset, a model directory with config.json, or a Hub id.
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequence length.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Plan for LoRA adapters of this rank on all seven projections.
+        #[arg(long, value_name = "R")]
+        lora_rank: Option<usize>,
+        /// The engine whose memory plan to show.
+        #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>(), default_value = "ane")]
+        backend: anetrain::device::backend::Backend,
+        #[command(flatten)]
+        memory: crate::cmd_train::MemoryArgs,
+        /// Print the plan (tiles, predicted step per chip family, memory)
+        /// as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Show the predicted step of this chip family (m1 … m5; default:
+        /// the family in force, or every family when none is known).
+        #[arg(long, value_parser = parse_family)]
+        family: Option<ane::family::Family>,
+        /// Plan a preference step (one pair: two sequences, and DPO's two
+        /// reference forwards) instead of one SFT sequence.
+        #[arg(long, value_parser = crate::choice::<anetrain::train::preference::Objective>(), default_value = "sft")]
+        objective: anetrain::train::preference::Objective,
+        /// DPO with the reference's log-probabilities precomputed (no
+        /// reference forwards in the step).
+        #[arg(long)]
+        precompute_ref: bool,
+    },
+    /// Run every kernel through the interpreter (fp32 and fp16) against its
+    /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
+    Check {
+        /// A preset, a model directory, or a Hub id ORG/NAME[@REVISION].
+        #[arg(long, default_value = "tiny")]
+        model: String,
+        /// Sequence length.
+        #[arg(long, default_value_t = 256)]
+        seq: usize,
+        /// Use the seed's conventions.
+        #[arg(long)]
+        seed_compat: bool,
+        /// Only these kernels (repeatable).
+        #[arg(long = "kernel", value_name = "NAME")]
+        kernels: Vec<String>,
+        /// Random seed for the inputs.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
+}
+
+pub fn run(a: Args) -> Result<()> {
+    use crate::hub::{resolve, Need};
+    match a.command {
+        KernelsCommand::Dump {
+            model,
+            out,
+            seq,
+            seed_compat,
+            kernels,
+        } => dump(
+            &resolve(&model, Need::Config)?,
+            &out,
+            seq,
+            seed_compat,
+            &kernels,
+        ),
+        KernelsCommand::Check {
+            model,
+            seq,
+            seed_compat,
+            kernels,
+            seed,
+        } => run_check(
+            &resolve(&model, Need::Config)?,
+            seq,
+            seed_compat,
+            &kernels,
+            seed,
+        ),
+        KernelsCommand::Plan {
+            model,
+            seq,
+            lora_rank,
+            backend,
+            memory,
+            json,
+            family,
+            objective,
+            precompute_ref,
+        } => show_plan(PlanArgs {
+            model: resolve(&model, Need::Config)?,
+            seq,
+            lora_rank,
+            backend,
+            memory: memory.options(),
+            json,
+            family,
+            preference: (objective != anetrain::train::preference::Objective::Sft).then_some(
+                anetrain::train::preference::PreferenceSettings {
+                    objective,
+                    loss: anetrain::train::preference::DpoLoss::Sigmoid,
+                    beta: 0.1,
+                    precompute_ref,
+                },
+            ),
+        }),
+    }
+}
+
+/// `--family m1 … m5`.
+fn parse_family(s: &str) -> Result<ane::family::Family, String> {
+    ane::family::Family::parse(s)
 }

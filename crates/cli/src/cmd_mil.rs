@@ -230,3 +230,94 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(subcommand)]
+    command: MilCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum MilCommand {
+    /// Evaluate a MIL program on .npy inputs with the reference interpreter.
+    ///
+    /// fp16 mode (the default) rounds the input and every fp16 result to
+    /// half precision, accumulating matmuls and reductions in f32, as the
+    /// ANE does; --fp32 keeps full precision. Outputs are written as float32.
+    Run {
+        /// The MIL program (program(1.3) text).
+        program: PathBuf,
+        /// Directory that `@model_path/weights/` refers to [default: the
+        /// `weights/` directory beside the program, if any].
+        #[arg(long, value_name = "DIR")]
+        weights: Option<PathBuf>,
+        /// Input array (.npy, float16 or float32, exactly the input's shape);
+        /// repeat once per function input, in order.
+        #[arg(long, value_name = "X.npy", required = true)]
+        input: Vec<PathBuf>,
+        /// Where to write each output (float32 .npy); repeat once per output.
+        #[arg(long, value_name = "Y.npy", required = true)]
+        output: Vec<PathBuf>,
+        /// Evaluate without fp16 rounding.
+        #[arg(long)]
+        fp32: bool,
+        /// Function to run [default: main].
+        #[arg(long)]
+        function: Option<String>,
+    },
+    /// Parse and type-check a MIL program and report the ANE constraint rules.
+    ///
+    /// Prints inputs, outputs and op counts, then every ANE rule with its
+    /// findings. Rules marked [off] are reported hypotheses; --strict makes
+    /// a broken enabled rule an error.
+    Check {
+        /// The MIL program.
+        program: PathBuf,
+        /// Exit non-zero when an enabled ANE rule is broken.
+        #[arg(long)]
+        strict: bool,
+        /// Switch a rule on (repeatable), e.g. --rule no-concat.
+        #[arg(long = "rule", value_name = "ID")]
+        enable: Vec<String>,
+        /// Switch a rule off (repeatable), e.g. --no-rule min-surface.
+        #[arg(long = "no-rule", value_name = "ID")]
+        disable: Vec<String>,
+        /// Check against a chip family's rules and limits (m1 … m5)
+        /// instead of the default rules.
+        #[arg(long, value_name = "FAMILY")]
+        family: Option<String>,
+    },
+}
+
+pub fn run_command(a: Args) -> Result<()> {
+    match a.command {
+        MilCommand::Run {
+            program,
+            weights,
+            input,
+            output,
+            fp32,
+            function,
+        } => run(RunArgs {
+            program,
+            weights,
+            inputs: input,
+            outputs: output,
+            fp32,
+            function,
+        }),
+        MilCommand::Check {
+            program,
+            strict,
+            enable,
+            disable,
+            family,
+        } => check(CheckArgs {
+            program,
+            strict,
+            family,
+            enable,
+            disable,
+        }),
+    }
+}

@@ -1,0 +1,78 @@
+//! `anetrain eval`: a model's (and adapter's) loss over tokens, a data
+//! file or JSONL records.
+
+use std::path::PathBuf;
+
+use anetrain::data::tokens::TokenDtype;
+use anetrain::device::backend::Backend;
+
+use crate::{base_check, cmd_model, cmd_train, hub};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A model directory (config.json + safetensors) or a Hub id
+    /// ORG/NAME[@REVISION], downloaded into the Hugging Face cache.
+    #[arg(long)]
+    model: PathBuf,
+    /// Integer .npy of token ids, [n+1] or [batch, n+1].
+    #[arg(long, value_name = "FILE.npy", conflicts_with = "data")]
+    tokens: Option<PathBuf>,
+    /// Token file (raw u16/u32) or text file (.txt, tokenized), evaluated
+    /// in windows of --seq + 1 tokens; or JSONL records (a .jsonl file,
+    /// or a data directory and --split), one sequence each, loss over
+    /// all their target tokens.
+    #[arg(long, value_name = "PATH")]
+    data: Option<PathBuf>,
+    /// Records: the file of a data directory to evaluate
+    /// (train, valid or test) [default: test].
+    #[arg(long, value_name = "SPLIT")]
+    split: Option<String>,
+    #[command(flatten)]
+    records: cmd_train::RecordArgs,
+    /// Window length for --data [default: min(256, max_position_embeddings);
+    /// for records, max_position_embeddings (longer records are truncated)].
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Write float32 logits [n, vocab] (or [batch, n, vocab]) here.
+    #[arg(long, value_name = "FILE.npy")]
+    logits_out: Option<PathBuf>,
+    /// Entry width of raw token files.
+    #[arg(long, value_parser = crate::choice::<TokenDtype>(), default_value = "u16")]
+    token_dtype: TokenDtype,
+    /// tokenizer.json for text data (or a Hub id: its tokenizer)
+    /// [default: the model's].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Evaluate at most this many windows of --data.
+    #[arg(long)]
+    max_windows: Option<usize>,
+    /// A LoRA adapter directory (PEFT format) to apply to --model.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
+    #[command(flatten)]
+    any_base: base_check::AnyBase,
+    /// Engine [default: ane where available, else cpu].
+    #[arg(long, value_parser = crate::choice::<Backend>())]
+    backend: Option<Backend>,
+}
+
+pub fn run(a: Args) -> anyhow::Result<()> {
+    cmd_model::eval(cmd_model::EvalArgs {
+        adapter: base_check::checked(&a.model, a.adapter, a.any_base)?,
+        backend: a.backend.unwrap_or_else(Backend::platform_default),
+        model: hub::resolve_path(&a.model, hub::Need::Model)?,
+        data: a.data,
+        tokens: a.tokens,
+        seq: a.seq,
+        logits_out: a.logits_out,
+        token_dtype: a.token_dtype,
+        tokenizer: a
+            .tokenizer
+            .map(|t| hub::resolve_tokenizer(&t))
+            .transpose()?,
+        max_windows: a.max_windows,
+        split: a.split,
+        mask_prompt: a.records.mask_prompt,
+        keys: a.records.keys(),
+    })
+}
