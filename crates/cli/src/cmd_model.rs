@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anetrain::data::records;
 use anetrain::data::tokenizer::Tokenizer;
 use anetrain::data::tokens::{self, TokenDtype};
-use anetrain::device::backend::{self, Backend};
+use anetrain::device::backend::{Backend, OpenDevice};
 use anetrain::device::KernelRunner;
 use anetrain::engine::generate::{generate, generate_with_engine, GenerateOptions};
 use anetrain::engine::Engine;
@@ -277,14 +277,7 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
         );
     }
     let ex = &fitted.examples;
-    let loss = match a.backend {
-        Backend::Cpu => eval_loss(&mut Engine::cpu(model), model, ex)?,
-        Backend::AneSim => {
-            let device = anetrain::device::backend::open_sim()?;
-            eval_loss(&mut Engine::neural(model, device), model, ex)?
-        }
-        Backend::Ane => eval_loss(&mut Engine::neural(model, backend::open_ane()?), model, ex)?,
-    };
+    let loss = eval_loss(&mut Engine::on(model, a.backend.open()?), model, ex)?;
     let (loss, count) = (loss.loss, loss.targets);
     println!(
         "{}",
@@ -341,21 +334,8 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         );
     }
     let keep = a.logits_out.is_some();
-    let (total, count, all_logits) = match a.backend {
-        Backend::Cpu => eval_rows(Engine::cpu(&model), &model, &rows, keep)?,
-        Backend::AneSim => eval_rows(
-            Engine::neural(&model, anetrain::device::backend::open_sim()?),
-            &model,
-            &rows,
-            keep,
-        )?,
-        Backend::Ane => eval_rows(
-            Engine::neural(&model, backend::open_ane()?),
-            &model,
-            &rows,
-            keep,
-        )?,
-    };
+    let engine = Engine::on(&model, a.backend.open()?);
+    let (total, count, all_logits) = eval_rows(engine, &model, &rows, keep)?;
     if let Some(out) = &a.logits_out {
         let n = rows[0].len() - 1;
         let shape = if two_d {
@@ -433,10 +413,7 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
         bail!("--top-p must be in (0, 1]");
     }
     let gen = GenerationConfig::load(Path::new(&a.model))?;
-    let ane_device = match a.backend {
-        Backend::Ane => Some(backend::open_ane()?),
-        _ => None,
-    };
+    let device = a.backend.open()?;
     // The CPU decoder reads plain weights: fold the adapter in (f32); the
     // Neural Engine path keeps it as kernel regions.
     let model = load_model(&a.model, a.adapter.as_deref(), a.backend == Backend::Cpu)?;
@@ -507,17 +484,13 @@ pub fn run_generate(a: GenerateArgs) -> Result<()> {
     };
     // The compiled kernels cover the whole (prompt + new tokens) length.
     let total = (prompt.len() + a.max_tokens).min(model.cfg.max_position_embeddings);
-    match (a.backend, ane_device) {
-        (Backend::Cpu, _) => {
+    match device {
+        // The CPU decodes with a KV cache.
+        OpenDevice::Cpu => {
             generate(&model, &prompt, &options, emit)?;
         }
-        (Backend::Ane, Some(device)) => {
-            let mut eng = Engine::neural(&model, device);
-            eng.runner.set_fixed_seq(total);
-            generate_with_engine(eng, &model, &prompt, &options, emit)?;
-        }
-        _ => {
-            let mut eng = Engine::neural(&model, anetrain::device::backend::open_sim()?);
+        device => {
+            let mut eng = Engine::on(&model, device);
             eng.runner.set_fixed_seq(total);
             generate_with_engine(eng, &model, &prompt, &options, emit)?;
         }

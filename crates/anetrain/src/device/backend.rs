@@ -1,7 +1,13 @@
-//! Which engine runs the kernels.
+//! Which engine runs the kernels: the backend a user names, its device
+//! opened ([`OpenDevice`]) and its runner ([`AnyRunner`]).
 
 use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
+
+use super::{AttentionGrads, CpuKernels, DeviceBuffers, Dropout, KernelRunner, NeuralKernels};
+use crate::kernels::tiling::HeadChunks;
+use crate::kernels::{sdpa_backward1, Kernel, KernelOptions, Shape};
+use crate::model::Model;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Backend {
@@ -97,5 +103,110 @@ pub fn open_ane() -> Result<ane::AneDevice> {
         Err(e) => bail!(
             "--backend ane: {e}; use --backend ane-sim (the same MIL programs, simulated) or cpu"
         ),
+    }
+}
+
+/// The device of a backend, opened before any work, so a Neural Engine
+/// that cannot be used is reported before data is read or a model loaded.
+pub enum OpenDevice {
+    Cpu,
+    Sim(ane::SimDevice),
+    Ane(ane::AneDevice),
+}
+
+impl Backend {
+    /// Opens this backend's device (see [`open_sim`], [`open_ane`]).
+    pub fn open(self) -> Result<OpenDevice> {
+        Ok(match self {
+            Backend::Cpu => OpenDevice::Cpu,
+            Backend::AneSim => OpenDevice::Sim(open_sim()?),
+            Backend::Ane => OpenDevice::Ane(open_ane()?),
+        })
+    }
+}
+
+/// The kernel runner of any backend: code that picks its backend at run
+/// time drives this one type, and the one `match` from a backend to its
+/// runner is [`AnyRunner::new`]'s.
+pub enum AnyRunner {
+    Cpu(CpuKernels),
+    Sim(NeuralKernels<ane::SimDevice>),
+    Ane(NeuralKernels<ane::AneDevice>),
+}
+
+/// `$body` with `$r` bound to the runner inside an [`AnyRunner`].
+macro_rules! each_runner {
+    ($any:expr, $r:ident => $body:expr) => {
+        match $any {
+            AnyRunner::Cpu($r) => $body,
+            AnyRunner::Sim($r) => $body,
+            AnyRunner::Ane($r) => $body,
+        }
+    };
+}
+
+impl AnyRunner {
+    /// The runner of `device` with kernel options `opts`.
+    pub fn new(device: OpenDevice, opts: KernelOptions) -> AnyRunner {
+        match device {
+            OpenDevice::Cpu => AnyRunner::Cpu(CpuKernels::new(opts)),
+            OpenDevice::Sim(d) => AnyRunner::Sim(NeuralKernels::new(d, opts)),
+            OpenDevice::Ane(d) => AnyRunner::Ane(NeuralKernels::new(d, opts)),
+        }
+    }
+
+    /// Device buffers kept as `mode` says (the CPU has none).
+    pub fn with_buffers(self, mode: DeviceBuffers) -> AnyRunner {
+        match self {
+            AnyRunner::Cpu(r) => AnyRunner::Cpu(r),
+            AnyRunner::Sim(r) => AnyRunner::Sim(r.with_buffers(mode)),
+            AnyRunner::Ane(r) => AnyRunner::Ane(r.with_buffers(mode)),
+        }
+    }
+
+    /// Device kernels compiled for `seq` whatever the call's length (the
+    /// CPU kernels take any length).
+    pub fn set_fixed_seq(&mut self, seq: usize) {
+        match self {
+            AnyRunner::Cpu(_) => {}
+            AnyRunner::Sim(r) => r.set_fixed_seq(seq),
+            AnyRunner::Ane(r) => r.set_fixed_seq(seq),
+        }
+    }
+}
+
+impl KernelRunner for AnyRunner {
+    fn run<K: Kernel>(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &K::Acts<'_>,
+    ) -> Result<K::Out> {
+        each_runner!(self, r => r.run::<K>(model, layer, shape, dropout, acts))
+    }
+
+    fn head_chunks(&mut self, model: &Model, seq: usize) -> Result<HeadChunks> {
+        each_runner!(self, r => r.head_chunks(model, seq))
+    }
+
+    fn overlaps_host(&self) -> bool {
+        each_runner!(self, r => r.overlaps_host())
+    }
+
+    fn recomputing(&mut self, on: bool) {
+        each_runner!(self, r => r.recomputing(on))
+    }
+
+    fn attention_backward(
+        &mut self,
+        model: &Model,
+        layer: usize,
+        shape: &Shape,
+        dropout: &Dropout,
+        acts: &sdpa_backward1::Acts<'_>,
+    ) -> Result<AttentionGrads> {
+        each_runner!(self, r => r.attention_backward(model, layer, shape, dropout, acts))
     }
 }

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use anyhow::{bail, Result};
 use linalg::{matmul, MatMut, MatRef};
 
+use crate::device::backend::{AnyRunner, OpenDevice};
 use crate::device::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
 pub use crate::engine::grads::{zero_grads, Grads};
 use crate::kernels::{self, maths, KernelOptions, Shape};
@@ -251,6 +252,23 @@ impl Engine<CpuKernels> {
     pub fn cpu(model: &Model) -> Engine<CpuKernels> {
         let opts = KernelOptions::for_model(model);
         Engine::with_runner(CpuKernels::new(opts.clone()), opts)
+    }
+}
+
+impl Engine<AnyRunner> {
+    /// The engine of an opened backend (see [`Backend::open`]) with
+    /// Hugging Face semantics for `model`.
+    ///
+    /// [`Backend::open`]: crate::device::backend::Backend::open
+    pub fn on(model: &Model, device: OpenDevice) -> Self {
+        let opts = KernelOptions::for_model(model);
+        Engine::with_runner(AnyRunner::new(device, opts.clone()), opts)
+    }
+
+    /// With device buffers kept as `mode` says (the CPU has none).
+    pub fn buffers(mut self, mode: crate::device::DeviceBuffers) -> Self {
+        self.runner = self.runner.with_buffers(mode);
+        self
     }
 }
 

@@ -220,34 +220,10 @@ pub fn bench(a: &BenchArgs, progress: &mut dyn FnMut(String)) -> Result<serde_js
     if let Some(lc) = lora {
         model.lora = Some(Lora::init(&model.cfg, lc, 0)?);
     }
-    let ckpt = a.memory.grad_checkpoint;
-    match a.backend {
-        Backend::Cpu => run(
-            a,
-            model,
-            &plan,
-            |m| Engine::cpu(m).checkpointing(ckpt),
-            progress,
-        ),
-        Backend::AneSim => {
-            let device = crate::device::backend::open_sim()?;
-            let make = |m: &Model| {
-                Engine::neural(m, device)
-                    .buffers(plan.buffers)
-                    .checkpointing(ckpt)
-            };
-            run(a, model, &plan, make, progress)
-        }
-        Backend::Ane => {
-            let device = backend::open_ane()?;
-            let make = |m: &Model| {
-                Engine::neural(m, device)
-                    .buffers(plan.buffers)
-                    .checkpointing(ckpt)
-            };
-            run(a, model, &plan, make, progress)
-        }
-    }
+    let engine = Engine::on(&model, a.backend.open()?)
+        .buffers(plan.buffers)
+        .checkpointing(a.memory.grad_checkpoint);
+    run(a, model, &plan, engine, progress)
 }
 
 /// What the timed steps measured, per step (seconds).
@@ -270,11 +246,10 @@ fn run<R: KernelRunner>(
     a: &BenchArgs,
     mut model: Model,
     plan: &RunPlan,
-    make: impl FnOnce(&Model) -> Engine<R>,
+    eng: Engine<R>,
     progress: &mut dyn FnMut(String),
 ) -> Result<serde_json::Value> {
     let mut grads = zero_grads(&model);
-    let eng = make(&model);
     let t = time_steps(a, &mut model, &mut grads, eng, progress)?;
     report(a, &model, plan, &mut grads, t)
 }

@@ -15,7 +15,7 @@ use super::settings::{settings_differences, validate, TrainRequest, TrainSetting
 use super::source::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::step;
 use crate::data::tokenizer::Tokenizer;
-use crate::device::backend::{self, Backend};
+use crate::device::backend::{self, Backend, OpenDevice};
 use crate::device::KernelRunner;
 use crate::engine::{zero_grads, Engine};
 use crate::kernels::{tiling, KernelOptions, Shape};
@@ -158,8 +158,9 @@ fn pair_step(s: &TrainSettings) -> Option<crate::plan::memory::PairStep> {
 struct Preflight {
     source: ModelSource,
     plan: RunPlan,
-    /// The Neural Engine, opened first so an unusable one fails first.
-    ane_device: Option<ane::AneDevice>,
+    /// The backend's device, opened first so an unusable Neural Engine
+    /// fails first.
+    device: OpenDevice,
 }
 
 /// Everything that can refuse a run before it writes anything: the
@@ -210,10 +211,7 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
         pair_step(s),
     )?
     .refuse_over_limit()?;
-    let ane_device = match s.backend {
-        Backend::Ane => Some(backend::open_ane()?),
-        _ => None,
-    };
+    let device = s.backend.open()?;
     let out = &r.out;
     if r.resume && !checkpoint::state_path(out).is_file() {
         bail!(
@@ -235,7 +233,7 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
     Ok(Preflight {
         source,
         plan,
-        ane_device,
+        device,
     })
 }
 
@@ -398,25 +396,10 @@ fn dispatch(
         stop,
         pairs: PairState::new(reference),
     };
-    let (buffers, ckpt) = (pre.plan.buffers, r.memory.grad_checkpoint);
-    match (r.settings.backend, pre.ane_device) {
-        (Backend::Ane, Some(d)) => {
-            let e = Engine::neural(&model, d)
-                .buffers(buffers)
-                .checkpointing(ckpt);
-            run.go(e, &mut model, &mut opt, &mut state)
-        }
-        (Backend::AneSim, _) => {
-            let e = Engine::neural(&model, backend::open_sim()?)
-                .buffers(buffers)
-                .checkpointing(ckpt);
-            run.go(e, &mut model, &mut opt, &mut state)
-        }
-        _ => {
-            let e = Engine::cpu(&model).checkpointing(ckpt);
-            run.go(e, &mut model, &mut opt, &mut state)
-        }
-    }
+    let e = Engine::on(&model, pre.device)
+        .buffers(pre.plan.buffers)
+        .checkpointing(r.memory.grad_checkpoint);
+    run.go(e, &mut model, &mut opt, &mut state)
 }
 
 /// The parts of a run the step loop reads.
