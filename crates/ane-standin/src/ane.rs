@@ -20,7 +20,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use mil::{DType, Executable, Precision, Tensor};
 
-use crate::objects::{Handle, Obj, Table};
+use crate::objects::{Descriptor, Handle, Model, Obj, Table};
 
 /// Smallest IOSurface an evaluation accepts: `[768, 16]` fp16 = 49152
 /// bytes worked, smaller surfaces compile but fail at eval with status 0x1d
@@ -39,58 +39,6 @@ pub const COMPILE_BUDGET: usize = 119;
 /// (docs/ane_constraints.md §2, §4, §12).
 pub const STATUS_0X1D: &str =
     "ANEProgramProcessRequestDirect() Failed with status=0x1d : Program Inference error";
-
-/// `_ANEInMemoryModelDescriptor modelWithMILText:weights:optionsPlist:`.
-pub struct Descriptor {
-    /// The MIL text, an NSData (Orion §9: `milText` must be NSData).
-    pub mil: Handle,
-    /// `{ "@model_path/weights/NAME": { "offset": @0, "data": NSData } }`
-    /// (maderix/ANE training/ane_runtime.h, ane_compile); never nil here.
-    pub weights: Handle,
-}
-
-impl Descriptor {
-    pub fn retained(&self) -> Vec<Handle> {
-        [self.mil, self.weights]
-            .into_iter()
-            .filter(|&h| h != 0)
-            .collect()
-    }
-}
-
-/// `_ANEInMemoryModel`.
-pub struct Model {
-    pub descriptor: Handle,
-    /// `hexStringIdentifier`: a hash of the descriptor's text and weights,
-    /// so two models of the same program share a temporary directory.
-    pub hex: String,
-    pub exe: Option<Executable>,
-    pub loaded: bool,
-}
-
-/// `_ANERequest requestWithInputs:inputIndices:outputs:outputIndices:...`.
-pub struct Request {
-    pub inputs: Handle,
-    pub input_indices: Handle,
-    pub outputs: Handle,
-    pub output_indices: Handle,
-    pub procedure: Handle,
-}
-
-impl Request {
-    pub fn retained(&self) -> Vec<Handle> {
-        [
-            self.inputs,
-            self.input_indices,
-            self.outputs,
-            self.output_indices,
-            self.procedure,
-        ]
-        .into_iter()
-        .filter(|&h| h != 0)
-        .collect()
-    }
-}
 
 /// An NSError to hand back through an `NSError **` argument.
 pub struct Failure {

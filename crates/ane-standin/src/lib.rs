@@ -325,7 +325,7 @@ pub unsafe extern "C" fn objc_msgSend(
             if e != 0 || f != 0 {
                 t.violation("requestWithInputs: weightsBuffer/perfStats are not nil".into());
             }
-            t.autoreleased(Obj::Request(ane::Request {
+            t.autoreleased(Obj::Request(objects::Request {
                 inputs: a,
                 input_indices: b,
                 outputs: c,
@@ -797,20 +797,13 @@ pub fn report() -> String {
         "live_objects": t.live(),
         "locked_surfaces": locked,
         "locks_taken_by_live_surfaces": live_locks,
-        "locks_taken": LOCKS_FREED.load(std::sync::atomic::Ordering::Relaxed) + live_locks,
+        "locks_taken": objects::locks_of_freed_surfaces() + live_locks,
         "compiles": s.compiles,
         "evaluations": s.evaluations,
         "open_pools": t.pools(),
         "violations": violations,
     })
     .to_string()
-}
-
-static LOCKS_FREED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Counts a freed surface's locks (called by the table).
-pub fn surface_freed(locks: u64) {
-    LOCKS_FREED.fetch_add(locks, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// [`report`] for C callers: writes up to `cap` bytes of the JSON into

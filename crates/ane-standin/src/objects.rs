@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::ane::{Descriptor, Model, Request};
+use mil::Executable;
 
 /// An object handle as the caller sees it (`id`, `CFTypeRef`, `IOSurfaceRef`).
 pub type Handle = usize;
@@ -250,7 +250,7 @@ impl Table {
         }
         let e = self.objects.remove(&h).expect("present above");
         if let Obj::Surface(s) = &e.obj {
-            crate::surface_freed(s.locks_taken);
+            surface_freed(s.locks_taken);
         }
         match &e.obj {
             Obj::Surface(s) if !s.locks.is_empty() => {
@@ -298,7 +298,7 @@ impl Table {
     }
 
     /// Every live model.
-    pub fn models(&self) -> impl Iterator<Item = &crate::ane::Model> {
+    pub fn models(&self) -> impl Iterator<Item = &Model> {
         self.objects.values().filter_map(|e| match &e.obj {
             Obj::Model(m) => Some(&**m),
             _ => None,
@@ -326,4 +326,68 @@ impl Table {
             _ => None,
         }
     }
+}
+
+/// `_ANEInMemoryModelDescriptor modelWithMILText:weights:optionsPlist:`.
+pub struct Descriptor {
+    /// The MIL text, an NSData (Orion §9: `milText` must be NSData).
+    pub mil: Handle,
+    /// `{ "@model_path/weights/NAME": { "offset": @0, "data": NSData } }`
+    /// (maderix/ANE training/ane_runtime.h, ane_compile); never nil here.
+    pub weights: Handle,
+}
+
+impl Descriptor {
+    pub fn retained(&self) -> Vec<Handle> {
+        [self.mil, self.weights]
+            .into_iter()
+            .filter(|&h| h != 0)
+            .collect()
+    }
+}
+
+/// `_ANEInMemoryModel`.
+pub struct Model {
+    pub descriptor: Handle,
+    /// `hexStringIdentifier`: a hash of the descriptor's text and weights,
+    /// so two models of the same program share a temporary directory.
+    pub hex: String,
+    pub exe: Option<Executable>,
+    pub loaded: bool,
+}
+
+/// `_ANERequest requestWithInputs:inputIndices:outputs:outputIndices:...`.
+pub struct Request {
+    pub inputs: Handle,
+    pub input_indices: Handle,
+    pub outputs: Handle,
+    pub output_indices: Handle,
+    pub procedure: Handle,
+}
+
+impl Request {
+    pub fn retained(&self) -> Vec<Handle> {
+        [
+            self.inputs,
+            self.input_indices,
+            self.outputs,
+            self.output_indices,
+            self.procedure,
+        ]
+        .into_iter()
+        .filter(|&h| h != 0)
+        .collect()
+    }
+}
+
+static LOCKS_FREED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts a freed surface's locks (called by the table).
+fn surface_freed(locks: u64) {
+    LOCKS_FREED.fetch_add(locks, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The locks freed surfaces took over their lives (for the exit report).
+pub fn locks_of_freed_surfaces() -> u64 {
+    LOCKS_FREED.load(std::sync::atomic::Ordering::Relaxed)
 }

@@ -17,7 +17,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::family::Family;
+use crate::family::{Family, Measured, ScratchTiming};
 
 /// `(N, milliseconds)` of an N×N×N fp16 GEMM on the engine (2N³ FLOPs),
 /// dispatch included, or of an fp32 `sgemm` on the host's CPU.
@@ -137,39 +137,6 @@ pub struct Rates {
     /// The constants no source measured on this family (each took the
     /// most conservative published value).
     pub unmeasured: Vec<&'static str>,
-}
-
-/// Timing constants `anetrain doctor` measured on this machine's engine;
-/// they replace the table's ([`Rates::with_measured`]).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Measured {
-    /// Median evaluation of a minimal program (ms).
-    pub dispatch_ms: f64,
-    /// `(flop, milliseconds)` of dynamic-weight matmul programs, dispatch
-    /// included, at shapes the kernels use.
-    pub matmuls: Vec<(f64, f64)>,
-    /// Host writes into an input surface (GB/s).
-    pub write_gbs: f64,
-    /// Compiling and loading one program (ms).
-    pub compile_ms: f64,
-    /// A program whose intermediate matrices are far larger than its
-    /// surfaces, timed (absent in profiles of older builds).
-    #[serde(default)]
-    pub scratch: Option<ScratchTiming>,
-}
-
-/// One timed evaluation of a program with large intermediates
-/// (`timing::scratch_chain`): what [`Rates::with_measured`] reads the
-/// scratch share from.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ScratchTiming {
-    pub flop: f64,
-    /// Bytes of its input and output surfaces.
-    pub surface_bytes: f64,
-    /// Bytes of its intermediate matrices.
-    pub scratch_bytes: f64,
-    /// Median evaluation, dispatch included (ms).
-    pub ms: f64,
 }
 
 /// One evaluation's cost, split as the timeline reports it.

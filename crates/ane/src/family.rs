@@ -263,7 +263,7 @@ pub struct Profile {
     pub source: Source,
     /// Timing constants `doctor` measured on this chip, if any.
     #[serde(default)]
-    pub timing: Option<crate::cost::Measured>,
+    pub timing: Option<Measured>,
 }
 
 /// What `doctor` saves: the measured limits and what they were measured on.
@@ -283,7 +283,7 @@ pub struct SavedProfile {
     /// Dispatch, dynamic-weight matmul, staging and compile times measured
     /// by [`crate::timing::measure`] (absent in profiles of older builds).
     #[serde(default)]
-    pub timing: Option<crate::cost::Measured>,
+    pub timing: Option<Measured>,
 }
 
 /// The saved profile's format version.
@@ -410,7 +410,7 @@ impl Profile {
     /// profile is an error naming it.
     pub fn in_force() -> Result<Profile, String> {
         let mut p = Profile::unclamped()?;
-        if let Some(n) = crate::rules::max_dim_from_env()? {
+        if let Some(n) = max_dim_from_env()? {
             p.limits = p.limits.with_max_dim(n);
         }
         Ok(p)
@@ -460,6 +460,71 @@ impl Profile {
     }
 }
 
+impl Default for Limits {
+    /// The most conservative row of the family table ([`Limits::conservative`]),
+    /// both axis caps overridden by `ANETRAIN_ANE_MAX_DIM` when it holds a
+    /// usable number (see [`Profile::in_force`] for the
+    /// limits of the chip at hand).
+    fn default() -> Limits {
+        let l = Limits::conservative();
+        match max_dim_from_env() {
+            Ok(Some(n)) => l.with_max_dim(n),
+            _ => l,
+        }
+    }
+}
+
+/// Overrides both axis caps: for chips that accept less (one report from
+/// an M5 says 4096), and to force tiling in tests.
+pub const MAX_DIM_ENV: &str = "ANETRAIN_ANE_MAX_DIM";
+
+/// `ANETRAIN_ANE_MAX_DIM` when set; an unusable value is an error naming
+/// the variable.
+pub fn max_dim_from_env() -> Result<Option<usize>, String> {
+    match std::env::var(MAX_DIM_ENV) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n >= 16 => Ok(Some(n)),
+            _ => Err(format!(
+                "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
+            )),
+        },
+    }
+}
+
+/// Timing constants `anetrain doctor` measured on this machine's engine;
+/// they replace the table's ([`crate::cost::Rates::with_measured`]).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    /// Median evaluation of a minimal program (ms).
+    pub dispatch_ms: f64,
+    /// `(flop, milliseconds)` of dynamic-weight matmul programs, dispatch
+    /// included, at shapes the kernels use.
+    pub matmuls: Vec<(f64, f64)>,
+    /// Host writes into an input surface (GB/s).
+    pub write_gbs: f64,
+    /// Compiling and loading one program (ms).
+    pub compile_ms: f64,
+    /// A program whose intermediate matrices are far larger than its
+    /// surfaces, timed (absent in profiles of older builds).
+    #[serde(default)]
+    pub scratch: Option<ScratchTiming>,
+}
+
+/// One timed evaluation of a program with large intermediates
+/// (`timing::scratch_chain`): what [`crate::cost::Rates::with_measured`] reads the
+/// scratch share from.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScratchTiming {
+    pub flop: f64,
+    /// Bytes of its input and output surfaces.
+    pub surface_bytes: f64,
+    /// Bytes of its intermediate matrices.
+    pub scratch_bytes: f64,
+    /// Median evaluation, dispatch included (ms).
+    pub ms: f64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -506,12 +571,12 @@ mod tests {
             device: "ane-sim".into(),
             limits: Family::M2.limits(),
             measured_at: 1,
-            timing: Some(crate::cost::Measured {
+            timing: Some(Measured {
                 dispatch_ms: 0.2,
                 matmuls: vec![(1e9, 0.5), (2e9, 0.9)],
                 write_gbs: 30.0,
                 compile_ms: 45.0,
-                scratch: Some(crate::cost::ScratchTiming {
+                scratch: Some(ScratchTiming {
                     flop: 8.6e9,
                     surface_bytes: 3.1e6,
                     scratch_bytes: 6.7e7,

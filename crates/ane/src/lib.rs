@@ -268,7 +268,7 @@ impl SimDevice {
     /// ([`ChipFaults`]) apply at evaluation.
     pub fn for_family(family: Family) -> SimDevice {
         let mut l = family.limits();
-        if let Ok(Some(n)) = rules::max_dim_from_env() {
+        if let Ok(Some(n)) = family::max_dim_from_env() {
             l = l.with_max_dim(n);
         }
         SimDevice {

@@ -21,38 +21,6 @@ pub struct Rule {
 
 pub use crate::family::Limits;
 
-impl Default for Limits {
-    /// The most conservative row of the family table ([`Limits::conservative`]),
-    /// both axis caps overridden by `ANETRAIN_ANE_MAX_DIM` when it holds a
-    /// usable number (see [`crate::family::Profile::in_force`] for the
-    /// limits of the chip at hand).
-    fn default() -> Limits {
-        let l = Limits::conservative();
-        match max_dim_from_env() {
-            Ok(Some(n)) => l.with_max_dim(n),
-            _ => l,
-        }
-    }
-}
-
-/// Overrides both axis caps: for chips that accept less (one report from
-/// an M5 says 4096), and to force tiling in tests.
-pub const MAX_DIM_ENV: &str = "ANETRAIN_ANE_MAX_DIM";
-
-/// `ANETRAIN_ANE_MAX_DIM` when set; an unusable value is an error naming
-/// the variable.
-pub fn max_dim_from_env() -> Result<Option<usize>, String> {
-    match std::env::var(MAX_DIM_ENV) {
-        Err(_) => Ok(None),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n >= 16 => Ok(Some(n)),
-            _ => Err(format!(
-                "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
-            )),
-        },
-    }
-}
-
 /// A rule broken by a program.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Finding {

@@ -21,7 +21,7 @@ use std::time::Instant;
 use mil::builder::Value;
 use mil::{DType, Ty};
 
-use crate::cost::{Measured, ScratchTiming};
+use crate::family::{Measured, ScratchTiming};
 use crate::Device;
 
 /// Programs [`measure`] compiles.

@@ -10,8 +10,9 @@ mod common;
 use std::path::PathBuf;
 
 use anetrain::engine::Engine;
-use anetrain::model::params::StoredDtype;
-use anetrain::model::quant::{quantize, round_to};
+use anetrain::model::dtype::round_to;
+use anetrain::model::dtype::StoredDtype;
+use anetrain::model::quant::quantize;
 use anetrain::model::tensor_file::{self, Mapped};
 use anetrain::model::Model;
 

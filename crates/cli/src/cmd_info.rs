@@ -58,8 +58,8 @@ pub fn run() {
             for (what, v) in p.limits.describe() {
                 println!("  {what:<26} {v}");
             }
-            if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
-                println!("  (axis caps from {})", ane::rules::MAX_DIM_ENV);
+            if std::env::var_os(ane::family::MAX_DIM_ENV).is_some() {
+                println!("  (axis caps from {})", ane::family::MAX_DIM_ENV);
             }
         }
         Err(e) => println!("chip family: {e}"),

@@ -192,8 +192,8 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         lora_rank.map_or(String::new(), |r| format!(", LoRA rank {r} on all projections")),
         plan.limits.max_spatial,
         plan.limits.max_channel,
-        if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() {
-            format!(" (from {})", ane::rules::MAX_DIM_ENV)
+        if std::env::var_os(ane::family::MAX_DIM_ENV).is_some() {
+            format!(" (from {})", ane::family::MAX_DIM_ENV)
         } else {
             String::new()
         }

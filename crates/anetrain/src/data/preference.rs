@@ -26,7 +26,7 @@ use std::path::Path;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{Map, Value};
 
-use crate::data::records::Example;
+use crate::data::records::{is_pair, Example};
 use crate::data::tokenizer::Tokenizer;
 
 /// One preference pair: the same prompt with the better (`chosen`) and
@@ -62,11 +62,6 @@ fn is_conversation(v: &Value) -> bool {
         .and_then(|l| l.first())
         .and_then(Value::as_object)
         .is_some_and(|m| m.contains_key("role"))
-}
-
-/// Whether a record looks like a preference pair (for hints elsewhere).
-pub fn is_pair(obj: &Map<String, Value>) -> bool {
-    obj.contains_key("chosen") && obj.contains_key("rejected")
 }
 
 /// The explicit `(prompt, chosen, rejected)` of a record: TRL's

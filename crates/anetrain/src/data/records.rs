@@ -197,7 +197,7 @@ pub fn read_file(
     let shown = path.display().to_string();
     let parsed = read_jsonl(path)?;
     let (first_line, first) = &parsed[0];
-    if crate::data::preference::is_pair(first) && detect(first, keys).is_none() {
+    if is_pair(first) && detect(first, keys).is_none() {
         bail!(
             "'{shown}' line {first_line} holds preference pairs (\"chosen\", \"rejected\"): train on them with --objective dpo or --objective orpo"
         );
@@ -501,6 +501,13 @@ pub fn draws(n: usize, seed: u64, cursor: u64, count: usize) -> Vec<usize> {
 /// The record index of draw `cursor` (see [`draws`]).
 pub fn shuffled_index(n: usize, seed: u64, cursor: u64) -> usize {
     draws(n, seed, cursor, 1)[0]
+}
+
+/// Whether a record looks like a preference pair (a `chosen` and a
+/// `rejected` answer): what `data::preference` reads, and what SFT's
+/// readers refuse with a hint.
+pub fn is_pair(obj: &Map<String, Value>) -> bool {
+    obj.contains_key("chosen") && obj.contains_key("rejected")
 }
 
 #[cfg(test)]

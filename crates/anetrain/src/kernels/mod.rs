@@ -237,7 +237,7 @@ pub struct KernelOptions {
     /// What `anetrain doctor` measured on this machine's engine (its
     /// profile's family and timing): used in place of the table's rates
     /// when `cost_family` is that family ([`KernelOptions::cost_rates`]).
-    pub cost_measured: Option<(ane::family::Family, ane::cost::Measured)>,
+    pub cost_measured: Option<(ane::family::Family, ane::family::Measured)>,
     /// Run a tiled attention backward as the fused `sdpa_backward` (P and
     /// dP kept on the device) where the cost model predicts it faster
     /// than the pair; off, `sdpa_backward1`/`sdpa_backward2` always run

@@ -2,6 +2,7 @@
 //! and shapes, LoRA adapters, and Hugging Face directories on disk.
 
 pub mod config;
+pub mod dtype;
 pub mod generation;
 pub mod lora;
 pub mod params;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use half::{bf16, f16};
 
 use crate::model::config::ModelConfig;
+use crate::model::dtype::StoredDtype;
 
 /// One parameter tensor.
 #[derive(Clone, Debug, PartialEq)]
@@ -24,31 +25,6 @@ pub struct Param {
     pub stored: Option<Stored>,
     /// Weight decay applies (matrices and embeddings, never norm weights).
     pub decay: bool,
-}
-
-/// The element types a frozen tensor can stay in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoredDtype {
-    F32,
-    F16,
-    BF16,
-}
-
-impl StoredDtype {
-    pub fn bytes(self) -> usize {
-        match self {
-            StoredDtype::F32 => 4,
-            StoredDtype::F16 | StoredDtype::BF16 => 2,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            StoredDtype::F32 => "f32",
-            StoredDtype::F16 => "f16",
-            StoredDtype::BF16 => "bf16",
-        }
-    }
 }
 
 /// A tensor's bytes inside a memory-mapped safetensors file. The mapping is
@@ -552,4 +528,30 @@ impl Projection {
             Projection::Down => (dim, hidden),
         }
     }
+}
+
+/// A frozen matrix (`[rows, cols]`, values of `dtype`) quantized into a
+/// stored tensor of its own memory, read as any quantized base's.
+pub fn quantized_stored(
+    values: &[f32],
+    cols: usize,
+    spec: crate::model::quant::QuantSpec,
+    dtype: StoredDtype,
+) -> std::io::Result<Stored> {
+    use crate::model::dtype::encode;
+    use crate::model::quant::quantize;
+    let q = quantize(values, cols, spec, dtype);
+    let words: Vec<u8> = q.packed.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let groups = q.scales.len();
+    Stored::owned(
+        &words,
+        values.len(),
+        dtype,
+        Some(Affine {
+            spec,
+            cols,
+            scales: Stored::owned(&encode(&q.scales, dtype), groups, dtype, None)?,
+            biases: Stored::owned(&encode(&q.biases, dtype), groups, dtype, None)?,
+        }),
+    )
 }

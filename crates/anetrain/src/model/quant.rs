@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::model::params::StoredDtype;
+use crate::model::dtype::{round_to, StoredDtype};
 
 /// Bits per value and values per group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,30 +147,6 @@ impl Quantization {
     }
 }
 
-impl Quantization {
-    /// Bytes of a configuration's matrices stored with this quantization:
-    /// packed words plus a scale and a bias per group, in `dtype`; a matrix
-    /// it leaves unquantized (listed as such, or too narrow for its
-    /// groups) in `dtype`.
-    pub fn matrix_bytes(&self, cfg: &crate::model::config::ModelConfig, dtype: StoredDtype) -> u64 {
-        let b = dtype.bytes() as u64;
-        crate::model::matrix_shapes(cfg)
-            .iter()
-            .map(|(name, rows, cols)| {
-                let (rows, cols) = (*rows as u64, *cols as u64);
-                let module = name.strip_suffix(".weight").unwrap_or(name);
-                match self.of(module).filter(|s| s.fits(cols as usize)) {
-                    Some(s) => {
-                        rows * cols * s.bits as u64 / 8
-                            + 2 * rows * (cols / s.group_size as u64) * b
-                    }
-                    None => rows * cols * b,
-                }
-            })
-            .sum()
-    }
-}
-
 /// A matrix quantized: `packed` `[rows, words(cols)]`, `scales` and
 /// `biases` `[rows, cols/group_size]` (values of the checkpoint's dtype).
 #[derive(Clone, Debug, PartialEq)]
@@ -178,63 +154,6 @@ pub struct Quantized {
     pub packed: Vec<u32>,
     pub scales: Vec<f32>,
     pub biases: Vec<f32>,
-}
-
-/// `v` rounded to `dtype` (to nearest, ties to even) and back.
-#[inline]
-pub fn round_to(v: f32, dtype: StoredDtype) -> f32 {
-    match dtype {
-        StoredDtype::F32 => v,
-        StoredDtype::F16 => half::f16::from_f32(v).to_f32(),
-        // bf16 is f32's top half: add half an ulp of it (ties to the even
-        // neighbour) and cut; what `half` computes, inline (dequantization
-        // rounds twice a value). NaN keeps its bits.
-        StoredDtype::BF16 if v.is_nan() => v,
-        StoredDtype::BF16 => {
-            let b = v.to_bits();
-            f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
-        }
-    }
-}
-
-/// f32 values (already values of `dtype`) as `dtype`'s bytes.
-pub fn encode(values: &[f32], dtype: StoredDtype) -> Vec<u8> {
-    match dtype {
-        StoredDtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        StoredDtype::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        StoredDtype::BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-    }
-}
-
-/// A frozen matrix (`[rows, cols]`, values of `dtype`) quantized into a
-/// stored tensor of its own memory, read as any quantized base's.
-pub fn quantized_stored(
-    values: &[f32],
-    cols: usize,
-    spec: QuantSpec,
-    dtype: StoredDtype,
-) -> std::io::Result<crate::model::params::Stored> {
-    use crate::model::params::{Affine, Stored};
-    let q = quantize(values, cols, spec, dtype);
-    let words: Vec<u8> = q.packed.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let groups = q.scales.len();
-    Stored::owned(
-        &words,
-        values.len(),
-        dtype,
-        Some(Affine {
-            spec,
-            cols,
-            scales: Stored::owned(&encode(&q.scales, dtype), groups, dtype, None)?,
-            biases: Stored::owned(&encode(&q.biases, dtype), groups, dtype, None)?,
-        }),
-    )
 }
 
 /// Quantizes `w` (`[rows, cols]`, values of `dtype`) as mlx does: each
@@ -480,6 +399,7 @@ impl Unit for u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::params::quantized_stored;
 
     #[test]
     fn the_bit_stream_holds_every_width() {

@@ -11,7 +11,8 @@ use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensorError, SafeTensors, TensorView};
 
-use crate::model::params::{Stored, StoredDtype};
+use crate::model::dtype::StoredDtype;
+use crate::model::params::Stored;
 
 /// One tensor decoded to f32.
 #[derive(Clone, Debug, PartialEq)]
@@ -187,7 +188,7 @@ pub fn encode_as(
     metadata: &[(&str, &str)],
     dtype: StoredDtype,
 ) -> Result<Vec<u8>> {
-    use crate::model::quant::{encode as encode_values, round_to};
+    use crate::model::dtype::{encode as encode_values, round_to};
     let st = match dtype {
         StoredDtype::F32 => return encode(tensors, metadata),
         StoredDtype::F16 => Dtype::F16,

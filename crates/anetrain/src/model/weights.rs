@@ -8,8 +8,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use crate::model::config::{Arch, ModelConfig};
+pub use crate::model::dtype::StoredDtype;
 use crate::model::lora::Lora;
-pub use crate::model::params::{LayerIds, Param, Projection, Stored, StoredDtype};
+pub use crate::model::params::{LayerIds, Param, Projection, Stored};
 use crate::model::tensor_file;
 use crate::util::fsutil::write_atomic;
 use crate::util::rng::Rng;
@@ -296,7 +297,7 @@ impl Model {
                 continue;
             }
             let values = p.values();
-            let q = crate::model::quant::quantized_stored(&values, cols, spec, s.dtype)
+            let q = crate::model::params::quantized_stored(&values, cols, spec, s.dtype)
                 .context("cannot allocate the quantized base")?;
             s.release();
             p.stored = Some(q);

@@ -215,7 +215,7 @@ mod tests {
     fn measured_timing_replaces_the_table_for_its_family() {
         use ane::family::{Family, Profile, Source};
         let mut p = Profile::of(Family::M4, Source::Env);
-        p.timing = Some(ane::cost::Measured {
+        p.timing = Some(ane::family::Measured {
             dispatch_ms: 0.5,
             matmuls: vec![],
             write_gbs: 5.0,

@@ -31,6 +31,7 @@ use crate::device::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelKind, KernelOptions, Shape};
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
+use crate::model::quant::Quantization;
 use crate::model::source::ModelSource;
 use crate::model::StoredDtype;
 
@@ -278,7 +279,7 @@ fn resident_parts(r: &PlanRequest) -> Vec<Part> {
         BaseWeights::Mapped(dt) => match &cfg.quantization {
             Some(q) => Part {
                 name: "base weights",
-                bytes: q.matrix_bytes(cfg, dt) + norms,
+                bytes: quantized_matrix_bytes(q, cfg, dt) + norms,
                 detail: format!(
                     "{params} parameters, {}-bit MLX quantized (groups of {}, {} scales), memory-mapped from the file",
                     q.default.bits,
@@ -728,6 +729,27 @@ pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
         return Err(SizeError::NotPositive(text.into()));
     }
     Ok((v * scale) as u64)
+}
+
+/// Bytes of a configuration's matrices stored with quantization `q`:
+/// packed words plus a scale and a bias per group, in `dtype`; a matrix
+/// it leaves unquantized (listed as such, or too narrow for its groups)
+/// in `dtype`.
+fn quantized_matrix_bytes(q: &Quantization, cfg: &ModelConfig, dtype: StoredDtype) -> u64 {
+    let b = dtype.bytes() as u64;
+    crate::model::matrix_shapes(cfg)
+        .iter()
+        .map(|(name, rows, cols)| {
+            let (rows, cols) = (*rows as u64, *cols as u64);
+            let module = name.strip_suffix(".weight").unwrap_or(name);
+            match q.of(module).filter(|s| s.fits(cols as usize)) {
+                Some(s) => {
+                    rows * cols * s.bits as u64 / 8 + 2 * rows * (cols / s.group_size as u64) * b
+                }
+                None => rows * cols * b,
+            }
+        })
+        .sum()
 }
 
 #[cfg(test)]

@@ -634,12 +634,12 @@ mod tests {
         use ane::family::Family;
         let table = Rates::of(Family::M4);
         let (flop, surfaces, scratch) = (8.6e9, 3.1e6, 6.7e7);
-        let measured = ane::cost::Measured {
+        let measured = ane::family::Measured {
             dispatch_ms: table.dispatch_ms,
             matmuls: vec![],
             write_gbs: table.copy_gbs,
             compile_ms: table.compile_ms,
-            scratch: Some(ane::cost::ScratchTiming {
+            scratch: Some(ane::family::ScratchTiming {
                 flop,
                 surface_bytes: surfaces,
                 scratch_bytes: scratch,
@@ -647,7 +647,7 @@ mod tests {
             }),
         };
         let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
-        let step = |measured: Option<ane::cost::Measured>, family: Family| {
+        let step = |measured: Option<ane::family::Measured>, family: Family| {
             let mut o = KernelOptions::hf(&cfg);
             (o.cost_family, o.limits) = (family, family.limits());
             o.cost_measured = measured.map(|m| (Family::M4, m));

@@ -158,7 +158,7 @@ fn measure_timing(
     device: &str,
     family: Option<ane::family::Family>,
     progress: &mut dyn FnMut(&str),
-) -> (Timing, Option<ane::cost::Measured>) {
+) -> (Timing, Option<ane::family::Measured>) {
     let table_family = family.unwrap_or(ane::family::Family::M1);
     let table = ane::cost::Rates::of(table_family);
     let mut t = Timing {
@@ -524,7 +524,7 @@ fn probe_family(
     device: &str,
     expected: &ane::family::Limits,
     family: Option<ane::family::Family>,
-    timing: Option<ane::cost::Measured>,
+    timing: Option<ane::family::Measured>,
     failures: &mut Vec<String>,
     progress: &mut dyn FnMut(&str),
 ) -> (Option<ane::probes::ProbeReport>, Vec<String>, String) {
@@ -577,9 +577,9 @@ fn probe_family(
                 // The simulator plays a family's table row back: saving it
                 // would make later runs say the chip was measured.
                 _ if device != "ane" => "not saved: measured on the simulator, which says nothing about a chip (ANETRAIN_ANE_FAMILY or --sim-family pick a family's limits)".to_string(),
-                _ if std::env::var_os(ane::rules::MAX_DIM_ENV).is_some() => format!(
+                _ if std::env::var_os(ane::family::MAX_DIM_ENV).is_some() => format!(
                     "not saved: {} is set, so the axis caps measured are its",
-                    ane::rules::MAX_DIM_ENV
+                    ane::family::MAX_DIM_ENV
                 ),
                 Some(path) => match ane::family::save(&saved, &path) {
                     Ok(()) => format!(
@@ -747,7 +747,7 @@ impl Report {
             m,
             "* host: {} ({}, {}), {} CPU threads\n* device: **{}** — {}\n* matrix multiply: {}\n* model: {} at seq {}\n* chip family: {}\n* axis caps: spatial {}, channel {} ({} overrides); a tiled kernel's row checks one tile\n",
             h.chip, h.os_version, h.arch, h.cpu_threads, self.device, self.device_note, self.matmul, self.model, self.seq,
-            self.family, self.limits.max_spatial, self.limits.max_channel, ane::rules::MAX_DIM_ENV
+            self.family, self.limits.max_spatial, self.limits.max_channel, ane::family::MAX_DIM_ENV
         );
         if let Some(p) = &self.probes {
             let _ = writeln!(

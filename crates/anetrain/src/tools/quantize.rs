@@ -17,9 +17,10 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use safetensors::tensor::Dtype;
 
+use crate::model::dtype::StoredDtype;
+use crate::model::dtype::{encode, round_to};
 use crate::model::params::Param;
-use crate::model::params::StoredDtype;
-use crate::model::quant::{encode, quantize, round_to, QuantSpec, Quantization};
+use crate::model::quant::{quantize, QuantSpec, Quantization};
 use crate::model::Model;
 use crate::util::fsutil::write_atomic;
 

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 
+use super::event::StepRecord;
 use super::preference::PreferenceMetrics;
-use super::run::StepStats;
 use crate::util::fsutil::write_atomic;
 
 /// Drops metrics lines of steps after `step` (left by a run killed after
@@ -59,7 +59,7 @@ impl Metrics {
     pub(super) fn log_step(
         &mut self,
         step: u64,
-        st: &StepStats,
+        st: &StepRecord,
         tokens_per_s: f64,
         total: f64,
     ) -> Result<()> {

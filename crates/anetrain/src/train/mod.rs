@@ -5,6 +5,7 @@
 //! stop.
 
 pub mod checkpoint;
+mod event;
 mod metrics;
 pub mod optim;
 pub mod preference;
@@ -14,6 +15,7 @@ mod settings;
 mod source;
 pub mod step;
 
-pub use run::{train, Event, Interrupted};
+pub use event::{Event, Interrupted};
+pub use run::train;
 pub use run_dir::{abandon_fresh_run, default_out};
 pub use settings::{settings_differences, MemoryOptions, Sample, TrainRequest, TrainSettings};

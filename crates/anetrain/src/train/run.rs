@@ -1,13 +1,14 @@
 //! The run: preflight checks, a fresh start or a resume, then the step
 //! loop with validation, metrics and checkpoints, reported as [`Event`]s.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 
 use super::checkpoint::{self, TrainerState};
+use super::event::{Event, Interrupted, StepRecord};
 use super::metrics::Metrics;
 use super::optim::{self, AdamW, LossScaler};
 use super::preference::{self, PairState, PreferenceMetrics, Reference};
@@ -25,63 +26,6 @@ use crate::model::source::ModelSource;
 use crate::model::Model;
 use crate::plan::memory::RunPlan;
 use crate::util::rng::Rng;
-
-/// A run stopped because the user asked (a signal), its last completed
-/// step saved: not a failure, so the command line reports it as a plain
-/// line and exits with 130, as a shell does for an interrupted command.
-#[derive(Debug)]
-pub struct Interrupted(pub String);
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for Interrupted {}
-
-/// What a run reports as it goes.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// Before the first step.
-    Started {
-        model: String,
-        params: usize,
-        train_tokens: usize,
-        val_tokens: usize,
-        out: PathBuf,
-        /// `(rank, alpha, projections, trainable parameters)` with LoRA.
-        lora: Option<(usize, f64, Vec<&'static str>, usize)>,
-        /// The step a resumed run continues from.
-        resumed_at: Option<u64>,
-        steps: u64,
-    },
-    /// Something the user should know, in one line.
-    Note(String),
-    /// Something that is probably a mistake, in one line; the run goes on.
-    Warning(String),
-    /// Step `step` (1-based) was skipped: its loss or gradients were not
-    /// finite.
-    Skipped { step: u64, reason: String },
-    /// Step `step` (1-based) of `steps` finished; `val` is the validation
-    /// loss when this step evaluated it.
-    Step {
-        step: u64,
-        steps: u64,
-        loss: f64,
-        val: Option<f64>,
-        lr: f64,
-        /// A preference step's metrics, and the validation pairs' when
-        /// this step evaluated them.
-        preference: Option<PreferenceMetrics>,
-        val_preference: Option<PreferenceMetrics>,
-        tokens_per_s: f64,
-        /// Seconds left at this run's pace.
-        eta_s: f64,
-    },
-    /// Every step ran and the last checkpoint is saved.
-    Finished { steps: u64, out: PathBuf },
-}
 
 /// Attaches the adapters a LoRA run starts from: `--init-adapter`'s, else
 /// fresh ones.
@@ -415,23 +359,6 @@ pub(super) struct Run<'a> {
     pub(super) pairs: PairState,
 }
 
-/// What one optimizer step did.
-pub(super) struct StepStats {
-    /// Mean loss over the step's targets.
-    pub(super) loss: f64,
-    /// Tokens the step read.
-    pub(super) tokens: usize,
-    pub(super) lr: f64,
-    pub(super) grad_norm: f64,
-    /// Whether the update was applied (loss and gradients finite).
-    pub(super) finite: bool,
-    pub(super) loss_scale: f64,
-    /// Seconds in forward, loss, backward and the optimizer.
-    pub(super) times: [f64; 4],
-    /// A preference step's metrics, under TRL's names.
-    pub(super) preference: Option<PreferenceMetrics>,
-}
-
 impl Run<'_> {
     fn go<R: KernelRunner>(
         &mut self,
@@ -550,7 +477,7 @@ impl Run<'_> {
     fn skipped(
         &mut self,
         state: &TrainerState,
-        st: &StepStats,
+        st: &StepRecord,
         consecutive_skips: &mut u32,
     ) -> Result<()> {
         let overflow = state.scaler.dynamic && st.loss.is_finite() && state.scaler.scale >= 1.0;
@@ -581,7 +508,7 @@ impl Run<'_> {
         state: &mut TrainerState,
         rng: &mut Rng,
         grads: &mut crate::engine::Grads,
-    ) -> Result<Option<StepStats>> {
+    ) -> Result<Option<StepRecord>> {
         let (r, s, corpus) = (self.r, self.s, self.corpus);
         let lr = optim::lr_at(
             state.step,
@@ -630,7 +557,7 @@ impl Run<'_> {
             state.scaler.update(update.finite);
             state.skipped += !update.finite as u64;
             let [t_fwd, t_loss, t_bwd] = pl.times;
-            return Ok(Some(StepStats {
+            return Ok(Some(StepRecord {
                 loss: pl.loss,
                 tokens: pl.tokens,
                 lr,
@@ -654,7 +581,7 @@ impl Run<'_> {
             state.skipped += 1;
         }
         let [t_fwd, t_loss, t_bwd] = st.batch.times;
-        Ok(Some(StepStats {
+        Ok(Some(StepRecord {
             loss: st.batch.loss,
             tokens: st.batch.tokens,
             lr,
@@ -717,7 +644,7 @@ impl Run<'_> {
     }
 
     /// Reports a skipped step: what was not finite and the loss scale now.
-    fn report_skip(&mut self, state: &TrainerState, st: &StepStats) {
+    fn report_skip(&mut self, state: &TrainerState, st: &StepRecord) {
         let reason = format!(
             "non-finite {}; step skipped{}",
             if st.loss.is_finite() {

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 
-use super::run::Event;
+use super::event::Event;
 use super::settings::{Sample, TrainSettings};
 use super::step;
 use crate::data::corpus;

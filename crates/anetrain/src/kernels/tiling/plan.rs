@@ -237,7 +237,7 @@ pub enum PlanError {
     /// No split of the kernel's tiled axes fits the device's axis caps.
     #[error(
         "{kernel}: no tiling fits the device's axis caps (spatial {max_spatial}, channel {max_channel}; {env} sets both): split as far as {axes} allow{plural}, {problem}{keys}",
-        env = ane::rules::MAX_DIM_ENV,
+        env = ane::family::MAX_DIM_ENV,
         axes = .axes.iter().map(|(a, n)| format!("the {a} ({n})")).collect::<Vec<_>>().join(" and "),
         plural = if .axes.len() == 1 { "s" } else { "" },
         keys = .attends_over.map_or(String::new(), |seq| format!("; attention reads all {seq} keys in every tile, so the sequence (and, in sdpa_forward, a tile's weights beside it) must fit the spatial cap: use a shorter --seq")),
