@@ -82,7 +82,7 @@ pub fn merge(a: MergeArgs) -> Result<()> {
     writable_dir(out, a.force, "merged model")?;
     let dtype = match dtype_flag(a.dtype.as_deref()) {
         Some(d) => d,
-        None => anetrain::plan::memory::file_dtype(model)?,
+        None => anetrain::model::file_dtype(model)?,
     };
     let merged = load_model(model, Some(adapter), true)?;
     if let Some(q) = &merged.cfg.quantization {

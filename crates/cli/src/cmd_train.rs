@@ -325,7 +325,7 @@ impl MemoryArgs {
 }
 
 fn max_memory(v: &str) -> Result<u64, String> {
-    anetrain::plan::memory::parse_bytes(v).map_err(|e| e.to_string())
+    anetrain::util::mem::parse_bytes(v).map_err(|e| e.to_string())
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {

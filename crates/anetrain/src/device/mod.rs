@@ -3,11 +3,13 @@
 //! ([`NeuralKernels`]), and the choice between them ([`backend`]).
 
 pub mod backend;
+mod buffers;
 mod cpu;
 mod neural;
 
+pub use buffers::DeviceBuffers;
 pub use cpu::{CpuKernels, HEAD_CHUNK_ROWS};
-pub use neural::{DeviceBuffers, NeuralKernels};
+pub use neural::NeuralKernels;
 
 use anyhow::Result;
 

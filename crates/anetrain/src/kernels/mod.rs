@@ -20,6 +20,7 @@ pub mod check;
 pub mod io;
 pub mod layout;
 pub mod maths;
+mod positions;
 mod program;
 mod projections_backward;
 pub mod tiling;
@@ -60,6 +61,8 @@ pub use head_forward::HeadForward;
 pub use io::{Activations, LayerWeights, Outputs, Port, Tensors};
 pub use kv_backward::KvBackward;
 pub use layout::{Encoding, KernelLayout, LayoutBuilder};
+pub(crate) use positions::MASKED;
+pub use positions::{causal_mask, rope_rotation, rope_row, rope_tables};
 pub use program::Gen;
 pub use q_backward::QBackward;
 pub use sdpa_backward::SdpaBackward;
@@ -848,81 +851,3 @@ pub(crate) const BLOB_SIN: &str = "rope_sin.bin";
 pub(crate) const BLOB_ROT: &str = "rope_rot_";
 /// Zero channels padding an output, `zeros_{channels}x{seq}.bin`.
 pub(crate) const BLOB_ZEROS: &str = "zeros_";
-
-/// What an additive mask adds to a score a query must not see: fp16's
-/// lowest finite value (−inf would turn fully masked rows into NaN).
-pub(crate) const MASKED: f32 = -65504.0;
-
-/// Additive causal mask for `ratio` query heads folded along the sequence:
-/// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` with −65504 (fp16's
-/// lowest finite value; −inf would turn fully masked rows into NaN).
-pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
-    let mut m = vec![0f32; ratio * seq * seq];
-    for row in 0..ratio * seq {
-        let i = row % seq;
-        for j in i + 1..seq {
-            m[row * seq + j] = MASKED;
-        }
-    }
-    m
-}
-
-/// RoPE's rotation as `heads` copies of a signed permutation `R [HD, HD]`
-/// with `x·R = rotate(x)` for a row `x [HD]`: half-split,
-/// `rotate(x) = concat(−x[HD/2..], x[..HD/2])`; interleaved, pairs
-/// `(x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)`.
-pub fn rope_rotation(heads: usize, hd: usize, rope: Rope) -> Vec<f32> {
-    let mut r = vec![0f32; hd * hd];
-    let half = hd / 2;
-    for j in 0..hd {
-        // output column j takes sign · x[i]
-        let (i, sign) = match rope {
-            Rope::HalfSplit if j < half => (j + half, -1.0),
-            Rope::HalfSplit => (j - half, 1.0),
-            Rope::Interleaved if j % 2 == 0 => (j + 1, -1.0),
-            Rope::Interleaved => (j - 1, 1.0),
-        };
-        r[i * hd + j] = sign;
-    }
-    r.repeat(heads)
-}
-
-/// RoPE tables `cos, sin [S, HD]` for positions 0..S.
-///
-/// Half-split (Hugging Face): column c uses frequency index `c mod HD/2`;
-/// inverse frequencies and angles are computed in f32 exactly as
-/// `transformers` does. Interleaved (seed): columns 2i and 2i+1 share index i.
-pub fn rope_tables(seq: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
-    let mut cos = Vec::with_capacity(seq * hd);
-    let mut sin = Vec::with_capacity(seq * hd);
-    for p in 0..seq {
-        let (c, s) = rope_row(p, hd, theta, rope);
-        cos.extend(c);
-        sin.extend(s);
-    }
-    (cos, sin)
-}
-
-/// One position's RoPE row (`cos, sin [HD]`), see [`rope_tables`].
-pub fn rope_row(pos: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
-    let half = hd / 2;
-    let mut cos = vec![0f32; hd];
-    let mut sin = vec![0f32; hd];
-    for c in 0..hd {
-        let i = match rope {
-            Rope::HalfSplit => c % half,
-            Rope::Interleaved => c / 2,
-        };
-        let angle = match rope {
-            // transformers: inv_freq = 1 / θ^(2i/HD) in f32, angle = p·inv_freq in f32
-            Rope::HalfSplit => {
-                pos as f32 * (1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32))
-            }
-            // the seed: angle = p / powf(θ, 2i/HD) in f32
-            Rope::Interleaved => pos as f32 / (theta as f32).powf((2 * i) as f32 / hd as f32),
-        };
-        cos[c] = (angle as f64).cos() as f32;
-        sin[c] = (angle as f64).sin() as f32;
-    }
-    (cos, sin)
-}

@@ -586,3 +586,28 @@ impl Model {
         self.version += 1;
     }
 }
+
+/// The dtype a model directory's first matrix is stored in (read from the
+/// safetensors header; nothing is loaded); for a config without weights
+/// beside it, bf16, the dtype Hugging Face checkpoints are published in.
+pub fn file_dtype(model: &Path) -> Result<StoredDtype> {
+    let has_weights = ["model.safetensors", "model.safetensors.index.json"]
+        .iter()
+        .any(|f| model.join(f).is_file());
+    if !has_weights {
+        return Ok(StoredDtype::BF16);
+    }
+    for f in &safetensor_files(model)? {
+        use crate::model::tensor_file::Mapped;
+        let first = crate::model::tensor_file::map(f)?
+            .into_values()
+            .find_map(|t| match t {
+                Mapped::Values(shape, s) if shape.len() == 2 => Some(s.dtype),
+                _ => None,
+            });
+        if let Some(dtype) = first {
+            return Ok(dtype);
+        }
+    }
+    bail!("'{}' holds no weight matrices", model.display())
+}

@@ -19,8 +19,6 @@
 //!   the simulator's f32 copy of an evaluation. (A checkpoint is written
 //!   as it is encoded, `tensor_file::write_to`: it adds nothing.)
 
-use std::path::Path;
-
 use serde::Serialize;
 
 use crate::device::backend::Backend;
@@ -475,31 +473,6 @@ pub struct MemoryOptions {
     pub max_memory: Option<u64>,
 }
 
-/// The dtype a model directory's first matrix is stored in (read from the
-/// safetensors header; nothing is loaded); for a config without weights
-/// beside it, bf16, the dtype Hugging Face checkpoints are published in.
-pub fn file_dtype(model: &Path) -> anyhow::Result<StoredDtype> {
-    let has_weights = ["model.safetensors", "model.safetensors.index.json"]
-        .iter()
-        .any(|f| model.join(f).is_file());
-    if !has_weights {
-        return Ok(StoredDtype::BF16);
-    }
-    for f in &crate::model::safetensor_files(model)? {
-        use crate::model::tensor_file::Mapped;
-        let first = crate::model::tensor_file::map(f)?
-            .into_values()
-            .find_map(|t| match t {
-                Mapped::Values(shape, s) if shape.len() == 2 => Some(s.dtype),
-                _ => None,
-            });
-        if let Some(dtype) = first {
-            return Ok(dtype);
-        }
-    }
-    anyhow::bail!("'{}' holds no weight matrices", model.display())
-}
-
 /// A training run's plan: the device buffer mode it settles and the limit
 /// it is held to.
 pub struct RunPlan {
@@ -538,7 +511,7 @@ impl RunPlan {
     ) -> anyhow::Result<RunPlan> {
         let cfg = model.config.clone();
         let base = match (lora, model.dir()) {
-            (Some(_), Some(dir)) => BaseWeights::Mapped(file_dtype(dir)?),
+            (Some(_), Some(dir)) => BaseWeights::Mapped(crate::model::file_dtype(dir)?),
             _ => BaseWeights::F32,
         };
         let device = backend != Backend::Cpu;
@@ -660,75 +633,10 @@ impl RunPlan {
     }
 }
 
-/// Physical memory of this machine in bytes, if known.
-pub fn physical_memory() -> Option<u64> {
-    #[cfg(target_os = "linux")]
-    {
-        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
-        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kb * 1024)
-    }
-    #[cfg(target_os = "macos")]
-    {
-        let mut size: u64 = 0;
-        let mut len = std::mem::size_of::<u64>();
-        // SAFETY: hw.memsize is a u64; the buffer and its length match.
-        let rc = unsafe {
-            libc::sysctlbyname(
-                c"hw.memsize".as_ptr(),
-                (&mut size as *mut u64).cast(),
-                &mut len,
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        (rc == 0).then_some(size)
-    }
-    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
-    {
-        None
-    }
-}
-
 /// The default `--max-memory`: physical memory less 2 GB for the system
 /// and other programs.
 pub fn default_max_memory() -> Option<u64> {
-    physical_memory().map(|m| m.saturating_sub(2_000_000_000))
-}
-
-/// A byte count that does not parse.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum SizeError {
-    #[error("'{0}': not a size (e.g. 16G, 800M)")]
-    NotASize(String),
-    #[error("'{0}': a size must be positive")]
-    NotPositive(String),
-}
-
-/// Parses a byte count: `16G`, `16GB`, `12.5G`, `800M`, `1024K` or plain
-/// bytes (decimal units, as the plan prints).
-pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
-    let t = text.trim();
-    let upper = t.to_ascii_uppercase();
-    let (num, unit) = match upper.trim_end_matches('B').char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c),
-        _ => (upper.trim_end_matches('B'), ' '),
-    };
-    let not_a_size = || SizeError::NotASize(text.into());
-    let scale = match unit {
-        ' ' => 1.0,
-        'K' => 1e3,
-        'M' => 1e6,
-        'G' => 1e9,
-        'T' => 1e12,
-        _ => return Err(not_a_size()),
-    };
-    let v: f64 = num.trim().parse().map_err(|_| not_a_size())?;
-    if !(v.is_finite() && v > 0.0) {
-        return Err(SizeError::NotPositive(text.into()));
-    }
-    Ok((v * scale) as u64)
+    crate::util::mem::physical_memory().map(|m| m.saturating_sub(2_000_000_000))
 }
 
 /// Bytes of a configuration's matrices stored with quantization `q`:
@@ -755,16 +663,6 @@ fn quantized_matrix_bytes(q: &Quantization, cfg: &ModelConfig, dtype: StoredDtyp
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_in_decimal_units() {
-        assert_eq!(parse_bytes("16G"), Ok(16_000_000_000));
-        assert_eq!(parse_bytes("12.5GB"), Ok(12_500_000_000));
-        assert_eq!(parse_bytes("800m"), Ok(800_000_000));
-        assert_eq!(parse_bytes("4096"), Ok(4096));
-        assert!(parse_bytes("lots").is_err());
-        assert!(parse_bytes("-1G").is_err());
-    }
 
     /// Checkpointing keeps one layer's activations instead of all of them;
     /// streamed buffers two sets instead of one per layer; a mapped bf16

@@ -97,7 +97,7 @@ pub fn quantize_dir(
     if m.cfg.quantization.is_some() {
         bail!("'{}' is already quantized", model.display());
     }
-    let source = crate::plan::memory::file_dtype(model)?;
+    let source = crate::model::file_dtype(model)?;
     let dtype = dtype.unwrap_or(source);
     // Every packed word tensor first, so each starts 4-byte aligned (as
     // the safetensors crate orders by alignment); the float tensors after.

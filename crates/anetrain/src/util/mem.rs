@@ -1,4 +1,5 @@
-//! Process-wide memory policy.
+//! Memory: the process-wide allocator policy, the machine's physical
+//! memory, and byte counts as users write them.
 
 /// Asks glibc's allocator to keep freed memory for reuse instead of handing
 /// it back to the kernel. A training step allocates and frees the same
@@ -46,4 +47,84 @@ pub fn zeroed_huge(n: usize) -> Vec<f32> {
         }
     }
     v
+}
+
+/// Physical memory of this machine in bytes, if known.
+pub fn physical_memory() -> Option<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+    #[cfg(target_os = "macos")]
+    {
+        let mut size: u64 = 0;
+        let mut len = std::mem::size_of::<u64>();
+        // SAFETY: hw.memsize is a u64; the buffer and its length match.
+        let rc = unsafe {
+            libc::sysctlbyname(
+                c"hw.memsize".as_ptr(),
+                (&mut size as *mut u64).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        (rc == 0).then_some(size)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        None
+    }
+}
+
+/// A byte count that does not parse.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum SizeError {
+    #[error("'{0}': not a size (e.g. 16G, 800M)")]
+    NotASize(String),
+    #[error("'{0}': a size must be positive")]
+    NotPositive(String),
+}
+
+/// Parses a byte count: `16G`, `16GB`, `12.5G`, `800M`, `1024K` or plain
+/// bytes (decimal units, as the plan prints).
+pub fn parse_bytes(text: &str) -> Result<u64, SizeError> {
+    let t = text.trim();
+    let upper = t.to_ascii_uppercase();
+    let (num, unit) = match upper.trim_end_matches('B').char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&t[..i], c),
+        _ => (upper.trim_end_matches('B'), ' '),
+    };
+    let not_a_size = || SizeError::NotASize(text.into());
+    let scale = match unit {
+        ' ' => 1.0,
+        'K' => 1e3,
+        'M' => 1e6,
+        'G' => 1e9,
+        'T' => 1e12,
+        _ => return Err(not_a_size()),
+    };
+    let v: f64 = num.trim().parse().map_err(|_| not_a_size())?;
+    if !(v.is_finite() && v > 0.0) {
+        return Err(SizeError::NotPositive(text.into()));
+    }
+    Ok((v * scale) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_in_decimal_units() {
+        assert_eq!(parse_bytes("16G"), Ok(16_000_000_000));
+        assert_eq!(parse_bytes("12.5GB"), Ok(12_500_000_000));
+        assert_eq!(parse_bytes("800m"), Ok(800_000_000));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("-1G").is_err());
+    }
 }
