@@ -26,6 +26,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::error::Error;
+
 /// Names the family whose limits kernels are built for (`m1` … `m5`).
 pub const FAMILY_ENV: &str = "ANETRAIN_ANE_FAMILY";
 /// Makes the simulated device play a family's faults (`m1` … `m5`).
@@ -107,11 +109,11 @@ impl Family {
     }
 
     /// Parses `m1` … `m5` (any case); an error lists the accepted names.
-    pub fn parse(s: &str) -> Result<Family, String> {
+    pub fn parse(s: &str) -> Result<Family, Error> {
         Family::ALL
             .into_iter()
             .find(|f| f.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| format!("'{s}' is not a chip family (use one of m1, m2, m3, m4, m5)"))
+            .ok_or_else(|| Error::UnknownFamily { given: s.into() })
     }
 
     /// The family of a CPU brand string (`Apple M2 Pro` → M2). The
@@ -332,54 +334,68 @@ pub fn chip_key() -> String {
 pub const SIMULATED_CHIP: &str = "simulated";
 
 /// `ANETRAIN_SIM_FAMILY` as a family; an unusable value is an error.
-pub fn sim_family_from_env() -> Result<Option<Family>, String> {
+pub fn sim_family_from_env() -> Result<Option<Family>, Error> {
     family_env(SIM_FAMILY_ENV)
 }
 
-fn family_env(var: &str) -> Result<Option<Family>, String> {
+fn family_env(var: &'static str) -> Result<Option<Family>, Error> {
     match std::env::var(var) {
         Err(_) => Ok(None),
         Ok(v) if v.trim().is_empty() => Ok(None),
-        Ok(v) => Family::parse(&v)
-            .map(Some)
-            .map_err(|e| format!("{var}: {e}")),
+        Ok(v) => Family::parse(&v).map(Some).map_err(|e| Error::Variable {
+            var,
+            reason: Box::new(e),
+        }),
     }
 }
 
 /// Reads the saved profile at `path` if there is one for this chip; a
 /// profile that does not parse is an error naming the file.
-pub fn load_saved(path: &std::path::Path) -> Result<Option<SavedProfile>, String> {
+pub fn load_saved(path: &std::path::Path) -> Result<Option<SavedProfile>, Error> {
+    let problem = |problem: String| Error::Profile {
+        path: path.into(),
+        problem,
+    };
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(problem(e.to_string())),
     };
     let p: SavedProfile = serde_json::from_str(&text).map_err(|e| {
-        format!(
-            "{}: not a device profile ({e}); delete it or rerun `anetrain doctor`",
-            path.display()
-        )
+        problem(format!(
+            "not a device profile ({e}); delete it or rerun `anetrain doctor`"
+        ))
     })?;
     if p.format != PROFILE_FORMAT {
-        return Err(format!(
-            "{}: device profile format {} (this build reads {PROFILE_FORMAT}); rerun `anetrain doctor`",
-            path.display(),
+        return Err(problem(format!(
+            "device profile format {} (this build reads {PROFILE_FORMAT}); rerun `anetrain doctor`",
             p.format
-        ));
+        )));
     }
     Ok(Some(p))
 }
 
 /// Saves `p` at `path` atomically (a temporary file renamed into place).
-pub fn save(p: &SavedProfile, path: &std::path::Path) -> Result<(), String> {
-    let dir = path
-        .parent()
-        .ok_or_else(|| format!("{}: no parent directory", path.display()))?;
-    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+pub fn save(p: &SavedProfile, path: &std::path::Path) -> Result<(), Error> {
+    let at = |path: &std::path::Path| {
+        let path = path.to_path_buf();
+        move |e: std::io::Error| Error::Profile {
+            path,
+            problem: e.to_string(),
+        }
+    };
+    let dir = path.parent().ok_or_else(|| Error::Profile {
+        path: path.into(),
+        problem: "no parent directory".into(),
+    })?;
+    std::fs::create_dir_all(dir).map_err(at(dir))?;
     let tmp = path.with_extension("json.tmp");
-    let text = serde_json::to_string_pretty(p).map_err(|e| e.to_string())?;
-    std::fs::write(&tmp, text + "\n").map_err(|e| format!("{}: {e}", tmp.display()))?;
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))
+    let text = serde_json::to_string_pretty(p).map_err(|e| Error::Profile {
+        path: path.into(),
+        problem: e.to_string(),
+    })?;
+    std::fs::write(&tmp, text + "\n").map_err(at(&tmp))?;
+    std::fs::rename(&tmp, path).map_err(at(path))
 }
 
 impl Profile {
@@ -408,7 +424,7 @@ impl Profile {
     /// brand string, else the conservative row. `ANETRAIN_ANE_MAX_DIM`
     /// then overrides both axis caps. An unusable variable or a corrupt
     /// profile is an error naming it.
-    pub fn in_force() -> Result<Profile, String> {
+    pub fn in_force() -> Result<Profile, Error> {
         let mut p = Profile::unclamped()?;
         if let Some(n) = max_dim_from_env()? {
             p.limits = p.limits.with_max_dim(n);
@@ -416,7 +432,7 @@ impl Profile {
         Ok(p)
     }
 
-    fn unclamped() -> Result<Profile, String> {
+    fn unclamped() -> Result<Profile, Error> {
         if let Some(f) = family_env(FAMILY_ENV)? {
             return Ok(Profile::of(f, Source::Env));
         }
@@ -480,14 +496,15 @@ pub const MAX_DIM_ENV: &str = "ANETRAIN_ANE_MAX_DIM";
 
 /// `ANETRAIN_ANE_MAX_DIM` when set; an unusable value is an error naming
 /// the variable.
-pub fn max_dim_from_env() -> Result<Option<usize>, String> {
+pub fn max_dim_from_env() -> Result<Option<usize>, Error> {
     match std::env::var(MAX_DIM_ENV) {
         Err(_) => Ok(None),
         Ok(v) => match v.trim().parse::<usize>() {
             Ok(n) if n >= 16 => Ok(Some(n)),
-            _ => Err(format!(
-                "{MAX_DIM_ENV}={v:?} is not a dimension limit (a whole number of at least 16)"
-            )),
+            _ => Err(Error::NotADimension {
+                var: MAX_DIM_ENV,
+                value: v,
+            }),
         },
     }
 }
@@ -539,7 +556,10 @@ mod tests {
         assert_eq!(Family::from_brand("Apple M12"), None);
         assert_eq!(Family::from_brand("Intel(R) Core(TM) i9"), None);
         assert_eq!(Family::parse("M3"), Ok(Family::M3));
-        assert!(Family::parse("a16").unwrap_err().contains("m1, m2"));
+        assert!(Family::parse("a16")
+            .unwrap_err()
+            .to_string()
+            .contains("m1, m2"));
     }
 
     #[test]
@@ -597,7 +617,7 @@ mod tests {
         std::fs::write(&path, old.to_string()).unwrap();
         assert_eq!(load_saved(&path).unwrap().unwrap().timing, None);
         std::fs::write(&path, "{").unwrap();
-        let e = load_saved(&path).unwrap_err();
+        let e = load_saved(&path).unwrap_err().to_string();
         assert!(
             e.contains("device-profile.json") && e.contains("doctor"),
             "{e}"

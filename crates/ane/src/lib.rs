@@ -11,12 +11,14 @@ use std::fmt;
 
 pub mod apple;
 pub mod cost;
+mod error;
 pub mod family;
 pub mod probes;
 pub mod rules;
 pub mod timing;
 
 pub use apple::AneDevice;
+pub use error::Error;
 
 use family::{Family, Limits};
 use half::f16;
@@ -35,6 +37,13 @@ impl fmt::Display for DeviceError {
 }
 
 impl std::error::Error for DeviceError {}
+
+/// A setting the device cannot be opened with, as its error.
+impl From<error::Error> for DeviceError {
+    fn from(e: error::Error) -> DeviceError {
+        DeviceError(e.to_string())
+    }
+}
 
 pub type Result<T> = std::result::Result<T, DeviceError>;
 
@@ -300,10 +309,10 @@ impl SimDevice {
     /// `doctor` saved, or the conservative row). An unusable variable is an
     /// error naming it.
     pub fn from_env() -> Result<SimDevice> {
-        Ok(match family::sim_family_from_env().map_err(DeviceError)? {
+        Ok(match family::sim_family_from_env()? {
             Some(f) => SimDevice::for_family(f),
             None => SimDevice {
-                limits: family::Profile::in_force().map_err(DeviceError)?.limits,
+                limits: family::Profile::in_force()?.limits,
                 ..SimDevice::new()
             },
         })

@@ -453,11 +453,15 @@ impl RuleSet {
     }
 
     /// Switches a rule on or off; unknown ids are an error listing the known.
-    pub fn set(&mut self, id: &str, on: bool) -> Result<(), String> {
-        let rule = all().iter().find(|r| r.id == id).ok_or_else(|| {
-            let ids: Vec<&str> = all().iter().map(|r| r.id).collect();
-            format!("unknown ANE rule '{id}' (known: {})", ids.join(", "))
-        })?;
+    pub fn set(&mut self, id: &str, on: bool) -> Result<(), crate::error::Error> {
+        let rule =
+            all()
+                .iter()
+                .find(|r| r.id == id)
+                .ok_or_else(|| crate::error::Error::UnknownRule {
+                    id: id.into(),
+                    known: all().iter().map(|r| r.id).collect(),
+                })?;
         if on {
             self.on.insert(rule.id);
         } else {

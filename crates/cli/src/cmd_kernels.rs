@@ -22,7 +22,7 @@ pub fn setup(
     announce: bool,
 ) -> Result<(ModelConfig, Shape, KernelOptions)> {
     let cfg = ModelConfig::resolve(model)?;
-    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force()?;
     if seq == 0 || seq > cfg.max_position_embeddings {
         bail!(
             "--seq {seq} must be between 1 and the model's max_position_embeddings ({})",
@@ -282,11 +282,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     println!("{}", work.describe());
     let family = match a.family {
         Some(f) => Some(f),
-        None => {
-            ane::family::Profile::in_force()
-                .map_err(anyhow::Error::msg)?
-                .family
-        }
+        None => ane::family::Profile::in_force()?.family,
     };
     println!(
         "predicted step on the Neural Engine ({} device buffers; a cost model of published measurements, docs/benchmarks.md):",
@@ -350,7 +346,7 @@ pub fn run_check(
     // One rule set, one verdict: the rules and limits of the family in
     // force, as `mil check --family F --strict` applies them, whatever
     // layout (ours or the seed's) the programs follow.
-    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force()?;
     let rules = ane::rules::RuleSet::for_limits(profile.limits);
     if seed_compat {
         println!("rules and limits: {}", profile.describe());
@@ -569,6 +565,6 @@ pub fn run(a: Args) -> Result<()> {
 }
 
 /// `--family m1 … m5`.
-fn parse_family(s: &str) -> Result<ane::family::Family, String> {
+fn parse_family(s: &str) -> Result<ane::family::Family, ane::Error> {
     ane::family::Family::parse(s)
 }

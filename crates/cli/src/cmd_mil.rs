@@ -29,7 +29,7 @@ pub fn mil_error(path: &Path, e: mil::MilError) -> anyhow::Error {
 
 /// Converts an `.npy` array into an interpreter input of type `ty`.
 fn input_tensor(path: &Path, name: &str, ty: &mil::Ty) -> Result<Tensor> {
-    let a = npy::read(path).map_err(anyhow::Error::msg)?;
+    let a = npy::read(path)?;
     if a.shape != ty.dims() {
         bail!(
             "'{}': input '{name}' must have shape {:?}, the file holds {:?}",
@@ -170,10 +170,10 @@ pub fn check(a: CheckArgs) -> Result<()> {
         }
     };
     for id in &a.enable {
-        set.set(id, true).map_err(anyhow::Error::msg)?;
+        set.set(id, true)?;
     }
     for id in &a.disable {
-        set.set(id, false).map_err(anyhow::Error::msg)?;
+        set.set(id, false)?;
     }
     println!(
         "{}: program({}), {} function(s)",

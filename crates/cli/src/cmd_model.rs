@@ -300,7 +300,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     let (rows, two_d) = match (&a.tokens, &a.data) {
         (Some(t), None) => {
             let rows = tokens::read_npy_rows(t, vocab)?;
-            let two_d = npy::read(t).map_err(anyhow::Error::msg)?.shape.len() == 2;
+            let two_d = npy::read(t)?.shape.len() == 2;
             (rows, two_d)
         }
         (None, Some(d)) => {

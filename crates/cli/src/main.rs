@@ -138,8 +138,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<()> {
     }
     if !matches!(cli.command, Command::Info) {
         // The device limits shape every kernel: a typo must not pass silently.
-        ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
-        ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+        ane::family::Profile::in_force()?;
+        ane::family::sim_family_from_env()?;
     }
     // Long computations keep the CPUs from halting between parallel regions
     // (see `awake`): on virtual machines a halted CPU comes back late.

@@ -160,11 +160,42 @@ fn dict_value<'a>(header: &'a str, key: &str) -> Option<&'a str> {
     None
 }
 
+/// An `.npy` file that cannot be read; displayed as one line naming it.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The file could not be opened or read.
+    Io {
+        path: std::path::PathBuf,
+        error: std::io::Error,
+    },
+    /// The bytes are not an array this reader takes (see [`parse`]).
+    Format {
+        path: std::path::PathBuf,
+        problem: String,
+    },
+}
+
+impl std::fmt::Display for ReadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReadError::Io { path, error } => write!(f, "cannot read '{}': {error}", path.display()),
+            ReadError::Format { path, problem } => write!(f, "'{}': {problem}", path.display()),
+        }
+    }
+}
+
+impl std::error::Error for ReadError {}
+
 /// Reads an `.npy` file; errors name the file.
-pub fn read(path: &Path) -> Result<NpyArray, String> {
-    let bytes =
-        std::fs::read(path).map_err(|e| format!("cannot read '{}': {e}", path.display()))?;
-    parse(&bytes).map_err(|e| format!("'{}': {e}", path.display()))
+pub fn read(path: &Path) -> Result<NpyArray, ReadError> {
+    let bytes = std::fs::read(path).map_err(|error| ReadError::Io {
+        path: path.into(),
+        error,
+    })?;
+    parse(&bytes).map_err(|problem| ReadError::Format {
+        path: path.into(),
+        problem,
+    })
 }
 
 fn header(descr: &str, shape: &[usize]) -> Vec<u8> {

@@ -378,7 +378,7 @@ impl AneDevice {
     fn load(stand_in: Option<&str>) -> Result<AneDevice> {
         let rt =
             Runtime::load(stand_in).map_err(|e| DeviceError(format!("ANE not available: {e}")))?;
-        let profile = crate::family::Profile::in_force().map_err(DeviceError)?;
+        let profile = crate::family::Profile::in_force()?;
         // Contractions that are not multiples of 32 rest on one report
         // (maderix/ANE PR #47): kernel plans prefer multiples, `doctor`
         // probes it, and Apple's compiler, not this check, has the last word.

@@ -141,7 +141,7 @@ pub fn check_ids(ids: &[u32], vocab: usize, what: &str) -> Result<()> {
 
 /// Token rows from an integer `.npy` (1-D: one row; 2-D: one row each).
 pub fn read_npy_rows(path: &Path, vocab: usize) -> Result<Vec<Vec<u32>>> {
-    let a = npy::read(path).map_err(anyhow::Error::msg)?;
+    let a = npy::read(path)?;
     let npy::NpyData::Int(v) = a.data else {
         bail!(
             "'{}' holds {} values; token arrays must be integers",

@@ -60,7 +60,7 @@ pub fn chip_family_line(backend: Backend) -> Result<Option<String>> {
     if backend == Backend::Cpu {
         return Ok(None);
     }
-    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let played = ane::family::sim_family_from_env()?;
     Ok(Some(match played {
         Some(f) if backend == Backend::AneSim => format!(
             "chip family: {f}, played by the simulator ({})",
@@ -68,9 +68,7 @@ pub fn chip_family_line(backend: Backend) -> Result<Option<String>> {
         ),
         _ => format!(
             "chip family: {}",
-            ane::family::Profile::in_force()
-                .map_err(anyhow::Error::msg)?
-                .describe()
+            ane::family::Profile::in_force()?.describe()
         ),
     }))
 }
@@ -79,14 +77,10 @@ pub fn chip_family_line(backend: Backend) -> Result<Option<String>> {
 /// simulator plays (`ANETRAIN_SIM_FAMILY`) on `ane-sim`, else the family
 /// in force; `None` when no family is known.
 pub fn predicted_family(backend: Backend) -> Result<Option<ane::family::Family>> {
-    let played = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let played = ane::family::sim_family_from_env()?;
     Ok(match (backend, played) {
         (Backend::AneSim, Some(f)) => Some(f),
-        _ => {
-            ane::family::Profile::in_force()
-                .map_err(anyhow::Error::msg)?
-                .family
-        }
+        _ => ane::family::Profile::in_force()?.family,
     })
 }
 

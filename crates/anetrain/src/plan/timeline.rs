@@ -537,7 +537,7 @@ pub fn predict_families(
     opts: &crate::kernels::KernelOptions,
 ) -> anyhow::Result<Vec<Predicted>> {
     let shape = crate::kernels::Shape::new(cfg, crate::kernels::compiled_length(setup.seq));
-    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force()?;
     let mut out = vec![];
     for family in ane::family::Family::ALL {
         // Each family's limits, and its rates choosing among tilings.

@@ -428,10 +428,10 @@ fn scratch(tag: &str) -> PathBuf {
 /// Runs the checks; `progress` receives one line per finished item.
 pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Result<Report> {
     let cfg = ModelConfig::resolve(&req.model)?;
-    let profile = ane::family::Profile::in_force().map_err(anyhow::Error::msg)?;
+    let profile = ane::family::Profile::in_force()?;
     let full = Shape::new(&cfg, req.seq);
     let mut o = KernelOptions::hf(&cfg);
-    if let Some(f) = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)? {
+    if let Some(f) = ane::family::sim_family_from_env()? {
         if !ane::AneDevice::available() {
             o.limits = SimDevice::for_family(f).limits();
         }
@@ -450,7 +450,7 @@ pub fn run(req: &DoctorRequest, progress: &mut dyn FnMut(&str)) -> anyhow::Resul
     let (device, device_note, ane) = open_device(stand_in);
     // The family's facts, measured by probe programs on a device of their
     // own (a real device checks only what it binds, so its compiler answers).
-    let sim_family = ane::family::sim_family_from_env().map_err(anyhow::Error::msg)?;
+    let sim_family = ane::family::sim_family_from_env()?;
     let expected = match (device, sim_family) {
         ("ane-sim", Some(f)) => f.limits(),
         _ => profile.limits,
@@ -617,7 +617,7 @@ fn check_kernels(
     // One device for all kernels, as a training run has; each program is
     // dropped (unloaded) after its check.
     let mut ane_dev = ane;
-    let mut sim_dev = SimDevice::from_env().map_err(anyhow::Error::msg)?;
+    let mut sim_dev = SimDevice::from_env()?;
     for kind in KernelKind::ALL {
         let s = plan.map_or(*full, |p| p.of(kind).shape);
         let mut r = match ane_dev.as_mut() {
