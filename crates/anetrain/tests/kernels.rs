@@ -463,7 +463,7 @@ fn attention_backward_pieces_match_finite_differences() {
         let (mut dwqn, mut dwkn) = (vec![0f32; hd], vec![0f32; hd]);
         if qk_norm {
             let eps = o.eps as f32;
-            dq = maths::head_rms_norm_backward(
+            dq = maths::rms_norm_backward(
                 &fwd[&p("q_raw")],
                 &tt[&p("q_norm")],
                 &dq,
@@ -472,7 +472,7 @@ fn attention_backward_pieces_match_finite_differences() {
                 eps,
                 &mut dwqn,
             );
-            dk = maths::head_rms_norm_backward(
+            dk = maths::rms_norm_backward(
                 &fwd[&p("k_raw")],
                 &tt[&p("k_norm")],
                 &dk,

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use anyhow::{bail, Result};
 
-use crate::kernels::maths::{apply_rope, head_rms_norm, w_x};
+use crate::kernels::maths::{apply_rope, rms_norm, w_x};
 use crate::kernels::{rope_row, KernelOptions};
 use crate::model::generation::Sampling;
 use crate::model::Model;
@@ -75,13 +75,13 @@ impl<'a> Decoder<'a> {
         let ratio = c.gqa_ratio();
         let n = self.pos + 1;
         for (i, l) in m.layers.iter().enumerate() {
-            let xn = head_rms_norm(&x, w(l.attn_norm), d, 1, eps);
+            let xn = rms_norm(&x, w(l.attn_norm), d, 1, eps);
             let mut qv = w_x(w(l.wq), &xn, q, d, 1);
             let mut kvec = w_x(w(l.wk), &xn, kv, d, 1);
             let vvec = w_x(w(l.wv), &xn, kv, d, 1);
             if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                qv = head_rms_norm(&qv, w(qn), hd, 1, eps);
-                kvec = head_rms_norm(&kvec, w(kn), hd, 1, eps);
+                qv = rms_norm(&qv, w(qn), hd, 1, eps);
+                kvec = rms_norm(&kvec, w(kn), hd, 1, eps);
             }
             let qv = apply_rope(&qv, hd, 1, &cos, &sin, self.opts.rope, 1.0);
             let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, self.opts.rope, 1.0);
@@ -112,7 +112,7 @@ impl<'a> Decoder<'a> {
             }
             let o = w_x(w(l.wo), &attn, d, q, 1);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
-            let x2n = head_rms_norm(&x, w(l.ffn_norm), d, 1, eps);
+            let x2n = rms_norm(&x, w(l.ffn_norm), d, 1, eps);
             let h1 = w_x(w(l.w1), &x2n, hid, d, 1);
             let h3 = w_x(w(l.w3), &x2n, hid, d, 1);
             let gate: Vec<f32> = h1
@@ -123,7 +123,7 @@ impl<'a> Decoder<'a> {
             let f = w_x(w(l.w2), &gate, d, hid, 1);
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += alpha * b);
         }
-        let xf = head_rms_norm(&x, w(m.final_norm), d, 1, eps);
+        let xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
         self.pos += 1;
         Ok(w_x(&m.lm_head(), &xf, c.vocab_size, d, 1))
     }

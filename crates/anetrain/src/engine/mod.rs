@@ -347,7 +347,7 @@ impl<R: KernelRunner> Engine<R> {
             });
             x = x_next;
         }
-        let xf = maths::head_rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
+        let xf = maths::rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
         Ok(Forward {
             tokens: tokens.to_vec(),
             layers,
@@ -371,7 +371,7 @@ impl<R: KernelRunner> Engine<R> {
         let alpha = self.opts.residual_scale as f32;
         let l = &model.layers[i];
         let w = |id: usize| model.params[id].data.as_slice();
-        let xn = maths::head_rms_norm(&x, w(l.attn_norm), d, seq, eps);
+        let xn = maths::rms_norm(&x, w(l.attn_norm), d, seq, eps);
         let a = self.runner.run::<kernels::SdpaForward>(
             model,
             i,
@@ -396,7 +396,7 @@ impl<R: KernelRunner> Engine<R> {
         )?;
         let mut x2 = x.clone();
         add_scaled(&mut x2, &o.o, alpha);
-        let x2n = maths::head_rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
+        let x2n = maths::rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
         let f = self.runner.run::<kernels::FfnForward>(
             model,
             i,
@@ -442,7 +442,7 @@ impl<R: KernelRunner> Engine<R> {
         let rope = self.opts.rope_tables(seq, cfg.head_dim);
         let mut scratch = Vec::new();
         // xf = rmsnorm(x)·w_final
-        let mut dx = maths::head_rms_norm_backward(
+        let mut dx = maths::rms_norm_backward(
             &fwd.x_last,
             &model.params[model.final_norm].data,
             dxf,
@@ -605,9 +605,9 @@ impl<R: KernelRunner> Engine<R> {
         if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
             let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
             let gq = base_grad(c.model, grads, qn, scratch);
-            dq = maths::head_rms_norm_backward(&a.q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
+            dq = maths::rms_norm_backward(&a.q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
             let gk = base_grad(c.model, grads, kn, scratch);
-            dk = maths::head_rms_norm_backward(&a.k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
+            dk = maths::rms_norm_backward(&a.k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
         }
         let (dq, dk, dv) = (Arc::new(dq), Arc::new(dk), Arc::new(dv));
         let (gq, gk, gv) = (dq.clone(), dk.clone(), dv.clone());
@@ -665,6 +665,6 @@ impl LayerCtx<'_> {
         let (d, seq) = (self.shape.dim, self.shape.seq);
         let w = &self.model.params[norm].data;
         let g = base_grad(self.model, grads, norm, scratch);
-        maths::head_rms_norm_backward(x, w, dy, d, seq, self.eps, g)
+        maths::rms_norm_backward(x, w, dy, d, seq, self.eps, g)
     }
 }

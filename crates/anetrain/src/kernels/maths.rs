@@ -87,11 +87,12 @@ pub fn add_adapter(
     }
 }
 
-/// Per-head RMSNorm over `HD` at every position of `x [heads·HD, S]`:
-/// y = x · rsqrt(mean(x²) + eps) · w.
+/// RMSNorm over groups of `hd` channels at every position of
+/// `x [groups·hd, S]`: y = x · rsqrt(mean(x²) + eps) · w. One group is a
+/// layer's norm (`hd` = D); one group a head is QK-norm.
 /// Rows are walked contiguously (per-position sums over channels kept in a
 /// vector), heads in parallel.
-pub fn head_rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
+pub fn rms_norm(x: &[f32], w: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
     y.par_chunks_mut(hd * seq)
         .zip(x.par_chunks(hd * seq))
@@ -121,11 +122,11 @@ fn inv_rms(x: &[f32], hd: usize, seq: usize, eps: f32) -> Vec<f64> {
         .collect()
 }
 
-/// Backward of [`head_rms_norm`]: with r = rsqrt(mean(x²) + eps) per head
+/// Backward of [`rms_norm`]: with r = rsqrt(mean(x²) + eps) per group
 /// and position,
 ///   dx_d = r·w_d·dy_d − x_d · r³/HD · Σ_e w_e·dy_e·x_e,   dw_d = Σ dy_d·x_d·r.
 /// `dw` is accumulated (per-head partial sums added in head order).
-pub fn head_rms_norm_backward(
+pub fn rms_norm_backward(
     x: &[f32],
     w: &[f32],
     dy: &[f32],

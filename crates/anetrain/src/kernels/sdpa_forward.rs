@@ -21,7 +21,7 @@ use super::prelude::*;
 use rayon::prelude::*;
 
 use super::maths::{
-    add_adapter, apply_rope, causal_blocks, head_probs, head_rms_norm, masked_head_probs, w_x,
+    add_adapter, apply_rope, causal_blocks, head_probs, masked_head_probs, rms_norm, w_x,
 };
 use super::{BLOB_COS, BLOB_SIN};
 use linalg::{matmul_serial, MatMut, MatRef};
@@ -205,7 +205,7 @@ impl Kernel for SdpaForward {
         let (qn, kn) = if o.qk_norm {
             let norm = |name: &str, x: &[f32], wn: Option<&[f32]>| {
                 let wn = wn.unwrap_or_else(|| panic!("QK-norm is on but the layer has no {name}"));
-                head_rms_norm(x, wn, hd, seq, eps)
+                rms_norm(x, wn, hd, seq, eps)
             };
             (
                 norm("q_norm", &q_raw, w.q_norm),
@@ -301,7 +301,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
     let k_raw = project(Projection::K, kv, a.xnorm, s);
     let v = project(Projection::V, kv, a.xnorm, s);
     let norm = |x: &[f32], wn: Option<&[f32]>, n: usize| match (o.qk_norm, wn) {
-        (true, Some(wn)) => head_rms_norm(x, wn, hd, n, eps),
+        (true, Some(wn)) => rms_norm(x, wn, hd, n, eps),
         (true, None) => panic!("QK-norm is on but the layer has no QK-norm weights"),
         (false, _) => x.to_vec(),
     };

@@ -6,13 +6,13 @@
 
 pub mod checkpoint;
 mod event;
+mod feed;
 mod metrics;
 pub mod optim;
 pub mod preference;
 mod run;
 mod run_dir;
 mod settings;
-mod source;
 pub mod step;
 
 pub use event::{Event, Interrupted};

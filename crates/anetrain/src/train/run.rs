@@ -9,11 +9,11 @@ use anyhow::{bail, Context, Result};
 
 use super::checkpoint::{self, TrainerState};
 use super::event::{Event, Interrupted, StepRecord};
+use super::feed::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::metrics::Metrics;
 use super::optim::{self, AdamW, LossScaler};
 use super::preference::{self, PairState, PreferenceMetrics, Reference};
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
-use super::source::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::step;
 use crate::data::tokenizer::Tokenizer;
 use crate::device::backend::{self, Backend, OpenDevice};

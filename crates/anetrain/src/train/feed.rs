@@ -1,4 +1,4 @@
-//! Where a run's data comes from: the built-in corpus, token and text
+//! What a run feeds its steps: the built-in corpus, token and text
 //! files cut into windows, or JSONL records; the examples of each step and
 //! the validation loss.
 
