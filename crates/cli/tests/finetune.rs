@@ -6,7 +6,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{bin, fails, run, tmp};
+use common::{bin, fails, resume_runs, run, tmp};
 use serde_json::Value;
 
 fn chat(path: &str) -> PathBuf {
@@ -139,7 +139,7 @@ fn record_runs_resume_bit_exactly() {
     let t = tmp();
     let model = chat("model");
     let data = chat("data/completion");
-    let flags = |steps: &'static str| {
+    let flags = |steps: &str| -> Vec<String> {
         [
             "train",
             "--model",
@@ -166,17 +166,10 @@ fn record_runs_resume_bit_exactly() {
             "--steps",
             steps,
         ]
+        .map(String::from)
+        .to_vec()
     };
-    let straight = t.path().join("straight");
-    run(&flags("20"), &straight);
-    let resumed = t.path().join("resumed");
-    run(&flags("5"), &resumed);
-    run(&[&flags("20")[..], &["--resume"]].concat(), &resumed);
-    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
-    assert!(
-        weights(&straight) == weights(&resumed),
-        "the resumed run differs"
-    );
+    resume_runs(t.path(), flags, "5", "20").assert_same("model.safetensors");
 }
 
 /// Each kind of bad record fails before training with one line naming the

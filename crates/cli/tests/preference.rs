@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{bin, fails, records, run, tmp};
+use common::{bin, fails, records, resume_runs, run, tmp};
 
 use std::path::{Path, PathBuf};
 
@@ -171,13 +171,9 @@ fn dpo_resumes_exactly_and_precomputing_the_reference_changes_nothing() {
         a.extend(["--objective", "dpo", "--save-every", "2"].map(String::from));
         a
     };
-    let straight = dir.path().join("straight");
-    let full = run_strings(&flags("4", "cpu"), &straight);
-    let resumed = dir.path().join("resumed");
-    run_strings(&flags("2", "cpu"), &resumed);
-    let mut again = flags("4", "cpu");
-    again.push("--resume".into());
-    let after = run_strings(&again, &resumed);
+    let lora = resume_runs(&dir.path().join("lora"), |n| flags(n, "cpu"), "2", "4");
+    lora.assert_same("adapter_model.safetensors");
+    let (full, after) = (records(&lora.straight), records(&lora.resumed));
     let strip = |v: &[serde_json::Value]| -> Vec<serde_json::Value> {
         v.iter()
             .map(|r| {
@@ -190,8 +186,6 @@ fn dpo_resumes_exactly_and_precomputing_the_reference_changes_nothing() {
             .collect()
     };
     assert_eq!(strip(&full), strip(&after));
-    let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
-    assert_eq!(adapter(&straight), adapter(&resumed));
 
     // Full fine-tuning: the reference is a copy of the initial model,
     // loaded again on resume.
@@ -201,15 +195,9 @@ fn dpo_resumes_exactly_and_precomputing_the_reference_changes_nothing() {
         a.drain(at..at + 2);
         a
     };
-    let full_straight = run_strings(&full_flags("4"), &dir.path().join("full"));
-    let full_resumed = dir.path().join("full-resumed");
-    run_strings(&full_flags("2"), &full_resumed);
-    let mut again = full_flags("4");
-    again.push("--resume".into());
-    assert_eq!(
-        strip(&full_straight),
-        strip(&run_strings(&again, &full_resumed))
-    );
+    let whole = resume_runs(&dir.path().join("full"), full_flags, "2", "4");
+    let full_straight = records(&whole.straight);
+    assert_eq!(strip(&full_straight), strip(&records(&whole.resumed)));
     assert_ne!(
         strip(&full_straight),
         strip(&full),

@@ -290,17 +290,12 @@ fn qlora_buffers_and_resume_are_exact() {
             adapter(&dir.join("streamed")) == adapter(&dir.join("persistent")),
             "{name}: streamed and persistent buffers differ"
         );
-        run(
-            with(&["--steps", "3", "--device-buffers", "streamed"]),
-            &dir.join("part"),
-        );
-        run(
-            with(&["--steps", "6", "--device-buffers", "streamed", "--resume"]),
-            &dir.join("part"),
-        );
+        let streamed = |n: &str| with(&["--steps", n, "--device-buffers", "streamed"]);
+        let runs = common::resume_runs(&dir.join("resume"), streamed, "3", "6");
+        runs.assert_same("adapter_model.safetensors");
         assert!(
-            adapter(&dir.join("part")) == adapter(&dir.join("streamed")),
-            "{name}: the resumed adapter differs"
+            adapter(&runs.straight) == adapter(&dir.join("streamed")),
+            "{name}: the straight streamed runs differ"
         );
     }
 }

@@ -7,8 +7,6 @@ mod common;
 
 use common::{bin, records, run};
 
-use std::path::Path;
-
 /// 50 LoRA steps (rank 8) on a saved `tiny` from the same adapters and data:
 /// the fp16 device path stays within 0.05 of the f32 CPU loss at every step.
 #[test]
@@ -95,18 +93,17 @@ const FLAGS: &[&str] = &[
 fn resumed_lora_runs_are_bit_identical_and_adapters_are_usable() {
     let base = common::tiny_base();
     let train = ["train", "--model", base.to_str().unwrap()];
-    let full_tmp = common::tmp();
-    let full = full_tmp.path().join("full");
-    run(&[&train, FLAGS, &["--steps", "8"]].concat(), &full);
-    let part_tmp = common::tmp();
-    let part = part_tmp.path().join("part");
-    run(&[&train, FLAGS, &["--steps", "5"]].concat(), &part);
-    run(
-        &[&train, FLAGS, &["--steps", "8", "--resume"]].concat(),
-        &part,
-    );
-    let adapter = |d: &Path| std::fs::read(d.join("adapter_model.safetensors")).unwrap();
-    assert!(adapter(&full) == adapter(&part), "resumed adapters differ");
+    let dir = common::tmp();
+    let args = |steps: &str| -> Vec<String> {
+        [&train, FLAGS, &["--steps", steps]]
+            .concat()
+            .iter()
+            .map(|a| a.to_string())
+            .collect()
+    };
+    let runs = common::resume_runs(dir.path(), args, "5", "8");
+    runs.assert_same("adapter_model.safetensors");
+    let (full, part) = (runs.straight, runs.resumed);
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(full.join("adapter_config.json")).unwrap())
             .unwrap();

@@ -105,3 +105,45 @@ pub fn tiny_base() -> PathBuf {
     })
     .clone()
 }
+
+/// The two runs of an exact-resume check, as [`resume_runs`] left them.
+pub struct ResumeRuns {
+    /// `args(total)` in one go.
+    pub straight: PathBuf,
+    /// `args(first)`, then `args(total) --resume` in the same directory.
+    pub resumed: PathBuf,
+}
+
+impl ResumeRuns {
+    /// Asserts that `file` holds the same bytes in both runs.
+    pub fn assert_same(&self, file: &str) {
+        let read = |d: &Path| std::fs::read(d.join(file)).unwrap();
+        assert!(
+            read(&self.straight) == read(&self.resumed),
+            "{file}: the resumed run differs from the straight one"
+        );
+    }
+}
+
+/// Trains `args(total)` into `dir/straight`, and `args(first)` then
+/// `args(total)` with `--resume` into `dir/resumed` (`args(n)` being a
+/// run's flags for `--steps n`, without `--out`): the runs every
+/// exact-resume test compares.
+pub fn resume_runs(
+    dir: &Path,
+    args: impl Fn(&str) -> Vec<String>,
+    first: &str,
+    total: &str,
+) -> ResumeRuns {
+    let go = |a: Vec<String>, out: &Path| {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        run(&a, out);
+    };
+    let (straight, resumed) = (dir.join("straight"), dir.join("resumed"));
+    go(args(total), &straight);
+    go(args(first), &resumed);
+    let mut again = args(total);
+    again.push("--resume".into());
+    go(again, &resumed);
+    ResumeRuns { straight, resumed }
+}
