@@ -12,7 +12,7 @@ use std::path::{Component, Path};
 
 use anyhow::{bail, Result};
 
-use crate::hub::HubId;
+use anetrain::model::hub::HubId;
 
 /// `--any-base`, shared by every command that takes `--adapter`.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]

@@ -3,7 +3,8 @@
 use anetrain::device::backend::Backend;
 use anetrain::tools::bench::{bench, BenchArgs};
 
-use crate::{cmd_train, hub};
+use crate::cmd_train;
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anetrain::data::tokenizer::Tokenizer;
 
-use crate::hub;
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -38,7 +38,7 @@ impl Args {
 
 pub fn run_args(a: Args) -> Result<()> {
     run(
-        &crate::hub::resolve(&a.model, crate::hub::Need::Config)?,
+        &anetrain::model::hub::resolve(&a.model, anetrain::model::hub::Need::Config)?,
         a.seq,
         a.steps,
         a.evals as usize,

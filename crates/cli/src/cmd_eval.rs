@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use anetrain::data::tokens::TokenDtype;
 use anetrain::device::backend::Backend;
 
-use crate::{base_check, cmd_model, cmd_train, hub};
+use crate::{base_check, cmd_model, cmd_train};
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

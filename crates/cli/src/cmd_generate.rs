@@ -4,7 +4,8 @@ use std::path::PathBuf;
 
 use anetrain::device::backend::Backend;
 
-use crate::{base_check, cmd_model, hub};
+use crate::{base_check, cmd_model};
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -506,7 +506,7 @@ enum KernelsCommand {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    use crate::hub::{resolve, Need};
+    use anetrain::model::hub::{resolve, Need};
     match a.command {
         KernelsCommand::Dump {
             model,

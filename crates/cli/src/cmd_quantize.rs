@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use crate::{cmd_model, hub};
+use crate::cmd_model;
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

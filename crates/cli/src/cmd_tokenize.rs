@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anetrain::data::tokenizer::Tokenizer;
 use anetrain::data::tokens::TokenDtype;
 
-use crate::hub;
+use anetrain::model::hub;
 
 #[derive(clap::Args)]
 pub struct Args {

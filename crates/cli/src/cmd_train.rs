@@ -344,8 +344,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let lora = match &a.init_adapter {
         Some(dir) => {
             crate::base_check::check(Path::new(&a.model), Some(dir), a.any_base)?;
-            let cfg =
-                ModelConfig::resolve(&crate::hub::resolve(&a.model, crate::hub::Need::Config)?)?;
+            let cfg = ModelConfig::resolve(&anetrain::model::hub::resolve(
+                &a.model,
+                anetrain::model::hub::Need::Config,
+            )?)?;
             Some(Lora::config_of(&cfg, dir)?)
         }
         None => a.lora_rank.map(|rank| LoraConfig {
@@ -362,7 +364,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| train::default_out(&a.model));
-    let model = crate::hub::resolve(&a.model, crate::hub::Need::Model)?;
+    let model = anetrain::model::hub::resolve(&a.model, anetrain::model::hub::Need::Model)?;
     let settings = TrainSettings {
         // Resolved through the Hub cache (not a local path or preset).
         hub_id: (model != a.model && !Path::new(&a.model).exists()).then(|| a.model.clone()),
@@ -408,7 +410,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         resume: a.resume,
         tokenizer: a
             .tokenizer
-            .map(|t| crate::hub::resolve_tokenizer(&t))
+            .map(|t| anetrain::model::hub::resolve_tokenizer(&t))
             .transpose()?,
         save_every: a.save_every,
         memory: a.memory.options(),

@@ -21,7 +21,7 @@ mod cmd_plot;
 mod cmd_quantize;
 mod cmd_tokenize;
 mod cmd_train;
-mod hub;
+mod hub_download;
 mod plot;
 mod progress;
 
@@ -222,6 +222,8 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(1);
     }
+    // `--model ORG/NAME` downloads what the Hugging Face cache lacks.
+    hub_download::register();
     // Run the command on a worker of the thread pool the matrix multiply
     // and the elementwise passes share: each parallel region then starts by
     // handing work to an already-awake sibling, not by waking the pool from

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod dtype;
 pub mod generation;
+pub mod hub;
 pub mod lora;
 pub mod params;
 pub mod quant;
