@@ -166,26 +166,52 @@ impl Progress {
                     );
                 }
             }
-            Event::Finished { steps, out } => {
+            Event::Finished { steps, out, chat } => {
                 self.close_bar();
                 let adapter = std::fs::read_to_string(out.join("adapter_config.json"))
                     .ok()
                     .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-                match adapter {
-                    Some(a) => say!(
-                        "done: {steps} steps, LoRA adapter in {} (use it: anetrain generate --model {}{} --adapter {})",
-                        out.display(),
-                        a["base_model_name_or_path"].as_str().unwrap_or("BASE"),
-                        a["revision"]
-                            .as_str()
-                            .map(|r| format!("@{r}"))
-                            .unwrap_or_default(),
-                        out.display()
-                    ),
-                    None => say!("done: {steps} steps, model in {}", out.display()),
-                }
+                let what = match adapter {
+                    Some(_) => format!("LoRA adapter in {}", out.display()),
+                    None => format!("model in {}", out.display()),
+                };
+                say!(
+                    "done: {steps} steps, {what} (use it: {})",
+                    generate_command(out, adapter.as_ref(), *chat)
+                );
             }
         }
+    }
+}
+
+/// The `anetrain generate` command that prompts what a run wrote, ready
+/// to paste: the adapter on its base (`BASE[@REVISION]` as the adapter
+/// names it), or the model itself; `--chat` for a run trained on chat
+/// records.
+fn generate_command(
+    out: &std::path::Path,
+    adapter: Option<&serde_json::Value>,
+    chat: bool,
+) -> String {
+    let quoted = |s: &str| match s.contains(|c: char| c.is_whitespace() || "'\"$`\\".contains(c)) {
+        true => format!("'{}'", s.replace('\'', r"'\''")),
+        false => s.to_string(),
+    };
+    let run = quoted(&out.display().to_string());
+    let model = match adapter {
+        Some(a) => format!(
+            "--model {}{} --adapter {run}",
+            quoted(a["base_model_name_or_path"].as_str().unwrap_or("BASE")),
+            a["revision"]
+                .as_str()
+                .map(|r| format!("@{r}"))
+                .unwrap_or_default()
+        ),
+        None => format!("--model {run}"),
+    };
+    match chat {
+        true => format!("anetrain generate {model} --chat --prompt \"Hello\""),
+        false => format!("anetrain generate {model} --prompt \"Once upon a time\""),
     }
 }
 

@@ -417,3 +417,108 @@ fn train_warns_when_the_end_of_turn_is_not_an_end_token() {
         assert!(lines[0].contains(needle), "{needle}: {}", lines[0]);
     }
 }
+
+/// The words of a command as a POSIX shell splits them (single and double
+/// quotes; no expansions, which the hint never needs).
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quote, mut started) = (vec![], String::new(), None, false);
+    for c in line.chars() {
+        match (quote, c) {
+            (None, '\'' | '"') => (quote, started) = (Some(c), true),
+            (Some(q), c) if c == q => quote = None,
+            (None, c) if c.is_whitespace() => {
+                if started {
+                    words.push(std::mem::take(&mut word));
+                }
+                started = false;
+            }
+            (_, c) => (word.push(c), started = true).1,
+        }
+    }
+    if started {
+        words.push(word);
+    }
+    words
+}
+
+/// The command a finished run prints (`done: … (use it: anetrain generate
+/// …)`) runs as printed: a LoRA run on chat records names its base and
+/// `--chat`, a full run on text names the run; both carry a prompt.
+#[test]
+fn the_command_a_run_ends_with_runs_when_copied() {
+    let t = tmp();
+    let model = chat("model");
+    let hint = |args: &[&str], out: &Path| -> Vec<String> {
+        let o = run(args, out);
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("done: "))
+            .unwrap_or_else(|| panic!("{err}"));
+        let cmd = line
+            .split("(use it: ")
+            .nth(1)
+            .unwrap()
+            .trim_end()
+            .strip_suffix(')')
+            .unwrap();
+        let words = shell_words(cmd);
+        assert_eq!(&words[..2], ["anetrain", "generate"], "{line}");
+        assert!(words.contains(&"--prompt".to_string()), "{line}");
+        words[1..].to_vec()
+    };
+    let lora = t.path().join("chat run");
+    let lora_hint = hint(
+        &[
+            "train",
+            "--model",
+            s(&model),
+            "--data",
+            s(&chat("data/chat")),
+            "--lora-rank",
+            "4",
+            "--steps",
+            "2",
+            "--seq",
+            "64",
+            "--backend",
+            "cpu",
+            "--eval-every",
+            "0",
+        ],
+        &lora,
+    );
+    assert!(lora_hint.contains(&"--chat".to_string()), "{lora_hint:?}");
+    assert!(
+        lora_hint.contains(&lora.display().to_string()),
+        "{lora_hint:?}"
+    );
+    let full = t.path().join("text-run");
+    let full_hint = hint(
+        &[
+            "train",
+            "--steps",
+            "2",
+            "--seq",
+            "32",
+            "--backend",
+            "cpu",
+            "--eval-every",
+            "0",
+        ],
+        &full,
+    );
+    assert!(!full_hint.contains(&"--chat".to_string()), "{full_hint:?}");
+    for words in [lora_hint, full_hint] {
+        let o = bin()
+            .args(&words)
+            .args(["--max-tokens", "3", "--backend", "cpu"])
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{words:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+}

@@ -58,8 +58,13 @@ pub enum Event {
         /// Seconds left at this run's pace.
         eta_s: f64,
     },
-    /// Every step ran and the last checkpoint is saved.
-    Finished { steps: u64, out: PathBuf },
+    /// Every step ran and the last checkpoint is saved; `chat` when the
+    /// run trained on examples rendered with the chat template.
+    Finished {
+        steps: u64,
+        out: PathBuf,
+        chat: bool,
+    },
 }
 
 /// What one optimizer step did, as the run logs and reports it (the

@@ -42,17 +42,26 @@ pub(super) enum Source {
     Records {
         train: Vec<Example>,
         val: Vec<Example>,
+        /// Rendered through the tokenizer's chat template (chat records,
+        /// or prompt/completion records with a template).
+        chat: bool,
     },
     /// Preference pairs (`--objective dpo|orpo`).
     Pairs { train: Vec<Pair>, val: Vec<Pair> },
 }
 
 impl Source {
+    /// Whether the examples were rendered with the chat template, so a
+    /// model trained on them is prompted with `generate --chat`.
+    pub(super) fn chat(&self) -> bool {
+        matches!(self, Source::Records { chat: true, .. })
+    }
+
     /// Tokens in the training and the validation split.
     pub(super) fn sizes(&self) -> (usize, usize) {
         match self {
             Source::Stream { train_end, val, .. } => (*train_end, val.len()),
-            Source::Records { train, val } => {
+            Source::Records { train, val, .. } => {
                 let n = |v: &[Example]| v.iter().map(|e| e.tokens.len()).sum();
                 (n(train), n(val))
             }
@@ -113,7 +122,11 @@ pub(super) fn load_records(
             s.seq
         );
     }
-    Ok(Source::Records { train, val })
+    Ok(Source::Records {
+        train,
+        val,
+        chat: templated,
+    })
 }
 
 /// The validation records: `valid.jsonl`'s, else the last `--val-frac` of

@@ -443,6 +443,7 @@ impl Run<'_> {
         (self.report)(&Event::Finished {
             steps: state.step,
             out: out.to_path_buf(),
+            chat: self.corpus.source.chat(),
         });
         Ok(last_loss)
     }
