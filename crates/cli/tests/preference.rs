@@ -551,3 +551,71 @@ fn the_plan_counts_the_reference_pass() {
     );
     assert!((ms(&pre) - ms(&orpo)).abs() < 1e-9 * ms(&orpo));
 }
+
+/// Ctrl-C while `--precompute-ref` computes the reference over 2,000
+/// pairs stops within seconds with one plain line (status 130, no
+/// error), and a fresh run leaves no directory behind.
+#[test]
+fn a_signal_stops_the_reference_precompute_promptly() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let dir = tmp();
+    let data = dir.path().join("pairs");
+    std::fs::create_dir_all(&data).unwrap();
+    let pairs = std::fs::read_to_string(preference_dir().join("data/strings/train.jsonl")).unwrap();
+    let many: String = pairs
+        .lines()
+        .cycle()
+        .take(2000)
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(data.join("train.jsonl"), many).unwrap();
+    let mut args = trl_flags("strings", "cpu");
+    let at = args.iter().position(|x| x == "--data").unwrap();
+    args[at + 1] = data.display().to_string();
+    args.extend(["--objective", "dpo", "--precompute-ref"].map(String::from));
+    let out = dir.path().join("run");
+    let mut child = bin()
+        .args(&args)
+        .arg("--out")
+        .arg(&out)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut seen = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let started = line.contains("computing the reference's log-probabilities of 2000 pairs");
+        seen.push(line);
+        if started {
+            break;
+        }
+    }
+    assert!(
+        seen.last().is_some_and(|l| l.contains("2000 pairs")),
+        "{seen:?}"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let sent = std::time::Instant::now();
+    std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = child.wait().unwrap();
+    let waited = sent.elapsed().as_secs_f64();
+    assert!(waited < 5.0, "took {waited:.1} s to stop: {rest:?}");
+    assert_eq!(status.code(), Some(130), "{rest:?}");
+    assert_eq!(rest.len(), 1, "{rest:?}");
+    assert!(
+        rest[0].contains("interrupted while computing the reference") && !rest[0].contains("error"),
+        "{rest:?}"
+    );
+    assert!(
+        !out.exists(),
+        "the interrupted fresh run left {}",
+        out.display()
+    );
+}

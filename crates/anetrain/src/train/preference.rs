@@ -267,21 +267,34 @@ impl Reference {
     /// Computes the reference's log-probabilities of every pair once
     /// (`--precompute-ref`, as TRL's `precompute_ref_log_probs`) and
     /// becomes [`Reference::Precomputed`], releasing the reference model.
+    /// `progress(done, total)` follows each pair; when `stop()` turns true
+    /// it returns `Ok(false)` at the next pair, the reference unchanged.
     pub fn precompute<R: KernelRunner>(
         &mut self,
         eng: &mut Engine<R>,
         model: &mut Model,
-        train: &[Pair],
-        val: &[Pair],
-    ) -> Result<()> {
-        let mut all = |pairs: &[Pair]| -> Result<Vec<[f64; 2]>> {
-            self.with(model, |m| {
-                pairs.iter().map(|p| pair_logps(eng, m, p)).collect()
-            })
-        };
-        let (train, val) = (all(train)?, all(val)?);
-        *self = Reference::Precomputed { train, val };
-        Ok(())
+        (train, val): (&[Pair], &[Pair]),
+        stop: &dyn Fn() -> bool,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<bool> {
+        let total = train.len() + val.len();
+        let mut logps = Vec::with_capacity(total);
+        let stopped = self.with(model, |m| -> Result<bool> {
+            for p in train.iter().chain(val) {
+                if stop() {
+                    return Ok(true);
+                }
+                logps.push(pair_logps(eng, m, p)?);
+                progress(logps.len(), total);
+            }
+            Ok(false)
+        })?;
+        if stopped {
+            return Ok(false);
+        }
+        let val = logps.split_off(train.len());
+        *self = Reference::Precomputed { train: logps, val };
+        Ok(true)
     }
 
     /// `pair` (the `index`th of the training or validation pairs) with

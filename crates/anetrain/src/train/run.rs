@@ -637,11 +637,35 @@ impl Run<'_> {
         if !p.precompute_ref || !self.pairs.reference.is_model() {
             return Ok(());
         }
+        let total = train.len() + val.len();
         (self.report)(&Event::Note(format!(
-            "computing the reference's log-probabilities of {} pairs once (--precompute-ref)",
-            train.len() + val.len()
+            "computing the reference's log-probabilities of {total} pairs once (--precompute-ref)"
         )));
-        self.pairs.reference.precompute(eng, model, train, val)
+        // A line every ten seconds: pairs done and the time left.
+        let (start, mut shown) = (Instant::now(), Instant::now());
+        let report = &mut *self.report;
+        let mut progress = |done: usize, total: usize| {
+            if shown.elapsed().as_secs_f64() >= 10.0 && done < total {
+                shown = Instant::now();
+                let left = start.elapsed().as_secs_f64() / done as f64 * (total - done) as f64;
+                report(&Event::Note(format!(
+                    "reference log-probabilities: {done}/{total} pairs, about {left:.0} s left"
+                )));
+            }
+        };
+        let stop_flag = self.stop;
+        let stop = || stop_flag.load(Ordering::SeqCst);
+        let done =
+            self.pairs
+                .reference
+                .precompute(eng, model, (train, val), &stop, &mut progress)?;
+        if !done {
+            return Err(Interrupted(
+                "interrupted while computing the reference's log-probabilities (--precompute-ref), before any step of this run: nothing new is saved".into(),
+            )
+            .into());
+        }
+        Ok(())
     }
 
     /// Reports a skipped step: what was not finite and the loss scale now.
