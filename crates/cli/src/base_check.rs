@@ -1,8 +1,11 @@
 //! Whether a LoRA adapter is applied to the base it was trained on.
 //!
 //! PEFT records the base in `adapter_config.json`'s
-//! `base_model_name_or_path`, as the user named it: a Hub id, a directory,
-//! or (for our random presets) a preset's name. A matching shape is not a
+//! `base_model_name_or_path`, mlx-lm in its `model`, as the user named it:
+//! a Hub id, a directory, or (for our random presets) a preset's name. A
+//! model `anetrain quantize` wrote names its source in
+//! `quantized_from.json`, and counts as that base too (SFT, then QLoRA
+//! from the SFT adapter). A matching shape is not a
 //! matching base — Qwen3-0.6B and Qwen3-0.6B-Base have the same tensors —
 //! so `eval`, `generate`, `merge` and `export gguf` compare what the adapter
 //! names with the `--model` given, and refuse a different model in one
@@ -87,13 +90,28 @@ fn snapshot_repo(dir: &Path) -> Option<String> {
     Some(format!("{org}/{name}").to_lowercase())
 }
 
-/// The base `adapter`'s config names, if it names one.
+/// The base `adapter`'s config names, if it names one: PEFT's
+/// `base_model_name_or_path`, else mlx-lm's `model`.
 fn recorded_base(adapter: &Path) -> Option<String> {
     let text = std::fs::read_to_string(adapter.join("adapter_config.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let base = v["base_model_name_or_path"].as_str()?.trim();
+    let base = v["base_model_name_or_path"]
+        .as_str()
+        .or_else(|| v["model"].as_str())?
+        .trim();
     (!base.is_empty()).then(|| base.to_string())
 }
+
+/// What a model directory `anetrain quantize` wrote was quantized from
+/// (`quantized_from.json`'s `source`); nothing for a Hub id.
+fn quantized_from(model: &str) -> Option<String> {
+    let text = std::fs::read_to_string(Path::new(model).join(QUANTIZED_FROM)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v["source"].as_str().map(String::from)
+}
+
+/// The file `anetrain quantize` records its source in.
+pub const QUANTIZED_FROM: &str = "quantized_from.json";
 
 /// Refuses `adapter` on `model` (the spec as given, before a Hub id is
 /// resolved) when its config names another base. A base recorded as a
@@ -110,8 +128,10 @@ pub fn check(model: &Path, adapter: Option<&Path>, any: AnyBase) -> Result<()> {
     let given = model.to_string_lossy();
     let (was, now) = (Identity::of(&recorded), Identity::of(&given));
     let same_name = was.name() == now.name();
+    // A quantized copy of the adapter's base is that base.
+    let source = quantized_from(&given).map(|src| Identity::of(&src));
     match (&was, &now) {
-        _ if was == now => Ok(()),
+        _ if was == now || source.as_ref() == Some(&was) => Ok(()),
         (Identity::Elsewhere(_), _) if same_name => Ok(()),
         (Identity::Elsewhere(_), _) => {
             eprintln!(

@@ -110,6 +110,9 @@ pub fn merge(a: MergeArgs) -> Result<()> {
 
 pub struct QuantizeArgs {
     pub model: PathBuf,
+    /// The model as the user named it (a Hub id, or a directory made
+    /// absolute), recorded in the output's `quantized_from.json`.
+    pub source: String,
     pub out: PathBuf,
     pub bits: u32,
     pub group_size: usize,
@@ -126,6 +129,12 @@ pub fn quantize(a: QuantizeArgs) -> Result<()> {
         &a.out,
         spec,
         dtype_flag(a.dtype.as_deref()),
+    )?;
+    // What the adapters of the source may be applied to: its quantized copy.
+    let source = serde_json::json!({ "source": a.source });
+    write_atomic(
+        &a.out.join(crate::base_check::QUANTIZED_FROM),
+        format!("{source:#}\n").as_bytes(),
     )?;
     println!(
         "wrote {}: {} matrices in {}-bit groups of {} ({} scales), {} left as they were, {}; mlx-lm loads it (`mlx_lm.generate --model {}`), and anetrain trains LoRA on it",

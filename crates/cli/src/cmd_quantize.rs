@@ -31,6 +31,10 @@ pub struct Args {
 pub fn run(a: Args) -> anyhow::Result<()> {
     cmd_model::quantize(cmd_model::QuantizeArgs {
         model: hub::resolve_path(&a.model, hub::Need::Model)?,
+        source: match a.model.canonicalize() {
+            Ok(dir) => dir.to_string_lossy().into_owned(),
+            Err(_) => a.model.to_string_lossy().into_owned(),
+        },
         out: a.out,
         bits: a.bits,
         group_size: a.group_size,

@@ -274,3 +274,94 @@ fn merge_keeps_the_base_dtype_and_asks_before_overwriting() {
         &["is a file"],
     );
 }
+
+/// mlx-lm names an adapter's base under `model`: another base is refused
+/// as for a PEFT adapter. A quantized copy of the base (`anetrain
+/// quantize`, which records its source) is that base: the SFT adapter
+/// applies to it, and starts a QLoRA run from it.
+#[test]
+fn mlx_lm_bases_and_quantized_copies_are_checked() {
+    let t = tmp();
+    let base = tiny_base();
+    let adapter = t.path().join("sft");
+    lora_run(&base, &adapter, "2");
+    let mlx = t.path().join("mlx-adapter");
+    std::fs::create_dir_all(&mlx).unwrap();
+    for f in std::fs::read_dir(&adapter).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, mlx.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    let mut cfg = adapter_config(&mlx);
+    let named = cfg
+        .as_object_mut()
+        .unwrap()
+        .remove("base_model_name_or_path")
+        .unwrap();
+    cfg["model"] = named;
+    std::fs::write(mlx.join("adapter_config.json"), cfg.to_string()).unwrap();
+    let other = copy_model(&base, &t.path().join("other"));
+    let generate = |model: &Path, adapter: &Path| {
+        bin()
+            .args([
+                "generate",
+                "--prompt",
+                "Once",
+                "--max-tokens",
+                "2",
+                "--backend",
+                "cpu",
+            ])
+            .args(["--model", s(model), "--adapter", s(adapter)])
+            .output()
+            .unwrap()
+    };
+    one_line_error(
+        &generate(&other, &mlx),
+        "an mlx-lm adapter on another base",
+        &["was trained on", "--any-base"],
+    );
+    let o = generate(&base, &mlx);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    let quantized = t.path().join("q4");
+    let o = bin()
+        .args([
+            "quantize",
+            "--model",
+            s(&base),
+            "--bits",
+            "4",
+            "--group-size",
+            "32",
+        ])
+        .args(["--out", s(&quantized)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = generate(&quantized, &adapter);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = bin()
+        .args([
+            "train",
+            "--model",
+            s(&quantized),
+            "--init-adapter",
+            s(&adapter),
+        ])
+        .args([
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--eval-every",
+            "0",
+            "--backend",
+            "cpu",
+        ])
+        .args(["--out", s(&t.path().join("qlora"))])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
