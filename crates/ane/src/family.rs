@@ -254,6 +254,8 @@ pub enum Source {
     Detected(String),
     /// No family known: the intersection of all rows (the reason).
     Conservative(String),
+    /// A family a command was asked to plan for (how it was asked).
+    Asked(String),
 }
 
 /// The family and limits kernels are built for.
@@ -409,6 +411,17 @@ impl Profile {
         }
     }
 
+    /// The profile of `family` a command was asked for (`how`: the flag),
+    /// whatever chip this is; `ANETRAIN_ANE_MAX_DIM` overrides both axis
+    /// caps as it does for the family in force.
+    pub fn asked(family: Family, how: &str) -> Result<Profile, Error> {
+        let mut p = Profile::of(family, Source::Asked(how.into()));
+        if let Some(n) = max_dim_from_env()? {
+            p.limits = p.limits.with_max_dim(n);
+        }
+        Ok(p)
+    }
+
     /// The most conservative row.
     pub fn conservative(reason: &str) -> Profile {
         Profile {
@@ -471,6 +484,7 @@ impl Profile {
             Source::Saved(p) => format!("measured by `anetrain doctor`, saved in {p}"),
             Source::Detected(b) => format!("detected from '{b}'"),
             Source::Conservative(why) => why.clone(),
+            Source::Asked(how) => how.clone(),
         };
         format!("{fam}, {from}")
     }

@@ -13,16 +13,21 @@ use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
 
-/// Shape and options for `--model`, `--seq`, `--seed-compat`; with
-/// `announce`, the chip family whose limits they are built for is printed.
+/// Shape and options for `--model`, `--seq`, `--seed-compat`, built for
+/// `family` (`--family`) or else the chip family in force; with
+/// `announce`, the family whose limits they are built for is printed.
 pub fn setup(
     model: &str,
     seq: usize,
     seed_compat: bool,
     announce: bool,
+    family: Option<ane::family::Family>,
 ) -> Result<(ModelConfig, Shape, KernelOptions)> {
     let cfg = ModelConfig::resolve(model)?;
-    let profile = ane::family::Profile::in_force()?;
+    let profile = match family {
+        Some(f) => ane::family::Profile::asked(f, "asked for with --family")?,
+        None => ane::family::Profile::in_force()?,
+    };
     if seq == 0 || seq > cfg.max_position_embeddings {
         bail!(
             "--seq {seq} must be between 1 and the model's max_position_embeddings ({})",
@@ -32,7 +37,7 @@ pub fn setup(
     let opts = if seed_compat {
         KernelOptions::seed(&cfg)
     } else {
-        KernelOptions::hf(&cfg)
+        KernelOptions::hf(&cfg).for_profile(&profile)
     };
     if opts.qk_norm && cfg.head_dim > cfg.hidden_size {
         bail!(
@@ -62,7 +67,7 @@ fn selected(only: &[String]) -> Result<Vec<KernelKind>> {
 }
 
 pub fn dump(model: &str, out: &Path, seq: usize, seed_compat: bool, only: &[String]) -> Result<()> {
-    let (_, shape, opts) = setup(model, seq, seed_compat, true)?;
+    let (_, shape, opts) = setup(model, seq, seed_compat, true, None)?;
     let plan = tiling::plan(&shape, &opts)?;
     let weights = out.join("weights");
     std::fs::create_dir_all(&weights)
@@ -137,7 +142,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         ..
     } = &a;
     let (model, seq, lora_rank) = (model.as_str(), *seq, *lora_rank);
-    let (cfg, shape, mut opts) = setup(model, seq, false, !a.json)?;
+    let (cfg, shape, mut opts) = setup(model, seq, false, !a.json, a.family)?;
     let lora = lora_rank.map(LoraConfig::every_projection);
     opts = opts.with_lora(lora.as_ref());
     let source = anetrain::model::source::ModelSource::resolve(model)?;
@@ -333,7 +338,7 @@ pub fn run_check(
     only: &[String],
     seed: u64,
 ) -> Result<()> {
-    let (_, shape, opts) = setup(model, seq, seed_compat, true)?;
+    let (_, shape, opts) = setup(model, seq, seed_compat, true, None)?;
     println!(
         "kernel check: dim {} hidden {} heads {}/{} head_dim {} seq {} (rope {:?}, qk_norm {}, residual scale {})",
         shape.dim, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.seq, opts.rope, opts.qk_norm, opts.residual_scale

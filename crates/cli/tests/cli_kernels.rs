@@ -233,3 +233,48 @@ fn the_attention_backward_form_can_be_pinned_and_a_typo_is_named() {
         "{err}"
     );
 }
+
+/// `kernels plan --family m4` plans for the M4 whatever this machine is:
+/// its header names the family and its tiles obey the M4's axis caps
+/// (not the unknown chip's, every family's limits at once).
+#[test]
+fn a_plan_for_a_family_is_that_familys_plan() {
+    let plan = |family: &str| {
+        let o = bin()
+            .env_remove("ANETRAIN_ANE_FAMILY")
+            .env_remove("ANETRAIN_ANE_MAX_DIM")
+            .args([
+                "kernels",
+                "plan",
+                "--model",
+                "qwen3-0.6b",
+                "--seq",
+                "256",
+                "--family",
+                family,
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    for (family, caps) in [
+        ("m4", ane::family::Family::M4),
+        ("m1", ane::family::Family::M1),
+    ] {
+        let text = plan(family);
+        let first = text.lines().next().unwrap();
+        assert!(
+            first.starts_with(&format!("chip family: {family} ")) && first.contains("--family"),
+            "{first}"
+        );
+        let limits = caps.limits();
+        assert!(
+            text.contains(&format!(
+                "axis caps: spatial {}, channel {}",
+                limits.max_spatial, limits.max_channel
+            )),
+            "{text}"
+        );
+    }
+}

@@ -369,6 +369,16 @@ impl KernelOptions {
         }
     }
 
+    /// Built for `profile`'s chip instead of the one in force: its limits,
+    /// and its family's rates to choose plans by.
+    pub fn for_profile(mut self, profile: &ane::family::Profile) -> KernelOptions {
+        self.limits = profile.limits;
+        if let Some(f) = profile.family {
+            self.cost_family = f;
+        }
+        self
+    }
+
     /// The rates plans are chosen by: `cost_family`'s row of the table,
     /// with what `doctor` measured on this chip in its place when the
     /// chip is of that family.
