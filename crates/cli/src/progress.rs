@@ -151,10 +151,20 @@ impl Progress {
                 let loss = format!("{loss:.4}{}", rewards(preference));
                 let eta = fmt_duration(*eta_s);
                 if self.tty {
-                    let text = format!(
-                        "{step}/{steps} loss {loss}{val_txt} lr {lr:.2e} {tokens_per_s:.0} tok/s ETA {eta}"
+                    // Step, loss and validation stay whole; the learning
+                    // rate, speed and ETA go first when the line is short.
+                    let essential = format!("{step}/{steps} loss {loss}{val_txt}");
+                    let optional = [
+                        format!("lr {lr:.2e}"),
+                        format!("{tokens_per_s:.0} tok/s"),
+                        format!("ETA {eta}"),
+                    ];
+                    let line = bar_line(
+                        terminal_columns(),
+                        *step as f64 / *steps as f64,
+                        &essential,
+                        &optional,
                     );
-                    let line = bar_line(terminal_columns(), *step as f64 / *steps as f64, &text);
                     to_stderr(format_args!("\r{line}"));
                     self.bar_open = true;
                     if val.is_some() || step == steps {
@@ -240,8 +250,27 @@ fn terminal_columns() -> usize {
 /// the run behind `text`: a bar of up to 24 cells where it fits, the text
 /// cut at the last column otherwise, padded to clear what a longer line
 /// left, and never reaching the last column (where a terminal wraps).
-fn bar_line(cols: usize, done: f64, text: &str) -> String {
+fn bar_line(cols: usize, done: f64, essential: &str, optional: &[String]) -> String {
     let room = cols.saturating_sub(1);
+    // The essential words, then each optional field that still fits, whole:
+    // a number is never cut.
+    let mut text = String::new();
+    for word in essential.split(' ') {
+        let sep = usize::from(!text.is_empty());
+        if text.chars().count() + sep + word.chars().count() > room {
+            break;
+        }
+        if sep == 1 {
+            text.push(' ');
+        }
+        text.push_str(word);
+    }
+    for field in optional {
+        if text.chars().count() + 1 + field.chars().count() <= room {
+            text.push(' ');
+            text.push_str(field);
+        }
+    }
     let text_len = text.chars().count();
     // "[" + cells + "] " + text
     let cells = room.saturating_sub(text_len + 3).min(24);
@@ -254,7 +283,7 @@ fn bar_line(cols: usize, done: f64, text: &str) -> String {
                 "-".repeat(cells - filled)
             )
         }
-        false => text.chars().take(room).collect(),
+        false => text,
     };
     let len = line.chars().count();
     line.extend(std::iter::repeat_n(' ', room.saturating_sub(len).min(3)));
@@ -281,33 +310,44 @@ fn fmt_duration(secs: f64) -> String {
 mod tests {
     use super::bar_line;
 
-    /// The line fits the terminal, bar and all where there is room, the
-    /// text alone (cut) where there is not.
+    /// The line fits the terminal, bar and all where there is room; where
+    /// there is not, the learning rate, speed and ETA go whole before the
+    /// step, loss and validation numbers lose anything, and no number is
+    /// cut (a preference run's kept validation line at 80 columns).
     #[test]
     fn the_progress_line_fits_the_terminal() {
-        let text = "102/120 loss 6.3244 lr 3.34e-5 3490 tok/s ETA 0m02s";
+        let essential = "102/120 loss 6.3244";
+        let optional = ["lr 3.34e-5", "3490 tok/s", "ETA 0m02s"].map(String::from);
         for cols in [20, 40, 60, 80, 120] {
-            let l = bar_line(cols, 0.85, text);
+            let l = bar_line(cols, 0.85, essential, &optional);
             assert!(
                 l.chars().count() < cols,
                 "{cols}: '{l}' ({})",
                 l.chars().count()
             );
         }
-        let wide = bar_line(120, 0.5, text);
+        let wide = bar_line(120, 0.5, essential, &optional);
         assert!(
-            wide.starts_with("[############------------] 102/120"),
+            wide.starts_with(
+                "[############------------] 102/120 loss 6.3244 lr 3.34e-5 3490 tok/s ETA 0m02s"
+            ),
             "{wide}"
         );
-        let narrow = bar_line(60, 0.5, text);
-        assert!(
-            narrow.starts_with("102/120 loss") && !narrow.contains('['),
-            "{narrow}"
-        );
-        let eighty = bar_line(80, 1.0, text);
+        let eighty = bar_line(80, 1.0, essential, &optional);
         assert!(
             eighty.starts_with("[####") && eighty.contains("ETA 0m02s"),
             "{eighty}"
         );
+        let dpo = "40/50 loss 0.6412 margin 0.118 acc 0.62 val 0.6533 margin 0.087 acc 0.38";
+        let kept = bar_line(80, 0.8, dpo, &optional);
+        assert!(kept.trim_end().ends_with("acc 0.38"), "{kept}");
+        assert!(kept.chars().count() < 80, "{kept}");
+        let narrow = bar_line(30, 0.8, dpo, &optional);
+        for word in narrow.split_whitespace() {
+            assert!(
+                dpo.split(' ').any(|w| w == word),
+                "'{word}' cut in '{narrow}'"
+            );
+        }
     }
 }
