@@ -29,15 +29,56 @@ use anetrain::util::choice::Choice;
 use anetrain::util::fsutil;
 
 /// A parser for the values of a library [`Choice`], listing them (with
-/// their descriptions) in `--help`.
-fn choice<T: Choice + Clone + Send + Sync>() -> impl clap::builder::TypedValueParser<Value = T> {
-    use clap::builder::{PossibleValue, PossibleValuesParser, TypedValueParser};
-    let values = T::CHOICES
-        .iter()
-        .map(|&(_, name, help)| PossibleValue::new(name).help(help));
-    PossibleValuesParser::new(values).try_map(|name| {
-        T::from_name(&name).ok_or_else(|| format!("'{name}' is not one of the listed values"))
-    })
+/// their descriptions) in `--help`: any case is accepted, and a value that
+/// selects nothing is one line naming the accepted ones, the nearest
+/// (`dop` → `dpo`), or why it is not offered ([`Choice::NOT_BUILT`]).
+fn choice<T: Choice + Clone + Send + Sync>() -> ChoiceParser<T> {
+    ChoiceParser(std::marker::PhantomData)
+}
+
+#[derive(Clone)]
+struct ChoiceParser<T>(std::marker::PhantomData<T>);
+
+impl<T: Choice + Clone + Send + Sync> clap::builder::TypedValueParser for ChoiceParser<T> {
+    type Value = T;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<T, clap::Error> {
+        let given = value.to_string_lossy();
+        let wanted = given.trim().to_lowercase();
+        if let Some(v) = T::from_name(&wanted) {
+            return Ok(v);
+        }
+        let names: Vec<&str> = T::CHOICES.iter().map(|&(_, n, _)| n).collect();
+        let flag = arg.map_or(String::new(), |a| format!(" for '{a}'"));
+        let why = match T::NOT_BUILT.iter().find(|(n, _)| *n == wanted) {
+            Some((_, why)) => format!("{why}; "),
+            None => String::new(),
+        };
+        let nearest = names
+            .iter()
+            .map(|n| (strsim::damerau_levenshtein(n, &wanted), *n))
+            .min()
+            .filter(|&(d, _)| d <= 2 && why.is_empty())
+            .map_or(String::new(), |(_, n)| format!(" (did you mean '{n}'?)"));
+        let message = format!(
+            "invalid value '{given}'{flag}: {why}expected one of {}{nearest}\n",
+            names.join(", ")
+        );
+        Err(clap::Error::raw(clap::error::ErrorKind::InvalidValue, message).with_cmd(cmd))
+    }
+
+    fn possible_values(
+        &self,
+    ) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        Some(Box::new(T::CHOICES.iter().map(|&(_, name, help)| {
+            clap::builder::PossibleValue::new(name).help(help)
+        })))
+    }
 }
 
 /// Train Llama and Qwen3 language models on the Apple Neural Engine — or on

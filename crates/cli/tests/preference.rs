@@ -619,3 +619,28 @@ fn a_signal_stops_the_reference_precompute_promptly() {
         out.display()
     );
 }
+
+/// An objective is named in any case; a typo gets the nearest name, and
+/// the objectives people ask for that are not built say so, in one line.
+#[test]
+fn objectives_are_named_forgivingly_and_unbuilt_ones_say_so() {
+    fails(
+        &["train", "--objective", "dop"],
+        &[
+            "'dop'",
+            "expected one of sft, dpo, orpo",
+            "did you mean 'dpo'",
+        ],
+    );
+    for (name, says) in [("kto", "KTO"), ("simpo", "SimPO")] {
+        fails(
+            &["train", "--objective", name],
+            &[says, "not built yet", "sft, dpo, orpo"],
+        );
+    }
+    // Upper case selects DPO: what is refused is the data, not the name.
+    fails(
+        &["train", "--objective", "DPO"],
+        &["--objective dpo trains on preference pairs"],
+    );
+}

@@ -44,6 +44,12 @@ pub enum Objective {
 }
 
 impl Choice for Objective {
+    const NOT_BUILT: &'static [(&'static str, &'static str)] = &[
+        ("kto", "KTO (unpaired preferences) is not built yet"),
+        ("simpo", "SimPO (no reference model) is not built yet"),
+        ("cpo", "CPO is not built yet"),
+        ("ipo", "IPO is DPO's --dpo-loss ipo"),
+    ];
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (
             Objective::Sft,

@@ -7,6 +7,9 @@ pub trait Choice: Copy + PartialEq + Sized + 'static {
     /// Every variant: `(variant, name, description)`.
     const CHOICES: &'static [(Self, &'static str, &'static str)];
 
+    /// Names users ask for that select nothing yet: `(name, why)`.
+    const NOT_BUILT: &'static [(&'static str, &'static str)] = &[];
+
     /// The name that selects this variant.
     fn name(self) -> &'static str {
         Self::CHOICES
