@@ -20,7 +20,8 @@ takes are the steps `anetrain train --resume` would take.
   `anetrain train --resume --out DIR --steps M <the run's flags>` continues
   it. Full fine-tuning and LoRA runs (PEFT adapters; LoRA dropout 0) hand
   off; runs on the built-in corpus or on a randomly initialised preset are
-  refused (PyTorch cannot rebuild them).
+  refused (PyTorch cannot rebuild them), and so are preference runs
+  (DPO/ORPO) and runs on a quantized base, each in one line.
 
 Numerics: PyTorch in float32 on the CPU computes the same maths in another
 order; losses agree with anetrain's CPU engine to about 1e-6 relative.
@@ -243,6 +244,14 @@ def main():
         fail(f"--out '{a.out}' already exists; choose a new directory")
     if s.get("data") is None:
         fail("the run trained on the built-in corpus, which PyTorch cannot rebuild; train with --data to hand off")
+    if s.get("preference"):
+        fail("the run trains on preference pairs (--objective dpo or orpo); the hand-off continues "
+             "SFT runs only: continue it with anetrain train --resume")
+    base_config = os.path.join(s["model"], "config.json")
+    quantized_base = os.path.isfile(base_config) and "quantization" in json.load(open(base_config))
+    if s.get("quantize_base") or quantized_base:
+        fail("the run's base is quantized (MLX 4-bit, or --quantize-base): PyTorch would continue on "
+             "another base; hand off runs on f32, f16 or bf16 bases")
     lora = s.get("lora")
     if lora and lora.get("dropout", 0) > 0:
         fail("LoRA dropout masks come from anetrain's generator; hand off runs with --lora-dropout 0")
