@@ -128,7 +128,7 @@ pub struct PlanArgs {
     /// one in force; every family when none is known).
     pub family: Option<ane::family::Family>,
     /// A preference step (one pair) instead of one SFT sequence.
-    pub preference: Option<anetrain::train::preference::PreferenceSettings>,
+    pub pair: Option<anetrain::plan::memory::PairStep>,
 }
 
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
@@ -146,7 +146,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let lora = lora_rank.map(LoraConfig::every_projection);
     opts = opts.with_lora(lora.as_ref());
     let source = anetrain::model::source::ModelSource::resolve(model)?;
-    let pair = a.preference.map(|p| p.pair_step());
+    let pair = a.pair;
     let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory, pair)?;
     let plan = tiling::plan(&shape, &opts)?;
     // A preference step: one pair, two sequences and the reference's.
@@ -452,11 +452,18 @@ enum KernelsCommand {
         #[arg(long = "kernel", value_name = "NAME")]
         kernels: Vec<String>,
     },
-    /// Show how each kernel is tiled for a model under the device limits in
-    /// force: kernels whose input or output would pass the device's largest
-    /// dimension (16384, or ANETRAIN_ANE_MAX_DIM) run as several programs
-    /// of one smaller shape, split along the intermediate size or groups of
-    /// KV heads, their results concatenated or summed.
+    /// Predict a training step on the Neural Engine: tiles, work, time per
+    /// chip family, and the run's memory plan.
+    ///
+    /// For the chip family in force (or --family): how each kernel is tiled
+    /// (a kernel whose input or output would pass the family's largest
+    /// dimension, or ANETRAIN_ANE_MAX_DIM, runs as several programs of one
+    /// smaller shape, split along the intermediate size, groups of KV heads
+    /// or blocks of queries, their results concatenated or summed); the
+    /// programs to compile and the device evaluations and FLOPs of a step;
+    /// the predicted step on each chip family, from a cost model of
+    /// published measurements (docs/benchmarks.md), not of this machine;
+    /// and the memory plan of a training run with these settings.
     Plan {
         /// A preset, a model directory with config.json, or a Hub id.
         #[arg(long, default_value = "tiny")]
@@ -557,14 +564,7 @@ pub fn run(a: Args) -> Result<()> {
             memory: memory.options(),
             json,
             family,
-            preference: (objective != anetrain::train::preference::Objective::Sft).then_some(
-                anetrain::train::preference::PreferenceSettings {
-                    objective,
-                    loss: anetrain::train::preference::DpoLoss::Sigmoid,
-                    beta: 0.1,
-                    precompute_ref,
-                },
-            ),
+            pair: objective.pair_step(precompute_ref),
         }),
     }
 }

@@ -123,11 +123,22 @@ impl PreferenceSettings {
     /// What a pair's step runs and holds beyond SFT's two sequences, for
     /// the memory plan and the predicted step.
     pub fn pair_step(&self) -> PairStep {
-        let dpo = self.objective == Objective::Dpo;
-        PairStep {
-            reference_forwards: if dpo && !self.precompute_ref { 2 } else { 0 },
+        self.objective
+            .pair_step(self.precompute_ref)
+            .unwrap_or_default()
+    }
+}
+
+impl Objective {
+    /// What one pair's step of this objective runs and holds beyond SFT's
+    /// two sequences (DPO's reference forwards, unless precomputed; its
+    /// reference held): `None` for SFT, which has no pairs.
+    pub fn pair_step(self, precompute_ref: bool) -> Option<PairStep> {
+        let dpo = self == Objective::Dpo;
+        (self != Objective::Sft).then_some(PairStep {
+            reference_forwards: if dpo && !precompute_ref { 2 } else { 0 },
             reference_held: dpo,
-        }
+        })
     }
 }
 
