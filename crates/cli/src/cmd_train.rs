@@ -8,8 +8,8 @@ use anetrain::device::DeviceBuffers;
 use anetrain::model::config::ModelConfig;
 use anetrain::model::lora::{Lora, LoraConfig};
 use anetrain::model::Projection;
+use anetrain::train::objective::{self, DpoLoss, Objective, PreferenceSettings};
 use anetrain::train::optim::AdamWConfig;
-use anetrain::train::preference::{self, DpoLoss, Objective, PreferenceSettings};
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
 use anetrain::util::choice::Choice;
 use anyhow::{bail, Context, Result};
@@ -258,7 +258,7 @@ impl PreferenceArgs {
     fn settings(&self) -> Result<Option<PreferenceSettings>> {
         let loss = match DpoLoss::from_name(&self.dpo_loss) {
             Some(l) => l,
-            None if preference::PLANNED_LOSSES.contains(&self.dpo_loss.as_str()) => bail!(
+            None if objective::PLANNED_LOSSES.contains(&self.dpo_loss.as_str()) => bail!(
                 "--dpo-loss {} is one of TRL's loss types not built yet; use sigmoid or ipo",
                 self.dpo_loss
             ),

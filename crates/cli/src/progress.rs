@@ -141,7 +141,7 @@ impl Progress {
             } => {
                 // A preference run: the reward margin and accuracy beside
                 // the loss (TRL's rewards/margins, rewards/accuracies).
-                let rewards = |p: &Option<anetrain::train::preference::PreferenceMetrics>| {
+                let rewards = |p: &Option<anetrain::train::objective::PreferenceMetrics>| {
                     p.map(|p| format!(" margin {:.3} acc {:.2}", p.margins, p.accuracies))
                         .unwrap_or_default()
                 };

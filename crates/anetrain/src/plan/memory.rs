@@ -67,7 +67,7 @@ pub struct PlanRequest<'a> {
 }
 
 /// What a preference step runs and holds beyond an SFT step of its two
-/// sequences a pair (see `train::preference`).
+/// sequences a pair (see `train::objective`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PairStep {
     /// Forward-only reference passes a pair (DPO: 2; precomputed or ORPO: 0).

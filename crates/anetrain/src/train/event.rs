@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::train::preference::PreferenceMetrics;
+use crate::train::objective::PreferenceMetrics;
 
 /// A run stopped because the user asked (a signal), its last completed
 /// step saved: not a failure, so the command line reports it as a plain

@@ -147,14 +147,14 @@ fn validation<T>(s: &TrainSettings, train: &mut Vec<T>, valid: Option<Vec<T>>) -
 /// pairs validate.
 fn load_pairs(
     s: &TrainSettings,
-    objective: crate::train::preference::Objective,
+    objective: crate::train::objective::Objective,
     splits: &records::Splits,
     tok: &Tokenizer,
     vocab: usize,
     note: &mut dyn FnMut(Event),
 ) -> Result<Source> {
     let how = match objective {
-        crate::train::preference::Objective::Orpo => Tokenization::Orpo,
+        crate::train::objective::Objective::Orpo => Tokenization::Orpo,
         _ => Tokenization::Dpo,
     };
     let mut read = |file: &Path| -> Result<Vec<Pair>> {

@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{Context, Result};
 
 use super::event::StepRecord;
-use super::preference::PreferenceMetrics;
+use super::objective::PreferenceMetrics;
 use crate::util::fsutil::write_atomic;
 
 /// Drops metrics lines of steps after `step` (left by a run killed after

@@ -11,8 +11,8 @@ use super::checkpoint::{self, TrainerState};
 use super::event::{Event, Interrupted, StepRecord};
 use super::feed::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
 use super::metrics::Metrics;
+use super::objective::{self, PairState, PreferenceMetrics, Reference};
 use super::optim::{self, AdamW, LossScaler};
-use super::preference::{self, PairState, PreferenceMetrics, Reference};
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
 use super::step;
 use crate::data::tokenizer::Tokenizer;
@@ -547,7 +547,7 @@ impl Run<'_> {
             };
             let pair_state = &mut self.pairs;
             let Some(pl) =
-                preference::pair_loss(eng, model, p, pair_state, &pairs, Some(backward), &stop)?
+                objective::pair_loss(eng, model, p, pair_state, &pairs, Some(backward), &stop)?
             else {
                 state.cursor = cursor_before;
                 return Ok(None);
@@ -618,7 +618,7 @@ impl Run<'_> {
             return Ok((None, None));
         }
         let never = || false;
-        let pl = preference::pair_loss(eng, model, p, &mut self.pairs, &pairs, None, &never)?
+        let pl = objective::pair_loss(eng, model, p, &mut self.pairs, &pairs, None, &never)?
             .context("an evaluation that cannot stop stopped")?;
         Ok((Some(pl.loss), Some(pl.metrics)))
     }

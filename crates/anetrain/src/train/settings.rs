@@ -12,7 +12,7 @@ use crate::data::tokens::TokenDtype;
 use crate::device::backend::Backend;
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
-use crate::train::preference::{Objective, PreferenceSettings};
+use crate::train::objective::{Objective, PreferenceSettings};
 use crate::util::choice::Choice;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
