@@ -489,8 +489,8 @@ enum KernelsCommand {
         family: Option<ane::family::Family>,
         /// Plan a preference step (one pair: two sequences, and DPO's two
         /// reference forwards) instead of one SFT sequence.
-        #[arg(long, value_parser = crate::choice::<anetrain::train::objective::Objective>(), default_value = "sft")]
-        objective: anetrain::train::objective::Objective,
+        #[arg(long, value_parser = crate::choice::<anetrain::train::objective::ObjectiveKind>(), default_value = "sft")]
+        objective: anetrain::train::objective::ObjectiveKind,
         /// DPO with the reference's log-probabilities precomputed (no
         /// reference forwards in the step).
         #[arg(long)]

@@ -13,7 +13,7 @@ use anetrain::engine::Engine;
 use anetrain::model::generation::{GenerationConfig, Sampling};
 use anetrain::model::lora::Lora;
 use anetrain::model::{Model, StoredDtype};
-use anetrain::train::step::eval_loss;
+use anetrain::train::step::{eval_loss, Batch, Loss};
 use anyhow::{bail, Context, Result};
 
 use crate::fsutil::write_atomic;
@@ -250,7 +250,7 @@ fn records_file(path: &Path, split: Option<&str>) -> Result<PathBuf> {
 }
 
 /// Mean loss over the records of `file` (prompt-masked on request).
-fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
+fn eval_records(a: &EvalArgs, model: &mut Model, path: &Path) -> Result<()> {
     if a.logits_out.is_some() || a.max_windows.is_some() {
         bail!("--logits-out and --max-windows apply to token data, not to JSONL records");
     }
@@ -285,21 +285,23 @@ fn eval_records(a: &EvalArgs, model: &Model, path: &Path) -> Result<()> {
             file.display()
         );
     }
-    let ex = &fitted.examples;
-    let loss = eval_loss(&mut Engine::on(model, a.backend.open()?), model, ex)?;
+    let records = fitted.examples.len();
+    let batch = Batch::Examples(fitted.examples);
+    let mut eng = Engine::on(model, a.backend.open()?);
+    let loss = eval_loss(&mut eng, model, &mut Loss::sft(), &batch)?;
     let (loss, count) = (loss.loss, loss.targets);
     println!(
         "{}",
-        serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp(), "records": ex.len()})
+        serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp(), "records": records})
     );
     Ok(())
 }
 
 pub fn eval(a: EvalArgs) -> Result<()> {
-    let model = load_model(&a.model, a.adapter.as_deref(), false)?;
+    let mut model = load_model(&a.model, a.adapter.as_deref(), false)?;
     if let (None, Some(d)) = (&a.tokens, &a.data) {
         if records::is_records(d) {
-            return eval_records(&a, &model, d);
+            return eval_records(&a, &mut model, d);
         }
     }
     if a.split.is_some() || a.mask_prompt {
@@ -342,10 +344,18 @@ pub fn eval(a: EvalArgs) -> Result<()> {
             model.cfg.max_position_embeddings
         );
     }
-    let keep = a.logits_out.is_some();
-    let engine = Engine::on(&model, a.backend.open()?);
-    let (total, count, all_logits) = eval_rows(engine, &model, &rows, keep)?;
+    let mut eng = Engine::on(&model, a.backend.open()?);
+    let batch = Batch::Examples(
+        rows.iter()
+            .map(|r| records::Example {
+                tokens: r.clone(),
+                offset: 0,
+            })
+            .collect(),
+    );
+    let loss = eval_loss(&mut eng, &mut model, &mut Loss::sft(), &batch)?;
     if let Some(out) = &a.logits_out {
+        let all_logits = row_logits(eng, &model, &rows)?;
         let n = rows[0].len() - 1;
         let shape = if two_d {
             vec![rows.len(), n, vocab]
@@ -354,7 +364,7 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         };
         write_atomic(out, &npy::encode_f32(&shape, &all_logits))?;
     }
-    let loss = total / count as f64;
+    let (loss, count) = (loss.loss, loss.targets);
     println!(
         "{}",
         serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp()})
@@ -362,26 +372,18 @@ pub fn eval(a: EvalArgs) -> Result<()> {
     Ok(())
 }
 
-/// Summed loss, target count and (optionally) all logits over `rows`.
-fn eval_rows<R: KernelRunner>(
+/// Every row's logits, `[rows, n, vocab]` in order (`--logits-out`).
+fn row_logits<R: KernelRunner>(
     mut eng: Engine<R>,
     model: &Model,
     rows: &[Vec<u32>],
-    keep: bool,
-) -> Result<(f64, usize, Vec<f32>)> {
-    let mut total = 0f64;
-    let mut count = 0usize;
+) -> Result<Vec<f32>> {
     let mut all = Vec::new();
     for row in rows {
-        let n = row.len() - 1;
-        let fwd = eng.forward(model, &row[..n], None)?;
-        if keep {
-            all.extend_from_slice(&eng.logits(model, &fwd.xf)?);
-        }
-        total += eng.head_loss(model, &fwd.xf, &row[1..], 0, 0.0, None)?.0;
-        count += n;
+        let fwd = eng.forward_only(model, &row[..row.len() - 1])?;
+        all.extend_from_slice(&eng.logits(model, &fwd.xf)?);
     }
-    Ok((total, count, all))
+    Ok(all)
 }
 
 pub struct GenerateArgs {

@@ -8,7 +8,7 @@ use anetrain::device::DeviceBuffers;
 use anetrain::model::config::ModelConfig;
 use anetrain::model::lora::{Lora, LoraConfig};
 use anetrain::model::Projection;
-use anetrain::train::objective::{self, DpoLoss, Objective, PreferenceSettings};
+use anetrain::train::objective::{self, DpoLoss, Objective, ObjectiveKind};
 use anetrain::train::optim::AdamWConfig;
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
 use anetrain::util::choice::Choice;
@@ -221,17 +221,17 @@ pub struct PreferenceArgs {
     /// conversations that begin with the same prompt.
     #[arg(
         long,
-        value_parser = crate::choice::<Objective>(),
+        value_parser = crate::choice::<ObjectiveKind>(),
         default_value = "sft",
         help_heading = "Preference tuning"
     )]
-    objective: Objective,
+    objective: ObjectiveKind,
     /// DPO's β (how far the policy may move from the reference; IPO's τ),
     /// or ORPO's λ (the odds-ratio term's weight). TRL's default for both.
     #[arg(
         long,
         value_name = "B",
-        default_value_t = 0.1,
+        default_value_t = objective::DEFAULT_BETA,
         help_heading = "Preference tuning"
     )]
     beta: f64,
@@ -253,9 +253,9 @@ pub struct PreferenceArgs {
 }
 
 impl PreferenceArgs {
-    /// The run's preference settings; `None` for SFT. A DPO loss TRL has
-    /// and this tool does not yet is refused by name.
-    fn settings(&self) -> Result<Option<PreferenceSettings>> {
+    /// The run's objective. A DPO loss TRL has and this tool does not yet
+    /// is refused by name.
+    fn objective(&self) -> Result<Objective> {
         let loss = match DpoLoss::from_name(&self.dpo_loss) {
             Some(l) => l,
             None if objective::PLANNED_LOSSES.contains(&self.dpo_loss.as_str()) => bail!(
@@ -267,26 +267,7 @@ impl PreferenceArgs {
                 self.dpo_loss
             ),
         };
-        if self.objective == Objective::Sft {
-            let given = [
-                ("--beta", self.beta != 0.1),
-                ("--dpo-loss", loss != DpoLoss::Sigmoid),
-                ("--precompute-ref", self.precompute_ref),
-            ];
-            if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
-                bail!("{flag} applies to preference tuning: add --objective dpo (or orpo)");
-            }
-            return Ok(None);
-        }
-        if self.objective == Objective::Orpo && loss != DpoLoss::Sigmoid {
-            bail!("--dpo-loss applies to --objective dpo; ORPO has one loss");
-        }
-        Ok(Some(PreferenceSettings {
-            objective: self.objective,
-            loss,
-            beta: self.beta,
-            precompute_ref: self.precompute_ref,
-        }))
+        Objective::new(self.objective, loss, self.beta, self.precompute_ref)
     }
 }
 
@@ -393,7 +374,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         mask_prompt: a.records.mask_prompt,
         keys: a.records.keys(),
         loss_scale: a.loss_scale,
-        preference: a.preference.settings()?,
+        objective: a.preference.objective()?,
     };
     let mut progress = crate::progress::Progress::new(a.log_every.unwrap_or((a.steps / 20).max(1)));
     let request = TrainRequest {

@@ -18,7 +18,7 @@ use crate::model::Projection;
 use crate::plan::memory::RunPlan;
 use crate::plan::work::step_flops;
 use crate::train::optim::{AdamW, AdamWConfig};
-use crate::train::step::{self, StepOptions};
+use crate::train::step::{self, Batch, Loss, StepOptions};
 use crate::util::choice::Choice;
 use crate::util::rng::Rng;
 
@@ -280,10 +280,11 @@ fn time_steps<R: KernelRunner>(
         engine::take_weight_grad_secs();
         // The trainer's own step, with its defaults: clipping at 1, no
         // loss scale.
-        let examples: Vec<Example> = rows
-            .into_iter()
-            .map(|tokens| Example { tokens, offset: 0 })
-            .collect();
+        let batch = Batch::Examples(
+            rows.into_iter()
+                .map(|tokens| Example { tokens, offset: 0 })
+                .collect(),
+        );
         let o = StepOptions {
             lr: 1e-4,
             clip: 1.0,
@@ -291,7 +292,8 @@ fn time_steps<R: KernelRunner>(
             dropout: None,
         };
         let never = || false;
-        let st = step::step(&mut eng, model, &mut opt, grads, &examples, &o, &never)?
+        let sft = &mut Loss::sft();
+        let st = step::step(&mut eng, model, &mut opt, sft, grads, &batch, &o, &never)?
             .expect("never stopped");
         let w = engine::take_weight_grad_secs();
         let [tf, tl, tb] = st.batch.times;

@@ -378,7 +378,7 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         mask_prompt: false,
         keys: Default::default(),
         loss_scale: None,
-        preference: None,
+        objective: Default::default(),
     };
     let request = TrainRequest {
         settings,

@@ -7,18 +7,17 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use super::event::Event;
+use super::objective::Objective;
+use super::reference::Reference;
 use super::settings::{Sample, TrainSettings};
-use super::step;
+use super::step::Batch;
 use crate::data::corpus;
 use crate::data::preference::{self, Pair, Tokenization};
 use crate::data::records::{self, Example};
 use crate::data::tokenizer::Tokenizer;
 use crate::data::tokens::{self};
-use crate::device::KernelRunner;
-use crate::engine::Engine;
 use crate::model::config::ModelConfig;
 use crate::model::source::ModelSource;
-use crate::model::Model;
 use crate::util::rng::Rng;
 
 /// Stories in the built-in corpus.
@@ -88,8 +87,8 @@ pub(super) fn load_records(
     note: &mut dyn FnMut(Event),
 ) -> Result<Source> {
     let splits = records::splits(path)?;
-    if let Some(p) = &s.preference {
-        return load_pairs(s, p.objective, &splits, tok, vocab, note);
+    if s.objective.is_preference() {
+        return load_pairs(s, &splits, tok, vocab, note);
     }
     let mut templated = false;
     let mut read = |file: &Path| -> Result<Vec<Example>> {
@@ -147,14 +146,13 @@ fn validation<T>(s: &TrainSettings, train: &mut Vec<T>, valid: Option<Vec<T>>) -
 /// pairs validate.
 fn load_pairs(
     s: &TrainSettings,
-    objective: crate::train::objective::Objective,
     splits: &records::Splits,
     tok: &Tokenizer,
     vocab: usize,
     note: &mut dyn FnMut(Event),
 ) -> Result<Source> {
-    let how = match objective {
-        crate::train::objective::Objective::Orpo => Tokenization::Orpo,
+    let how = match s.objective {
+        Objective::Orpo { .. } => Tokenization::Orpo,
         _ => Tokenization::Dpo,
     };
     let mut read = |file: &Path| -> Result<Vec<Pair>> {
@@ -310,43 +308,44 @@ pub(super) fn load_corpus(
     })
 }
 
-/// Draws the next `count` examples: windows of `seq + 1` tokens from a
-/// stream (every target counted), or the next records of the epochs' order.
-pub(super) fn next_examples(
+/// Draws the step's next `count` examples — windows of `seq + 1` tokens
+/// from a stream (every target counted), or the next records of the
+/// epochs' order — or pairs (with their precomputed reference, if any).
+pub(super) fn next_batch(
     source: &Source,
     s: &TrainSettings,
+    reference: &Reference,
     rng: &mut Rng,
     cursor: &mut u64,
     count: usize,
-) -> Vec<Example> {
+) -> Batch {
     match source {
         Source::Stream {
             tokens, train_end, ..
-        } => (0..count)
-            .map(|_| Example {
-                tokens: next_window(tokens, *train_end, s.seq, s.sample, rng, cursor),
-                offset: 0,
-            })
-            .collect(),
+        } => Batch::Examples(
+            (0..count)
+                .map(|_| Example {
+                    tokens: next_window(tokens, *train_end, s.seq, s.sample, rng, cursor),
+                    offset: 0,
+                })
+                .collect(),
+        ),
         Source::Records { train, .. } => {
             let picks = records::draws(train.len(), s.seed, *cursor, count);
             *cursor += count as u64;
-            picks.into_iter().map(|i| train[i].clone()).collect()
+            Batch::Examples(picks.into_iter().map(|i| train[i].clone()).collect())
         }
-        Source::Pairs { .. } => unreachable!("pairs are drawn by next_pairs"),
+        Source::Pairs { train, .. } => {
+            let picks = records::draws(train.len(), s.seed, *cursor, count);
+            *cursor += count as u64;
+            Batch::Pairs(
+                picks
+                    .into_iter()
+                    .map(|i| reference.attach(&train[i], i, false))
+                    .collect(),
+            )
+        }
     }
-}
-
-/// Draws the next `count` pairs of the epochs' order, as their indices.
-pub(super) fn next_pairs(
-    n: usize,
-    s: &TrainSettings,
-    cursor: &mut u64,
-    count: usize,
-) -> Vec<usize> {
-    let picks = records::draws(n, s.seed, *cursor, count);
-    *cursor += count as u64;
-    picks
 }
 
 /// Draws the next window of `seq + 1` tokens from the first `n_train`.
@@ -370,25 +369,30 @@ pub(super) fn next_window(
     tokens.range(start, start + seq + 1)
 }
 
-/// Mean loss over the first `n` validation windows (or records).
-pub(super) fn val_loss<R: KernelRunner>(
-    eng: &mut Engine<R>,
-    model: &Model,
+/// The first `n` validation windows, records or pairs (with their
+/// precomputed reference, if any); `None` without a validation split.
+pub(super) fn val_batch(
     source: &Source,
     seq: usize,
     n: usize,
-) -> Result<Option<f64>> {
-    let examples: Vec<Example> = match source {
-        Source::Stream { val, .. } => tokens::windows(val, seq)
-            .into_iter()
-            .take(n)
-            .map(|tokens| Example { tokens, offset: 0 })
-            .collect(),
-        Source::Records { val, .. } => val.iter().take(n).cloned().collect(),
-        Source::Pairs { .. } => return Ok(None),
+    reference: &Reference,
+) -> Option<Batch> {
+    let batch = match source {
+        Source::Stream { val, .. } => Batch::Examples(
+            tokens::windows(val, seq)
+                .into_iter()
+                .take(n)
+                .map(|tokens| Example { tokens, offset: 0 })
+                .collect(),
+        ),
+        Source::Records { val, .. } => Batch::Examples(val.iter().take(n).cloned().collect()),
+        Source::Pairs { val, .. } => Batch::Pairs(
+            val.iter()
+                .take(n)
+                .enumerate()
+                .map(|(i, pair)| reference.attach(pair, i, true))
+                .collect(),
+        ),
     };
-    if examples.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(step::eval_loss(eng, model, &examples)?.loss))
+    (!batch.is_empty()).then_some(batch)
 }

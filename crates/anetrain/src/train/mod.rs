@@ -10,6 +10,7 @@ mod feed;
 mod metrics;
 pub mod objective;
 pub mod optim;
+pub mod reference;
 mod run;
 mod run_dir;
 mod settings;

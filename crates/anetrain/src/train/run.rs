@@ -9,12 +9,12 @@ use anyhow::{bail, Context, Result};
 
 use super::checkpoint::{self, TrainerState};
 use super::event::{Event, Interrupted, StepRecord};
-use super::feed::{load_corpus, next_examples, next_pairs, val_loss, Corpus, Source};
+use super::feed::{load_corpus, next_batch, val_batch, Corpus, Source};
 use super::metrics::Metrics;
-use super::objective::{self, PairState, PreferenceMetrics, Reference};
 use super::optim::{self, AdamW, LossScaler};
+use super::reference::Reference;
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
-use super::step;
+use super::step::{self, BatchLoss, Loss};
 use crate::data::tokenizer::Tokenizer;
 use crate::device::backend::{self, Backend, OpenDevice};
 use crate::device::KernelRunner;
@@ -76,8 +76,8 @@ fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
     let s = &r.settings;
     let cfg = &pre.source.config;
     // A preference step runs two sequences a pair, and the reference's.
-    let (rows, pair) = match &s.preference {
-        Some(p) => (2, p.pair_step()),
+    let (rows, pair) = match s.objective.pair_step() {
+        Some(p) => (2, p),
         None => (1, Default::default()),
     };
     let setup = crate::plan::timeline::StepSetup {
@@ -91,11 +91,6 @@ fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
     let family = backend::predicted_family(s.backend)?;
     let opts = KernelOptions::for_run(cfg, s.lora.as_ref());
     crate::plan::timeline::run_estimate(cfg, &setup, &opts, family, r.steps)
-}
-
-/// A preference run's step for the memory plan.
-fn pair_step(s: &TrainSettings) -> Option<crate::plan::memory::PairStep> {
-    s.preference.map(|p| p.pair_step())
 }
 
 /// What a run checked before creating anything.
@@ -152,7 +147,7 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
         s.lora.as_ref(),
         s.backend,
         &r.memory,
-        pair_step(s),
+        s.objective.pair_step(),
     )?
     .refuse_over_limit()?;
     let device = s.backend.open()?;
@@ -213,10 +208,10 @@ fn resume(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)
     };
     // DPO's reference is the model the run started from, not the resumed
     // one: the initial adapters (the base's), or the initial model again.
-    let reference = match (&base, s.preference) {
-        (_, None) => Reference::Unneeded,
-        (Some(b), p) => Reference::of(b, p.as_ref()),
-        (None, p) => Reference::of(&starting_model(source, &committed.config, s)?, p.as_ref()),
+    let reference = match &base {
+        _ if !s.objective.is_preference() => Reference::Unneeded,
+        Some(b) => Reference::of(b, &s.objective),
+        None => Reference::of(&starting_model(source, &committed.config, s)?, &s.objective),
     };
     let (model, opt, mut state) = checkpoint::load(out, base)?;
     // A run killed after its last commit but before the top-level links
@@ -274,7 +269,7 @@ fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event))
         cfg.eos_token_id = t.end_tokens().first().map(|e| e.1.into());
     }
     let model = starting_model(source, &cfg, s)?;
-    let reference = Reference::of(&model, s.preference.as_ref());
+    let reference = Reference::of(&model, &s.objective);
     let opt = AdamW::new(&model, r.adamw);
     let state = TrainerState {
         format: checkpoint::FORMAT,
@@ -338,7 +333,7 @@ fn dispatch(
         corpus: &corpus,
         report,
         stop,
-        pairs: PairState::new(reference),
+        loss: Loss::new(r.settings.objective, reference),
     };
     let e = Engine::on(&model, pre.device)
         .buffers(pre.plan.buffers)
@@ -355,8 +350,8 @@ pub(super) struct Run<'a> {
     pub(super) corpus: &'a Corpus,
     pub(super) report: &'a mut dyn FnMut(&Event),
     pub(super) stop: &'a AtomicBool,
-    /// A preference run's reference and second gradient buffer.
-    pub(super) pairs: PairState,
+    /// What the steps minimise, and what that keeps from step to step.
+    pub(super) loss: Loss,
 }
 
 impl Run<'_> {
@@ -404,13 +399,13 @@ impl Run<'_> {
             let dt = t0.elapsed().as_secs_f64();
             let tps = st.tokens as f64 / dt;
             metrics.log_step(state.step, &st, tps, dt)?;
-            let (mut val, mut val_preference) = (None, None);
+            let mut val = None;
             if s.eval_every > 0
                 && (state.step.is_multiple_of(s.eval_every) || state.step == r.steps)
             {
-                (val, val_preference) = self.validate(&mut eng, model)?;
-                if let Some(v) = val {
-                    metrics.val(state.step, v, val_preference.as_ref())?;
+                val = self.validate(&mut eng, model)?;
+                if let Some(v) = &val {
+                    metrics.val(state.step, v.loss, v.preference.as_ref())?;
                 }
             }
             let done = (state.step - start_step) as f64;
@@ -418,10 +413,10 @@ impl Run<'_> {
                 step: state.step,
                 steps: r.steps,
                 loss: st.loss,
-                val,
+                val: val.map(|v| v.loss),
                 lr: st.lr,
                 preference: st.preference,
-                val_preference,
+                val_preference: val.and_then(|v| v.preference),
                 tokens_per_s: tps,
                 eta_s: run_start.elapsed().as_secs_f64() / done * (r.steps - state.step) as f64,
             });
@@ -496,11 +491,11 @@ impl Run<'_> {
         Ok(())
     }
 
-    /// One optimizer step over the next `accum · batch` examples (see
-    /// [`step::step`]), the loss scaler told whether it was finite. `None`
-    /// when a stop was requested before the step's last example: the data
-    /// position is put back and nothing else was changed, so the state is
-    /// exactly the previous step's.
+    /// One optimizer step over the next `accum · batch` examples or pairs
+    /// (see [`step::step`]), the loss scaler told whether it was finite.
+    /// `None` when a stop was requested before the step's last sequence:
+    /// the data position is put back and nothing else was changed, so the
+    /// state is exactly the previous step's.
     pub(super) fn advance<R: KernelRunner>(
         &mut self,
         eng: &mut Engine<R>,
@@ -533,46 +528,13 @@ impl Run<'_> {
         };
         let stop_flag = self.stop;
         let stop = || stop_flag.load(Ordering::SeqCst);
-        if let (Source::Pairs { train, .. }, Some(p)) = (&corpus.source, &s.preference) {
-            // The step's pairs: the loss is their mean.
-            let picks = next_pairs(train.len(), s, &mut state.cursor, s.accum * s.batch);
-            let pairs: Vec<_> = picks
-                .into_iter()
-                .map(|i| self.pairs.reference.attach(&train[i], i, false))
-                .collect();
-            let backward = step::Backward {
-                grads,
-                loss_scale,
-                dropout: o.dropout,
-            };
-            let pair_state = &mut self.pairs;
-            let Some(pl) =
-                objective::pair_loss(eng, model, p, pair_state, &pairs, Some(backward), &stop)?
-            else {
-                state.cursor = cursor_before;
-                return Ok(None);
-            };
-            let t = Instant::now();
-            let update = step::apply_update(model, opt, grads, pl.loss, pl.grad_scale, s.clip, lr);
-            let t_opt = t.elapsed().as_secs_f64();
-            state.scaler.update(update.finite);
-            state.skipped += !update.finite as u64;
-            let [t_fwd, t_loss, t_bwd] = pl.times;
-            return Ok(Some(StepRecord {
-                loss: pl.loss,
-                tokens: pl.tokens,
-                lr,
-                grad_norm: update.grad_norm,
-                finite: update.finite,
-                loss_scale,
-                times: [t_fwd, t_loss, t_bwd, t_opt],
-                preference: Some(pl.metrics),
-            }));
-        }
         // The step's examples first: the loss is the mean over all their
-        // counted targets, however they split into micro-batches.
-        let examples = next_examples(&corpus.source, s, rng, &mut state.cursor, s.accum * s.batch);
-        let Some(st) = step::step(eng, model, opt, grads, &examples, &o, &stop)? else {
+        // counted targets (or pairs), however they split into micro-batches.
+        let count = s.accum * s.batch;
+        let reference = &self.loss.reference;
+        let batch = next_batch(&corpus.source, s, reference, rng, &mut state.cursor, count);
+        let loss = &mut self.loss;
+        let Some(st) = step::step(eng, model, opt, loss, grads, &batch, &o, &stop)? else {
             *rng = rng_before;
             state.cursor = cursor_before;
             return Ok(None);
@@ -590,37 +552,23 @@ impl Run<'_> {
             finite: st.update.finite,
             loss_scale,
             times: [t_fwd, t_loss, t_bwd, st.optimizer_s],
-            preference: None,
+            preference: st.batch.preference,
         }))
     }
 
     /// The validation loss (and a preference run's metrics) over the
-    /// first `--eval-windows` windows, records or pairs.
+    /// first `--eval-windows` windows, records or pairs; `None` without a
+    /// validation split.
     fn validate<R: KernelRunner>(
         &mut self,
         eng: &mut Engine<R>,
         model: &mut Model,
-    ) -> Result<(Option<f64>, Option<PreferenceMetrics>)> {
-        let s = self.s;
-        let (Source::Pairs { val, .. }, Some(p)) = (&self.corpus.source, &s.preference) else {
-            return Ok((
-                val_loss(eng, model, &self.corpus.source, s.seq, s.eval_windows)?,
-                None,
-            ));
+    ) -> Result<Option<BatchLoss>> {
+        let (source, s) = (&self.corpus.source, self.s);
+        let Some(batch) = val_batch(source, s.seq, s.eval_windows, &self.loss.reference) else {
+            return Ok(None);
         };
-        let pairs: Vec<_> = val
-            .iter()
-            .take(s.eval_windows)
-            .enumerate()
-            .map(|(i, pair)| self.pairs.reference.attach(pair, i, true))
-            .collect();
-        if pairs.is_empty() {
-            return Ok((None, None));
-        }
-        let never = || false;
-        let pl = objective::pair_loss(eng, model, p, &mut self.pairs, &pairs, None, &never)?
-            .context("an evaluation that cannot stop stopped")?;
-        Ok((Some(pl.loss), Some(pl.metrics)))
+        Ok(Some(step::eval_loss(eng, model, &mut self.loss, &batch)?))
     }
 
     /// `--precompute-ref`: the reference's log-probabilities of every
@@ -630,11 +578,10 @@ impl Run<'_> {
         eng: &mut Engine<R>,
         model: &mut Model,
     ) -> Result<()> {
-        let (Source::Pairs { train, val }, Some(p)) = (&self.corpus.source, &self.s.preference)
-        else {
+        let Source::Pairs { train, val } = &self.corpus.source else {
             return Ok(());
         };
-        if !p.precompute_ref || !self.pairs.reference.is_model() {
+        if !self.loss.objective.precompute_ref() || !self.loss.reference.is_model() {
             return Ok(());
         }
         let total = train.len() + val.len();
@@ -656,7 +603,7 @@ impl Run<'_> {
         let stop_flag = self.stop;
         let stop = || stop_flag.load(Ordering::SeqCst);
         let done =
-            self.pairs
+            self.loss
                 .reference
                 .precompute(eng, model, (train, val), &stop, &mut progress)?;
         if !done {

@@ -12,7 +12,7 @@ use crate::data::tokens::TokenDtype;
 use crate::device::backend::Backend;
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
-use crate::train::objective::{Objective, PreferenceSettings};
+use crate::train::objective::Objective;
 use crate::util::choice::Choice;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -84,9 +84,16 @@ pub struct TrainSettings {
     /// The device paths' initial loss scale (dynamic; 1024 unless given).
     #[serde(default)]
     pub loss_scale: Option<f64>,
-    /// Preference tuning (`--objective dpo|orpo`) instead of SFT.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preference: Option<PreferenceSettings>,
+    /// What the run optimises (`--objective`): SFT, or preference tuning
+    /// with its loss's settings. Saved under `"preference"`, absent for
+    /// SFT, as runs have always saved it.
+    #[serde(
+        rename = "preference",
+        default,
+        skip_serializing_if = "Objective::is_sft",
+        with = "crate::train::objective::saved"
+    )]
+    pub objective: Objective,
 }
 
 /// Everything `anetrain train` was asked to do.
@@ -153,8 +160,8 @@ pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
     if s.clip < 0.0 || !s.clip.is_finite() {
         bail!("--clip must be >= 0 (0 disables clipping)");
     }
-    if let Some(p) = &s.preference {
-        validate_preference(s, p)?;
+    if s.objective.is_preference() {
+        validate_preference(s)?;
     }
     if let Some(l) = &s.lora {
         l.validate()?;
@@ -173,8 +180,10 @@ pub(super) fn validate(s: &TrainSettings, r: &TrainRequest) -> Result<()> {
     Ok(())
 }
 
-fn validate_preference(s: &TrainSettings, p: &PreferenceSettings) -> Result<()> {
-    let name = p.objective.name();
+/// A preference objective's rules on the other settings (its own are
+/// [`Objective::new`]'s).
+fn validate_preference(s: &TrainSettings) -> Result<()> {
+    let name = s.objective.name();
     if !s.data.as_deref().is_some_and(records::is_records) {
         bail!(
             "--objective {name} trains on preference pairs: give --data a .jsonl file or a directory with train.jsonl of {{\"prompt\", \"chosen\", \"rejected\"}} records"
@@ -182,12 +191,6 @@ fn validate_preference(s: &TrainSettings, p: &PreferenceSettings) -> Result<()> 
     }
     if s.mask_prompt {
         bail!("--mask-prompt is implied by --objective {name}: a preference loss counts the answers' tokens only");
-    }
-    if !(p.beta.is_finite() && p.beta > 0.0) {
-        bail!("--beta must be a positive number");
-    }
-    if p.objective == Objective::Orpo && p.precompute_ref {
-        bail!("--precompute-ref applies to DPO; ORPO has no reference model");
     }
     Ok(())
 }
@@ -252,19 +255,19 @@ pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
             names.join(",")
         })
     }),
-    ("--objective", |s, _| {
-        s.preference.map_or("sft", |p| p.objective.name()).into()
-    }),
+    ("--objective", |s, _| s.objective.name().into()),
     ("--beta", |s, _| {
-        s.preference
-            .map_or_else(|| "(none)".into(), |p| p.beta.to_string())
+        s.objective
+            .beta()
+            .map_or_else(|| "(none)".into(), |b| b.to_string())
     }),
     ("--dpo-loss", |s, _| {
-        s.preference
-            .map_or_else(|| "(none)".into(), |p| p.loss.name().into())
+        s.objective
+            .dpo_loss()
+            .map_or_else(|| "(none)".into(), |l| l.name().into())
     }),
     ("--precompute-ref", |s, _| {
-        s.preference.is_some_and(|p| p.precompute_ref).to_string()
+        s.objective.precompute_ref().to_string()
     }),
     ("--beta1", |_, a| a.beta1.to_string()),
     ("--beta2", |_, a| a.beta2.to_string()),

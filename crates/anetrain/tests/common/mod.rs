@@ -48,24 +48,36 @@ pub fn rel(a: &[f32], b: &[f32]) -> f32 {
 
 /// The trainer's loss over whole token rows (every target counted) and,
 /// with `grads`, its gradient: the first half of the training step
-/// (`anetrain::train::step::batch_loss`), as `train` runs it. Returns the
-/// mean loss and the number of targets.
+/// (`anetrain::train::step::batch_loss`, SFT), as `train` runs it. Returns
+/// the mean loss and the number of targets. The step may swap a
+/// reference's adapters into the model it trains, so it takes the model
+/// mutably: it runs on a copy here (SFT changes nothing in it).
 pub fn batch_loss<R: anetrain::device::KernelRunner>(
     eng: &mut anetrain::engine::Engine<R>,
     model: &anetrain::model::Model,
     rows: &[Vec<u32>],
     grads: Option<&mut anetrain::engine::Grads>,
 ) -> anyhow::Result<(f64, usize)> {
-    use anetrain::train::step::{batch_loss, Backward};
-    let examples: Vec<anetrain::data::records::Example> = rows
-        .iter()
-        .map(|r| anetrain::data::records::Example {
-            tokens: r.clone(),
-            offset: 0,
-        })
-        .collect();
+    use anetrain::train::step::{batch_loss, Backward, Batch, Loss};
+    let batch = Batch::Examples(
+        rows.iter()
+            .map(|r| anetrain::data::records::Example {
+                tokens: r.clone(),
+                offset: 0,
+            })
+            .collect(),
+    );
     let never = || false;
-    let b = batch_loss(eng, model, &examples, grads.map(Backward::plain), &never)?
-        .expect("never stopped");
+    let mut model = model.clone();
+    let sft = &mut Loss::sft();
+    let b = batch_loss(
+        eng,
+        &mut model,
+        sft,
+        &batch,
+        grads.map(Backward::plain),
+        &never,
+    )?
+    .expect("never stopped");
     Ok((b.loss, b.targets))
 }
