@@ -39,7 +39,7 @@ pub fn setup(
     } else {
         KernelOptions::hf(&cfg).for_profile(&profile)
     };
-    if opts.qk_norm && cfg.head_dim > cfg.hidden_size {
+    if opts.qk_norm() && cfg.head_dim > cfg.hidden_size {
         bail!(
             "head_dim ({}) larger than hidden_size ({}) is not supported by the kernel layouts",
             cfg.head_dim,
@@ -341,7 +341,7 @@ pub fn run_check(
     let (_, shape, opts) = setup(model, seq, seed_compat, true, None)?;
     println!(
         "kernel check: dim {} hidden {} heads {}/{} head_dim {} seq {} (rope {:?}, qk_norm {}, residual scale {})",
-        shape.dim, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.seq, opts.rope, opts.qk_norm, opts.residual_scale
+        shape.dim, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim, shape.seq, opts.rope, opts.qk_norm(), opts.residual_scale
     );
     println!(
         "{:<18} {:>12} {:>12} {:>12} {:>12} {:>8}  status",

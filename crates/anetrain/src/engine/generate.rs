@@ -1,15 +1,20 @@
-//! Autoregressive generation with a KV cache: one position at a time through
-//! the same maths as the engine (the S = 1 case of the `[C, S]` functions),
-//! with greedy, temperature and nucleus (top-p) sampling.
+//! Autoregressive generation with a KV cache: one position at a time
+//! through the layer's description, as the engine composes it — the same
+//! norms, residuals and MLP forward (the engine's own, at one position),
+//! and the attention of the new position against the cached keys and
+//! values — with greedy, temperature and nucleus (top-p) sampling.
 
 use std::borrow::Cow;
 
 use anyhow::{bail, Result};
 
+use super::{dropout_masks, Engine};
+use crate::device::CpuKernels;
 use crate::kernels::maths::{apply_rope, rms_norm, w_x};
-use crate::kernels::{rope_row, KernelOptions};
+use crate::kernels::{rope_row, KernelOptions, Shape};
 use crate::model::generation::Sampling;
-use crate::model::Model;
+use crate::model::layer::{Mixer, Norms};
+use crate::model::{LayerIds, Model, Projection};
 use crate::util::rng::Rng;
 
 /// Decoding state: cached keys and values per layer (position-major).
@@ -17,7 +22,8 @@ pub struct Decoder<'a> {
     /// The model as plain f32 tensors: borrowed, or (a mapped base, an
     /// adapter) its [`Model::merged`] copy.
     model: Cow<'a, Model>,
-    opts: KernelOptions,
+    /// The CPU engine whose layer parts run at one position.
+    engine: Engine<CpuKernels>,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     pos: usize,
@@ -27,12 +33,13 @@ impl<'a> Decoder<'a> {
     pub fn new(model: &'a Model) -> Decoder<'a> {
         let n = model.cfg.num_hidden_layers;
         let plain = model.lora.is_none() && model.params.iter().all(|p| p.stored.is_none());
+        let model = match plain {
+            true => Cow::Borrowed(model),
+            false => Cow::Owned(model.merged()),
+        };
         Decoder {
-            model: match plain {
-                true => Cow::Borrowed(model),
-                false => Cow::Owned(model.merged()),
-            },
-            opts: KernelOptions::hf(&model.cfg),
+            engine: Engine::cpu(&model),
+            model,
             keys: vec![vec![]; n],
             values: vec![vec![]; n],
             pos: 0,
@@ -45,88 +52,107 @@ impl<'a> Decoder<'a> {
 
     /// Feeds one token; returns the next-token logits `[V]`.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let m: &Model = &self.model;
+        let Decoder {
+            model,
+            engine,
+            keys,
+            values,
+            pos,
+        } = self;
+        let m: &Model = model;
         let c = &m.cfg;
-        let (d, hd, q, kv, hid) = (
-            c.hidden_size,
-            c.head_dim,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate_size,
-        );
+        let d = c.hidden_size;
         if token as usize >= c.vocab_size {
             bail!(
                 "token id {token} is outside the vocabulary ({} ids)",
                 c.vocab_size
             );
         }
-        if self.pos >= c.max_position_embeddings {
+        if *pos >= c.max_position_embeddings {
             bail!(
                 "reached the model's max_position_embeddings ({})",
                 c.max_position_embeddings
             );
         }
         let eps = c.rms_norm_eps as f32;
-        let alpha = self.opts.residual_scale as f32;
+        let (alpha, spec) = (engine.opts.residual_scale as f32, engine.opts.layer);
         let w = |i: usize| m.params[i].data.as_slice();
-        let (cos, sin) = rope_row(self.pos, hd, self.opts.rope_theta, self.opts.rope);
         let t = token as usize;
         let mut x = m.params[m.embed].data[t * d..(t + 1) * d].to_vec();
-        let ratio = c.gqa_ratio();
-        let n = self.pos + 1;
+        let one = Shape::new(c, 1);
         for (i, l) in m.layers.iter().enumerate() {
-            let xn = rms_norm(&x, w(l.attn_norm), d, 1, eps);
-            let mut qv = w_x(w(l.wq), &xn, q, d, 1);
-            let mut kvec = w_x(w(l.wk), &xn, kv, d, 1);
-            let vvec = w_x(w(l.wv), &xn, kv, d, 1);
-            if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-                qv = rms_norm(&qv, w(qn), hd, 1, eps);
-                kvec = rms_norm(&kvec, w(kn), hd, 1, eps);
-            }
-            let qv = apply_rope(&qv, hd, 1, &cos, &sin, self.opts.rope, 1.0);
-            let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, self.opts.rope, 1.0);
-            self.keys[i].extend_from_slice(&kvec);
-            self.values[i].extend_from_slice(&vvec);
-            let (ks, vs) = (&self.keys[i], &self.values[i]);
-            let scale = 1.0 / (hd as f32).sqrt();
-            let mut attn = vec![0f32; q];
-            let mut scores = vec![0f32; n];
-            for h in 0..c.num_attention_heads {
-                let g = h / ratio;
-                let qh = &qv[h * hd..(h + 1) * hd];
-                for (j, sc) in scores.iter_mut().enumerate() {
-                    let kj = &ks[j * kv + g * hd..j * kv + (g + 1) * hd];
-                    *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            let Norms::Pre = spec.norms;
+            let xn = rms_norm(&x, w(l.mixer_norm), d, 1, eps);
+            let o = match spec.mixer {
+                Mixer::Attention { .. } => {
+                    let cache = (&mut keys[i], &mut values[i]);
+                    cached_attention(m, l, &engine.opts, *pos, &xn, cache)
                 }
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                scores.iter_mut().for_each(|s| {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                });
-                let out = &mut attn[h * hd..(h + 1) * hd];
-                for (j, &p) in scores.iter().enumerate() {
-                    let vj = &vs[j * kv + g * hd..j * kv + (g + 1) * hd];
-                    out.iter_mut().zip(vj).for_each(|(o, v)| *o += p / sum * v);
-                }
-            }
-            let o = w_x(w(l.wo), &attn, d, q, 1);
+            };
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
-            let x2n = rms_norm(&x, w(l.ffn_norm), d, 1, eps);
-            let h1 = w_x(w(l.w1), &x2n, hid, d, 1);
-            let h3 = w_x(w(l.w3), &x2n, hid, d, 1);
-            let gate: Vec<f32> = h1
-                .iter()
-                .zip(&h3)
-                .map(|(&a, &b)| a / (1.0 + (-a).exp()) * b)
-                .collect();
-            let f = w_x(w(l.w2), &gate, d, hid, 1);
-            x.iter_mut().zip(&f).for_each(|(a, b)| *a += alpha * b);
+            let x2n = rms_norm(&x, w(l.mlp_norm), d, 1, eps);
+            let masks = dropout_masks(m, i, 1, None);
+            x = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, &x)?.1;
         }
         let xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
-        self.pos += 1;
+        *pos += 1;
         Ok(w_x(&m.lm_head(), &xf, c.vocab_size, d, 1))
     }
+}
+
+/// The attention mixer at position `pos`: the new position's query, key
+/// and value (QK-norm, RoPE) from its normed input `xn`, its key and value
+/// appended to the layer's cache, and its attention over every cached
+/// position; `Wo` times that.
+fn cached_attention(
+    m: &Model,
+    l: &LayerIds,
+    opts: &KernelOptions,
+    pos: usize,
+    xn: &[f32],
+    (ks, vs): (&mut Vec<f32>, &mut Vec<f32>),
+) -> Vec<f32> {
+    let c = &m.cfg;
+    let (d, hd, q, kv) = (c.hidden_size, c.head_dim, c.q_dim(), c.kv_dim());
+    let eps = c.rms_norm_eps as f32;
+    let w = |i: usize| m.params[i].data.as_slice();
+    let proj = |t: Projection| w(t.base(l));
+    let (cos, sin) = rope_row(pos, hd, opts.rope_theta, opts.rope);
+    let mut qv = w_x(proj(Projection::Q), xn, q, d, 1);
+    let mut kvec = w_x(proj(Projection::K), xn, kv, d, 1);
+    let vvec = w_x(proj(Projection::V), xn, kv, d, 1);
+    if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
+        qv = rms_norm(&qv, w(qn), hd, 1, eps);
+        kvec = rms_norm(&kvec, w(kn), hd, 1, eps);
+    }
+    let qv = apply_rope(&qv, hd, 1, &cos, &sin, opts.rope, 1.0);
+    let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, opts.rope, 1.0);
+    ks.extend_from_slice(&kvec);
+    vs.extend_from_slice(&vvec);
+    let (n, ratio) = (pos + 1, c.gqa_ratio());
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut attn = vec![0f32; q];
+    let mut scores = vec![0f32; n];
+    for h in 0..c.num_attention_heads {
+        let g = h / ratio;
+        let qh = &qv[h * hd..(h + 1) * hd];
+        for (j, sc) in scores.iter_mut().enumerate() {
+            let kj = &ks[j * kv + g * hd..j * kv + (g + 1) * hd];
+            *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+        }
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        scores.iter_mut().for_each(|s| {
+            *s = (*s - max).exp();
+            sum += *s;
+        });
+        let out = &mut attn[h * hd..(h + 1) * hd];
+        for (j, &p) in scores.iter().enumerate() {
+            let vj = &vs[j * kv + g * hd..j * kv + (g + 1) * hd];
+            out.iter_mut().zip(vj).for_each(|(o, v)| *o += p / sum * v);
+        }
+    }
+    w_x(proj(Projection::O), &attn, d, q, 1)
 }
 
 /// Picks the next token from `logits`.

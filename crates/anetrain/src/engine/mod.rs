@@ -4,9 +4,13 @@
 //! QK-norm backward, cross-entropy, weight gradients — runs on the CPU.
 //! Activations are channel-first `[C, S]` per sequence.
 //!
-//! One layer, forward (α is the residual scale, 1 for HF models):
-//!   xn = rmsnorm(x)·w_attn;  attn, q, k, v = sdpa_forward(xn);  x2 = x + α·Wo·attn
-//!   x2n = rmsnorm(x2)·w_ffn;  x' = x2 + α·W2(silu(W1 x2n)·W3 x2n)
+//! A layer is composed as its description says ([`LayerSpec`]: the token
+//! mixer, the MLP, where the norms sit); each part's forward and backward
+//! sit side by side. Today's parts, forward (α is the residual scale, 1
+//! for HF models):
+//!   pre-norm:       xn = rmsnorm(x)·w₁;  x2 = x + α·mixer(xn);  x2n = rmsnorm(x2)·w₂;  x' = x2 + α·mlp(x2n)
+//!   attention:      attn, q, k, v = sdpa_forward(xn);  mixer = Wo·attn
+//!   SwiGLU:         mlp = W_down(silu(W_gate x2n)·W_up x2n)
 //! and backward runs the same list in reverse, each piece beside its maths.
 
 pub mod generate;
@@ -26,6 +30,7 @@ use crate::device::backend::{AnyRunner, OpenDevice};
 use crate::device::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
 pub use crate::engine::grads::{zero_grads, Grads};
 use crate::kernels::{self, maths, KernelOptions, Shape};
+use crate::model::layer::{LayerSpec, Mixer, Mlp, Norms};
 use crate::model::{LayerIds, Model, Projection};
 use crate::util::rng::Rng;
 
@@ -67,23 +72,38 @@ impl Kept {
 }
 
 /// What one layer's backward needs from its forward: the host's values in
-/// f32, the kernels' outputs [`Kept`].
+/// f32 (each sublayer's input and normed input), the parts' kernel outputs
+/// [`Kept`] (`LayerSpec::kept_per_position` counts them for the memory
+/// plan).
 struct LayerActs {
     x: Vec<f32>,
     xn: Vec<f32>,
-    attn: Kept,
-    q_rope: Kept,
-    k_rope: Kept,
-    v: Kept,
-    q_raw: Kept,
-    k_raw: Kept,
+    mixer: MixerActs,
     x2: Vec<f32>,
     x2n: Vec<f32>,
-    h1: Kept,
-    h3: Kept,
-    gate: Kept,
+    mlp: MlpActs,
     /// LoRA dropout masks per projection, when training with dropout.
     masks: Dropout,
+}
+
+/// What a token mixer's backward needs from its forward.
+enum MixerActs {
+    /// The attention output, roped queries and keys, values, and (with
+    /// QK-norm) queries and keys before their norms.
+    Attention {
+        attn: Kept,
+        q_rope: Kept,
+        k_rope: Kept,
+        v: Kept,
+        q_raw: Kept,
+        k_raw: Kept,
+    },
+}
+
+/// What an MLP's backward needs from its forward.
+enum MlpActs {
+    /// `h1 = W_gate·x`, `h3 = W_up·x`, `gate = silu(h1)·h3`.
+    SwiGlu { h1: Kept, h3: Kept, gate: Kept },
 }
 
 /// What a forward pass keeps of one layer for the backward.
@@ -356,8 +376,8 @@ impl<R: KernelRunner> Engine<R> {
         })
     }
 
-    /// One layer's forward from its input `x`: what its backward needs, and
-    /// the layer's output.
+    /// One layer's forward from its input `x`, composed as its description
+    /// says: what its backward needs, and the layer's output.
     fn layer_forward(
         &mut self,
         model: &Model,
@@ -369,61 +389,105 @@ impl<R: KernelRunner> Engine<R> {
         let (d, seq) = (shape.dim, shape.seq);
         let eps = model.cfg.rms_norm_eps as f32;
         let alpha = self.opts.residual_scale as f32;
-        let l = &model.layers[i];
+        let (l, spec) = (&model.layers[i], self.opts.layer);
         let w = |id: usize| model.params[id].data.as_slice();
-        let xn = maths::rms_norm(&x, w(l.attn_norm), d, seq, eps);
-        let a = self.runner.run::<kernels::SdpaForward>(
-            model,
-            i,
-            shape,
-            &masks,
-            &kernels::sdpa_forward::Acts {
-                xnorm: &xn,
-                // A block of queries reads its columns too; its angles and
-                // mask the device runner makes per tile.
-                xnorm_block: Some(&xn),
-                rope_cos: None,
-                rope_sin: None,
-                mask: None,
-            },
-        )?;
-        let o = self.runner.run::<kernels::WoForward>(
-            model,
-            i,
-            shape,
-            &masks,
-            &kernels::wo_forward::Acts { attn: &a.attn },
-        )?;
+        let Norms::Pre = spec.norms;
+        let xn = maths::rms_norm(&x, w(l.mixer_norm), d, seq, eps);
+        let (mixer, o) = self.mixer_forward(&spec, model, i, shape, &masks, &xn)?;
         let mut x2 = x.clone();
-        add_scaled(&mut x2, &o.o, alpha);
-        let x2n = maths::rms_norm(&x2, w(l.ffn_norm), d, seq, eps);
-        let f = self.runner.run::<kernels::FfnForward>(
-            model,
-            i,
-            shape,
-            &masks,
-            &kernels::ffn_forward::Acts {
-                x2norm: &x2n,
-                x2: &x2,
-            },
-        )?;
+        add_scaled(&mut x2, &o, alpha);
+        let x2n = maths::rms_norm(&x2, w(l.mlp_norm), d, seq, eps);
+        let (mlp, x_next) = self.mlp_forward(&spec, model, i, shape, &masks, &x2n, &x2)?;
         let acts = LayerActs {
             x,
             xn,
-            attn: Kept::new(a.attn),
-            q_rope: Kept::new(a.q_rope),
-            k_rope: Kept::new(a.k_rope),
-            v: Kept::new(a.v),
-            q_raw: Kept::new(a.q_raw.unwrap_or_default()),
-            k_raw: Kept::new(a.k_raw.unwrap_or_default()),
+            mixer,
             x2,
             x2n,
-            h1: Kept::new(f.h1),
-            h3: Kept::new(f.h3),
-            gate: Kept::new(f.gate),
+            mlp,
             masks,
         };
-        Ok((acts, f.x_next))
+        Ok((acts, x_next))
+    }
+
+    /// The token mixer over the normed input `xn`: what its backward needs,
+    /// and its output (before the residual).
+    fn mixer_forward(
+        &mut self,
+        spec: &LayerSpec,
+        model: &Model,
+        i: usize,
+        shape: &Shape,
+        masks: &Dropout,
+        xn: &[f32],
+    ) -> Result<(MixerActs, Vec<f32>)> {
+        match spec.mixer {
+            Mixer::Attention { .. } => {
+                let a = self.runner.run::<kernels::SdpaForward>(
+                    model,
+                    i,
+                    shape,
+                    masks,
+                    &kernels::sdpa_forward::Acts {
+                        xnorm: xn,
+                        // A block of queries reads its columns too; its
+                        // angles and mask the device runner makes per tile.
+                        xnorm_block: Some(xn),
+                        rope_cos: None,
+                        rope_sin: None,
+                        mask: None,
+                    },
+                )?;
+                let o = self.runner.run::<kernels::WoForward>(
+                    model,
+                    i,
+                    shape,
+                    masks,
+                    &kernels::wo_forward::Acts { attn: &a.attn },
+                )?;
+                let acts = MixerActs::Attention {
+                    attn: Kept::new(a.attn),
+                    q_rope: Kept::new(a.q_rope),
+                    k_rope: Kept::new(a.k_rope),
+                    v: Kept::new(a.v),
+                    q_raw: Kept::new(a.q_raw.unwrap_or_default()),
+                    k_raw: Kept::new(a.k_raw.unwrap_or_default()),
+                };
+                Ok((acts, o.o))
+            }
+        }
+    }
+
+    /// The MLP over the normed input `x2n`: what its backward needs, and
+    /// the layer's output `x2 + α·mlp(x2n)` (its kernel adds the residual).
+    #[allow(clippy::too_many_arguments)]
+    fn mlp_forward(
+        &mut self,
+        spec: &LayerSpec,
+        model: &Model,
+        i: usize,
+        shape: &Shape,
+        masks: &Dropout,
+        x2n: &[f32],
+        x2: &[f32],
+    ) -> Result<(MlpActs, Vec<f32>)> {
+        match spec.mlp {
+            Mlp::SwiGlu => {
+                let f = self.runner.run::<kernels::FfnForward>(
+                    model,
+                    i,
+                    shape,
+                    masks,
+                    &kernels::ffn_forward::Acts { x2norm: x2n, x2 },
+                )?;
+                let acts = MlpActs::SwiGlu {
+                    h1: Kept::new(f.h1),
+                    h3: Kept::new(f.h3),
+                    gate: Kept::new(f.gate),
+                };
+                Ok((acts, f.x_next))
+            }
+        }
     }
 
     /// Backward from `dxf` (gradient of the final-normed state), accumulating
@@ -474,8 +538,7 @@ impl<R: KernelRunner> Engine<R> {
             };
             if !self.runner.overlaps_host() {
                 let queue = GradQueue::Inline;
-                self.ffn_backward(&c, &mut dx, grads, &mut scratch, &queue)?;
-                self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)?;
+                self.layer_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)?;
                 continue;
             }
             // The layer's weight gradients on one worker thread, queued as
@@ -493,11 +556,7 @@ impl<R: KernelRunner> Engine<R> {
                     theirs
                 });
                 let queue = GradQueue::Worker(tx);
-                let mut layer = || -> Result<()> {
-                    self.ffn_backward(&c, &mut dx, grads, &mut scratch, &queue)?;
-                    self.attention_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)
-                };
-                let out = layer();
+                let out = self.layer_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue);
                 drop(queue);
                 match worker.join() {
                     Ok(theirs) => grads.put_back(theirs, &ids),
@@ -519,112 +578,146 @@ impl<R: KernelRunner> Engine<R> {
         Ok(())
     }
 
-    /// The FFN block backward, `dx` from the block's output to its input:
-    ///   x' = x2 + α·W2·(silu(W1·x2n)·W3·x2n),  x2n = rmsnorm(x2)·w_ffn
-    ///   dx2 = dx' + rmsnorm'(W1ᵀ·dh1 + W3ᵀ·dh3),  dh1, dh3 = swiglu'(W2ᵀ·α·dx')
-    /// Each group of weight gradients goes to `queue` as soon as its
-    /// upstream gradient exists, before the kernel that needs the same
-    /// gradient (on a device, the worker runs it beside the kernels).
-    fn ffn_backward<'q>(
+    /// One layer's backward, `dx` from its output to its input: its parts
+    /// in reverse, each sublayer's norm backward after the sublayer's.
+    ///   pre-norm:  dx2 = dx' + rmsnorm'(mlp'(α·dx')),  dx = dx2 + rmsnorm'(mixer'(α·dx2))
+    fn layer_backward<'q>(
         &mut self,
         c: &'q LayerCtx<'q>,
+        rope: &(Vec<f32>, Vec<f32>),
         dx: &mut [f32],
         grads: &mut Grads,
         scratch: &mut Vec<f32>,
         queue: &GradQueue<'q>,
     ) -> Result<()> {
-        let a = c.acts;
-        let alpha = self.opts.residual_scale as f32;
-        let dffn: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
-        let dy = dffn.clone();
-        queue.push(grads, move |g| {
-            c.grad(g, Projection::Down, &dy, &c.acts.gate.get())
-        });
-        let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
-        let dgate = self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate;
-        let (dh1, dh3) = maths::swiglu_backward(&a.h1.get(), &a.h3.get(), &dgate);
-        let (dh1, dh3) = (Arc::new(dh1), Arc::new(dh3));
-        let (dy1, dy3) = (dh1.clone(), dh3.clone());
-        queue.push(grads, move |g| {
-            c.grad(g, Projection::Gate, &dy1, &c.acts.x2n);
-            c.grad(g, Projection::Up, &dy3, &c.acts.x2n);
-        });
-        let acts = kernels::ffn_backward_w13::Acts {
-            dh1: &dh1,
-            dh3: &dh3,
-        };
-        let dx2n = self.run::<kernels::FfnBackwardW13>(c, &acts)?.dx;
-        let dnorm = c.norm_backward(&a.x2, c.ids.ffn_norm, &dx2n, grads, scratch);
+        let (a, spec) = (c.acts, self.opts.layer);
+        let Norms::Pre = spec.norms;
+        let dx2n = self.mlp_backward(&spec, c, dx, grads, queue)?;
+        let dnorm = c.norm_backward(&a.x2, c.ids.mlp_norm, &dx2n, grads, scratch);
+        add_scaled(dx, &dnorm, 1.0);
+        let dxn = self.mixer_backward(&spec, c, rope, dx, grads, scratch, queue)?;
+        let dnorm = c.norm_backward(&a.x, c.ids.mixer_norm, &dxn, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
         Ok(())
     }
 
-    /// The attention block backward, `dx` from the block's output to its
-    /// input:
-    ///   x2 = x + α·Wo·attn(q, k, v),  q = rope(qknorm(Wq·xn)), … ,  xn = rmsnorm(x)·w_attn
-    ///   da = Woᵀ·α·dx2 → dq, dk, dv (two device kernels) → unrope, QK-norm'
-    ///   dx = dx2 + rmsnorm'(Wqᵀ·dq + Wkᵀ·dk + Wvᵀ·dv)
-    fn attention_backward<'q>(
+    /// The MLP's backward: the gradient of its normed input from the
+    /// layer's output gradient `dx`.
+    ///   SwiGLU:  dgate = W_downᵀ·α·dx',  dh1, dh3 = swiglu'(dgate),  dx2n = W_gateᵀ·dh1 + W_upᵀ·dh3
+    /// Each group of weight gradients goes to `queue` as soon as its
+    /// upstream gradient exists, before the kernel that needs the same
+    /// gradient (on a device, the worker runs it beside the kernels).
+    fn mlp_backward<'q>(
         &mut self,
+        spec: &LayerSpec,
+        c: &'q LayerCtx<'q>,
+        dx: &[f32],
+        grads: &mut Grads,
+        queue: &GradQueue<'q>,
+    ) -> Result<Vec<f32>> {
+        let alpha = self.opts.residual_scale as f32;
+        match (spec.mlp, &c.acts.mlp) {
+            (Mlp::SwiGlu, MlpActs::SwiGlu { h1, h3, gate }) => {
+                let dffn: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
+                let dy = dffn.clone();
+                queue.push(grads, move |g| {
+                    c.grad(g, Projection::Down, &dy, &gate.get())
+                });
+                let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
+                let dgate = self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate;
+                let (dh1, dh3) = maths::swiglu_backward(&h1.get(), &h3.get(), &dgate);
+                let (dh1, dh3) = (Arc::new(dh1), Arc::new(dh3));
+                let (dy1, dy3) = (dh1.clone(), dh3.clone());
+                queue.push(grads, move |g| {
+                    c.grad(g, Projection::Gate, &dy1, &c.acts.x2n);
+                    c.grad(g, Projection::Up, &dy3, &c.acts.x2n);
+                });
+                let acts = kernels::ffn_backward_w13::Acts {
+                    dh1: &dh1,
+                    dh3: &dh3,
+                };
+                Ok(self.run::<kernels::FfnBackwardW13>(c, &acts)?.dx)
+            }
+        }
+    }
+
+    /// The token mixer's backward: the gradient of its normed input from
+    /// the sublayer's output gradient `dx` (at `x2`).
+    ///   attention:  da = Woᵀ·α·dx2 → dq, dk, dv (device kernels) → unrope, QK-norm'
+    ///               dxn = Wqᵀ·dq + Wkᵀ·dk + Wvᵀ·dv
+    #[allow(clippy::too_many_arguments)]
+    fn mixer_backward<'q>(
+        &mut self,
+        spec: &LayerSpec,
         c: &'q LayerCtx<'q>,
         (cos, sin): &(Vec<f32>, Vec<f32>),
-        dx: &mut [f32],
+        dx: &[f32],
         grads: &mut Grads,
         scratch: &mut Vec<f32>,
         queue: &GradQueue<'q>,
-    ) -> Result<()> {
-        let a = c.acts;
+    ) -> Result<Vec<f32>> {
         let (hd, seq) = (c.shape.head_dim, c.shape.seq);
         let alpha = self.opts.residual_scale as f32;
-        let dout: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
-        let dy = dout.clone();
-        queue.push(grads, move |g| {
-            c.grad(g, Projection::O, &dy, &c.acts.attn.get())
-        });
-        let acts = kernels::wo_backward::Acts { dy: &dout };
-        let da = self.run::<kernels::WoBackward>(c, &acts)?.da;
-        let (q_rope, k_rope) = (a.q_rope.get(), a.k_rope.get());
-        let g = self.runner.attention_backward(
-            c.model,
-            c.layer,
-            &c.shape,
-            &c.acts.masks,
-            &kernels::sdpa_backward1::Acts {
-                q_rope: &q_rope,
-                k_rope: &k_rope,
-                v: &a.v.get(),
-                da: &da,
-                // Made per tile by the device runner for blocks of queries.
-                mask: None,
-            },
-        )?;
-        // RoPE is a rotation: its backward is the inverse rotation.
-        let unrope = |g: &[f32]| maths::apply_rope(g, hd, seq, cos, sin, self.opts.rope, -1.0);
-        let (mut dq, mut dk) = (unrope(&g.dq), unrope(&g.dk));
-        let dv = g.dv;
-        if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
-            let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
-            let gq = base_grad(c.model, grads, qn, scratch);
-            dq = maths::rms_norm_backward(&a.q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
-            let gk = base_grad(c.model, grads, kn, scratch);
-            dk = maths::rms_norm_backward(&a.k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
+        match (spec.mixer, &c.acts.mixer) {
+            (
+                Mixer::Attention { .. },
+                MixerActs::Attention {
+                    attn,
+                    q_rope,
+                    k_rope,
+                    v,
+                    q_raw,
+                    k_raw,
+                },
+            ) => {
+                let dout: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
+                let dy = dout.clone();
+                queue.push(grads, move |g| c.grad(g, Projection::O, &dy, &attn.get()));
+                let acts = kernels::wo_backward::Acts { dy: &dout };
+                let da = self.run::<kernels::WoBackward>(c, &acts)?.da;
+                let (q_rope, k_rope) = (q_rope.get(), k_rope.get());
+                let g = self.runner.attention_backward(
+                    c.model,
+                    c.layer,
+                    &c.shape,
+                    &c.acts.masks,
+                    &kernels::sdpa_backward1::Acts {
+                        q_rope: &q_rope,
+                        k_rope: &k_rope,
+                        v: &v.get(),
+                        da: &da,
+                        // Made per tile by the device runner for blocks of queries.
+                        mask: None,
+                    },
+                )?;
+                // RoPE is a rotation: its backward is the inverse rotation.
+                let unrope =
+                    |g: &[f32]| maths::apply_rope(g, hd, seq, cos, sin, self.opts.rope, -1.0);
+                let (mut dq, mut dk) = (unrope(&g.dq), unrope(&g.dk));
+                let dv = g.dv;
+                if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
+                    let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
+                    let gq = base_grad(c.model, grads, qn, scratch);
+                    dq = maths::rms_norm_backward(&q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
+                    let gk = base_grad(c.model, grads, kn, scratch);
+                    dk = maths::rms_norm_backward(&k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
+                }
+                let (dq, dk, dv) = (Arc::new(dq), Arc::new(dk), Arc::new(dv));
+                let (gq, gk, gv) = (dq.clone(), dk.clone(), dv.clone());
+                queue.push(grads, move |g| {
+                    c.grad(g, Projection::Q, &gq, &c.acts.xn);
+                    c.grad(g, Projection::K, &gk, &c.acts.xn);
+                    c.grad(g, Projection::V, &gv, &c.acts.xn);
+                });
+                let mut dxn = self
+                    .run::<kernels::QBackward>(c, &kernels::q_backward::Acts { dq: &dq })?
+                    .dx;
+                let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
+                let dxkv = self.run::<kernels::KvBackward>(c, &acts)?.dx;
+                add_scaled(&mut dxn, &dxkv, 1.0);
+                Ok(dxn)
+            }
         }
-        let (dq, dk, dv) = (Arc::new(dq), Arc::new(dk), Arc::new(dv));
-        let (gq, gk, gv) = (dq.clone(), dk.clone(), dv.clone());
-        queue.push(grads, move |g| {
-            c.grad(g, Projection::Q, &gq, &c.acts.xn);
-            c.grad(g, Projection::K, &gk, &c.acts.xn);
-            c.grad(g, Projection::V, &gv, &c.acts.xn);
-        });
-        let mut dxn = self
-            .run::<kernels::QBackward>(c, &kernels::q_backward::Acts { dq: &dq })?
-            .dx;
-        let acts = kernels::kv_backward::Acts { dk: &dk, dv: &dv };
-        let dxkv = self.run::<kernels::KvBackward>(c, &acts)?.dx;
-        add_scaled(&mut dxn, &dxkv, 1.0);
-        let dnorm = c.norm_backward(&a.x, c.ids.attn_norm, &dxn, grads, scratch);
-        add_scaled(dx, &dnorm, 1.0);
-        Ok(())
     }
 
     /// Runs kernel `K` for the layer of `c`, with its dropout masks.

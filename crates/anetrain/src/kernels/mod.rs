@@ -51,6 +51,7 @@ pub mod wo_forward;
 use serde::Serialize;
 
 use crate::model::config::ModelConfig;
+use crate::model::layer::{LayerSpec, Mixer, Mlp};
 use crate::model::lora::LoraConfig;
 use crate::model::Projection;
 pub use ffn_backward_w13::FfnBackwardW13;
@@ -170,6 +171,22 @@ kernel_table! {
 }
 
 impl KernelKind {
+    /// Whether the kernel computes part of a layer of this description:
+    /// the attention's programs for an attention mixer, the SwiGLU's for
+    /// a SwiGLU MLP (the LM head's serve no layer). A layer runs these,
+    /// in [`KernelKind::ALL`]'s order.
+    pub fn serves(self, layer: &LayerSpec) -> bool {
+        use KernelKind::*;
+        match self {
+            SdpaForward | WoForward | WoBackward | SdpaBackward1 | SdpaBackward2 | SdpaBackward
+            | QBackward | KvBackward => {
+                matches!(layer.mixer, Mixer::Attention { .. })
+            }
+            FfnForward | FfnBackwardW2 | FfnBackwardW13 => layer.mlp == Mlp::SwiGlu,
+            HeadForward | HeadBackward => false,
+        }
+    }
+
     pub fn from_name(s: &str) -> Option<KernelKind> {
         KernelKind::ALL
             .into_iter()
@@ -197,7 +214,10 @@ pub enum Rope {
 pub struct KernelOptions {
     pub rope: Rope,
     pub rope_theta: f64,
-    pub qk_norm: bool,
+    /// The layer the kernels compute parts of: which kernels a layer runs
+    /// ([`KernelKind::serves`]) and what they compute (QK-norm inside
+    /// sdpa_forward).
+    pub layer: LayerSpec,
     /// RMSNorm epsilon (QK-norm inside sdpa_forward).
     pub eps: f64,
     /// Scale α of the FFN residual branch: 1 for Hugging Face models,
@@ -348,7 +368,7 @@ impl KernelOptions {
         KernelOptions {
             rope: Rope::HalfSplit,
             rope_theta: cfg.rope_theta,
-            qk_norm: cfg.qk_norm,
+            layer: cfg.layer(),
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0,
             seed_compat: false,
@@ -429,6 +449,11 @@ impl KernelOptions {
         (self.limits.matmul_cliff.is_some() && !self.seed_compat).then_some(0.5)
     }
 
+    /// Whether the attention normalises queries and keys per head.
+    pub fn qk_norm(&self) -> bool {
+        self.layer.qk_norm()
+    }
+
     /// The adapter (rank, scale) of projection `t`, if it has one.
     pub fn adapter(&self, t: Projection) -> Option<(usize, f64)> {
         let l = self.lora.as_ref()?;
@@ -441,7 +466,10 @@ impl KernelOptions {
         KernelOptions {
             rope: Rope::Interleaved,
             rope_theta: 10000.0,
-            qk_norm: false,
+            layer: LayerSpec {
+                mixer: Mixer::Attention { qk_norm: false },
+                ..cfg.layer()
+            },
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
             seed_compat: true,

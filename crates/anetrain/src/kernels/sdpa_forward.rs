@@ -79,7 +79,7 @@ impl Kernel for SdpaForward {
         b.columns(Port::Weight(Projection::Q), d, q, Transposed)
             .columns(Port::Weight(Projection::K), d, kv, Transposed)
             .columns(Port::Weight(Projection::V), d, kv, Transposed);
-        if o.qk_norm {
+        if o.qk_norm() {
             // Two [HD] vectors in one column each (each in a column group
             // of its own in aligned layouts), then padding so the input
             // width stays a multiple of 16 like the other kernels'.
@@ -95,7 +95,7 @@ impl Kernel for SdpaForward {
         if o.seed_compat {
             b.output(Port::Xnorm, d);
         }
-        if o.qk_norm {
+        if o.qk_norm() {
             b.output(Port::QRaw, qr).output(Port::KRaw, kv);
         }
     }
@@ -118,7 +118,7 @@ impl Kernel for SdpaForward {
         let mut q = g.rows_to_heads("q", &qm, s.heads)?;
         let mut k = g.rows_to_heads("k", &km, kvh)?;
         let v = g.rows_to_heads("v", &vm, kvh)?;
-        if o.qk_norm {
+        if o.qk_norm() {
             q = g.head_rms_norm("q_normed", &q, Port::QNorm, o.device_eps())?;
             k = g.head_rms_norm("k_normed", &k, Port::KNorm, o.device_eps())?;
         }
@@ -170,7 +170,7 @@ impl Kernel for SdpaForward {
         if o.seed_compat {
             outs.push(g.region(Port::Xnorm)?);
         }
-        if o.qk_norm {
+        if o.qk_norm() {
             let q_raw = match s.query_block() {
                 false => g.rows_to_channels("q_raw", &qm)?,
                 true => {
@@ -202,7 +202,7 @@ impl Kernel for SdpaForward {
             project(Projection::K, kv),
             project(Projection::V, kv),
         );
-        let (qn, kn) = if o.qk_norm {
+        let (qn, kn) = if o.qk_norm() {
             let norm = |name: &str, x: &[f32], wn: Option<&[f32]>| {
                 let wn = wn.unwrap_or_else(|| panic!("QK-norm is on but the layer has no {name}"));
                 rms_norm(x, wn, hd, seq, eps)
@@ -255,8 +255,8 @@ impl Kernel for SdpaForward {
             k_rope,
             v,
             xnorm: o.seed_compat.then(|| x.to_vec()),
-            q_raw: o.qk_norm.then_some(q_raw),
-            k_raw: o.qk_norm.then_some(k_raw),
+            q_raw: o.qk_norm().then_some(q_raw),
+            k_raw: o.qk_norm().then_some(k_raw),
         }
     }
 }
@@ -300,7 +300,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
     let q_raw = project(Projection::Q, q, &xq, &block);
     let k_raw = project(Projection::K, kv, a.xnorm, s);
     let v = project(Projection::V, kv, a.xnorm, s);
-    let norm = |x: &[f32], wn: Option<&[f32]>, n: usize| match (o.qk_norm, wn) {
+    let norm = |x: &[f32], wn: Option<&[f32]>, n: usize| match (o.qk_norm(), wn) {
         (true, Some(wn)) => rms_norm(x, wn, hd, n, eps),
         (true, None) => panic!("QK-norm is on but the layer has no QK-norm weights"),
         (false, _) => x.to_vec(),
@@ -339,7 +339,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
         k_rope,
         v,
         xnorm: None,
-        q_raw: o.qk_norm.then_some(q_raw),
-        k_raw: o.qk_norm.then_some(k_raw),
+        q_raw: o.qk_norm().then_some(q_raw),
+        k_raw: o.qk_norm().then_some(k_raw),
     }
 }

@@ -6,6 +6,8 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
+use crate::model::layer::{LayerDims, LayerSpec, Mixer, Mlp, Norms};
+
 /// Architecture family: decides QK-norm and the names written to config.json.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Arch {
@@ -435,17 +437,41 @@ impl ModelConfig {
         self.num_attention_heads / self.num_key_value_heads
     }
 
+    /// The description of the model's decoder layers (every layer of the
+    /// architectures read today is the same): Qwen3's attention normalises
+    /// queries and keys per head, Llama's does not; both have SwiGLU MLPs
+    /// and norms before each sublayer.
+    pub fn layer(&self) -> LayerSpec {
+        LayerSpec {
+            mixer: Mixer::Attention {
+                qk_norm: self.qk_norm,
+            },
+            mlp: Mlp::SwiGlu,
+            norms: Norms::Pre,
+        }
+    }
+
+    /// The sizes the layers' parts are made of.
+    pub fn layer_dims(&self) -> LayerDims {
+        LayerDims {
+            hidden: self.hidden_size,
+            q: self.q_dim(),
+            kv: self.kv_dim(),
+            head_dim: self.head_dim,
+            intermediate: self.intermediate_size,
+        }
+    }
+
     /// Parameter count (u128: a hostile config must not overflow).
     pub fn num_params(&self) -> u128 {
-        let (d, h, q, kv) = (
-            self.hidden_size as u128,
-            self.intermediate_size as u128,
-            self.q_dim() as u128,
-            self.kv_dim() as u128,
-        );
-        let hd = self.head_dim as u128;
-        let per_layer =
-            d * q + 2 * d * kv + q * d + 3 * d * h + 2 * d + if self.qk_norm { 2 * hd } else { 0 };
+        let count = |shape: &[usize]| shape.iter().map(|&n| n as u128).product::<u128>();
+        let per_layer: u128 = self
+            .layer()
+            .params(&self.layer_dims())
+            .iter()
+            .map(|p| count(&p.shape))
+            .sum();
+        let d = self.hidden_size as u128;
         let emb = self.vocab_size as u128 * d;
         emb * if self.tie_word_embeddings { 1 } else { 2 }
             + per_layer * self.num_hidden_layers as u128
@@ -515,6 +541,53 @@ mod tests {
         for (text, want) in cases {
             let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
             assert!(e.contains(want), "{want}: {e}");
+        }
+    }
+
+    /// The description yields Hugging Face's parameter names and order
+    /// for Qwen3 (QK-norm) and Llama, and the parameter count of the
+    /// configuration.
+    #[test]
+    fn qwen3_and_llama_are_two_descriptions() {
+        for (preset, qk) in [("qwen3-0.6b", true), ("stories110m", false)] {
+            let cfg = ModelConfig::preset(preset).unwrap();
+            let spec = cfg.layer();
+            assert_eq!(spec.qk_norm(), qk);
+            let names: Vec<&str> = spec
+                .params(&cfg.layer_dims())
+                .iter()
+                .map(|p| p.name)
+                .collect();
+            let mut want = vec![
+                "input_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+            ];
+            if qk {
+                want.extend(["self_attn.q_norm.weight", "self_attn.k_norm.weight"]);
+            }
+            want.extend([
+                "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            ]);
+            assert_eq!(names, want, "{preset}");
+            // By hand: q, k, v, o, gate, up, down, two norms (+ QK-norm's two).
+            let (d, h, q, kv) = (
+                cfg.hidden_size as u128,
+                cfg.intermediate_size as u128,
+                cfg.q_dim() as u128,
+                cfg.kv_dim() as u128,
+            );
+            let qk_norms = if qk { 2 * cfg.head_dim as u128 } else { 0 };
+            let per_layer = 2 * d * q + 2 * d * kv + 3 * d * h + 2 * d + qk_norms;
+            let heads = if cfg.tie_word_embeddings { 1 } else { 2 };
+            let want =
+                heads * cfg.vocab_size as u128 * d + cfg.num_hidden_layers as u128 * per_layer + d;
+            assert_eq!(cfg.num_params(), want, "{preset}");
         }
     }
 }

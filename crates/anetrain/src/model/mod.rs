@@ -5,6 +5,7 @@ pub mod config;
 pub mod dtype;
 pub mod generation;
 pub mod hub;
+pub mod layer;
 pub mod lora;
 pub mod params;
 pub mod quant;

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::model::config::{Arch, ModelConfig};
 pub use crate::model::dtype::StoredDtype;
+use crate::model::layer::{Role, Sublayer};
 use crate::model::lora::Lora;
 pub use crate::model::params::{LayerIds, Param, Projection, Stored};
 use crate::model::tensor_file;
@@ -42,10 +43,11 @@ pub fn matrix_shapes(cfg: &ModelConfig) -> Vec<(String, usize, usize)> {
         .collect()
 }
 
-/// The parameter list (names and shapes) a configuration implies.
+/// The parameter list (names and shapes) a configuration implies: the
+/// embedding, each layer's as its description lists them, the final norm
+/// and an untied head.
 fn layout(cfg: &ModelConfig) -> Model {
-    let (d, h, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let (q, kv, hd) = (cfg.q_dim(), cfg.kv_dim(), cfg.head_dim);
+    let (d, v) = (cfg.hidden_size, cfg.vocab_size);
     let mut params = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, decay: bool| {
         params.push(Param {
@@ -59,38 +61,26 @@ fn layout(cfg: &ModelConfig) -> Model {
     };
     let embed = add("model.embed_tokens.weight".into(), vec![v, d], true);
     let mut layers = Vec::new();
+    let (spec, dims) = (cfg.layer(), cfg.layer_dims());
     for i in 0..cfg.num_hidden_layers {
-        let p = |s: &str| format!("model.layers.{i}.{s}");
-        let attn_norm = add(p("input_layernorm.weight"), vec![d], false);
-        let wq = add(p("self_attn.q_proj.weight"), vec![q, d], true);
-        let wk = add(p("self_attn.k_proj.weight"), vec![kv, d], true);
-        let wv = add(p("self_attn.v_proj.weight"), vec![kv, d], true);
-        let wo = add(p("self_attn.o_proj.weight"), vec![d, q], true);
-        let (q_norm, k_norm) = if cfg.qk_norm {
-            (
-                Some(add(p("self_attn.q_norm.weight"), vec![hd], false)),
-                Some(add(p("self_attn.k_norm.weight"), vec![hd], false)),
-            )
-        } else {
-            (None, None)
+        let mut ids = LayerIds {
+            mixer_norm: 0,
+            mlp_norm: 0,
+            projections: [0; 7],
+            q_norm: None,
+            k_norm: None,
         };
-        let ffn_norm = add(p("post_attention_layernorm.weight"), vec![d], false);
-        let w1 = add(p("mlp.gate_proj.weight"), vec![h, d], true);
-        let w3 = add(p("mlp.up_proj.weight"), vec![h, d], true);
-        let w2 = add(p("mlp.down_proj.weight"), vec![d, h], true);
-        layers.push(LayerIds {
-            attn_norm,
-            wq,
-            wk,
-            wv,
-            wo,
-            q_norm,
-            k_norm,
-            ffn_norm,
-            w1,
-            w3,
-            w2,
-        });
+        for p in spec.params(&dims) {
+            let id = add(format!("model.layers.{i}.{}", p.name), p.shape, p.decay);
+            match p.role {
+                Role::Norm(Sublayer::Mixer) => ids.mixer_norm = id,
+                Role::Norm(Sublayer::Mlp) => ids.mlp_norm = id,
+                Role::Projection(t) => ids.projections[t.index()] = id,
+                Role::QNorm => ids.q_norm = Some(id),
+                Role::KNorm => ids.k_norm = Some(id),
+            }
+        }
+        layers.push(ids);
     }
     let final_norm = add("model.norm.weight".into(), vec![d], false);
     let lm_head =

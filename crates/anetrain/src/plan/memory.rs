@@ -129,19 +129,12 @@ pub fn lora_params(cfg: &ModelConfig, l: &LoraConfig) -> u64 {
 }
 
 /// Bytes one layer's forward keeps for its backward, per position
-/// (`LayerActs` in the engine): the host's four `[D]` values in f32, the
-/// kernels' outputs in f16 when a device made them (`Kept`).
+/// (`LayerActs` in the engine, as the layer's description counts them):
+/// the host's values in f32, the kernels' outputs in f16 when a device
+/// made them (`Kept`).
 fn layer_act_bytes(cfg: &ModelConfig, device: bool) -> u64 {
-    let (d, q, kv, h) = (
-        cfg.hidden_size,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        cfg.intermediate_size,
-    );
-    let qk = if cfg.qk_norm { 1 } else { 0 };
-    // x, xn, x2, x2n; attn, q_rope (+ q_raw); k_rope, v (+ k_raw); h1, h3, gate
-    let kernel_outputs = ((2 + qk) * q + (2 + qk) * kv + 3 * h) as u64;
-    (4 * d) as u64 * 4 + kernel_outputs * if device { 2 } else { 4 }
+    let (host, kernels) = cfg.layer().kept_per_position(&cfg.layer_dims());
+    host as u64 * 4 + kernels as u64 * if device { 2 } else { 4 }
 }
 
 impl MemoryPlan {
@@ -248,15 +241,15 @@ fn resident_parts(r: &PlanRequest) -> Vec<Part> {
         cfg.num_hidden_layers as u64,
     );
     let params = cfg.num_params() as u64;
-    let norms = (layers
-        * (2 * d
-            + if cfg.qk_norm {
-                2 * cfg.head_dim as u64
-            } else {
-                0
-            })
-        + d)
-        * 4;
+    // The norms' weights: each layer's (its description's vectors) and the final one's.
+    let layer_norms: u64 = cfg
+        .layer()
+        .params(&cfg.layer_dims())
+        .iter()
+        .filter(|p| p.shape.len() == 1)
+        .map(|p| p.shape[0] as u64)
+        .sum();
+    let norms = (layers * layer_norms + d) * 4;
     let mut resident = vec![Part {
         name: "process",
         bytes: PROCESS_BYTES + TOKENIZER_PER_FILE_BYTE * r.tokenizer_file,

@@ -25,6 +25,7 @@ use crate::device::DeviceBuffers;
 use crate::kernels::tiling::{KernelTiles, Plan};
 use crate::kernels::KernelKind;
 use crate::model::config::ModelConfig;
+use crate::model::layer::{Mixer, Mlp, Norms};
 use crate::model::lora::LoraConfig;
 use crate::model::params::Projection;
 
@@ -344,18 +345,28 @@ pub fn predict(
             .sum()
     };
 
-    // One layer's forward: norm, attention, o-projection, residual and
-    // norm, FFN (engine `layer_forward`).
+    // One layer's forward as its description composes it (engine
+    // `layer_forward`): the norm, the mixer, the residual and the norm,
+    // the MLP.
+    let spec = cfg.layer();
+    let Norms::Pre = spec.norms;
     let mut forward = Clock::default();
     forward.add(&p.host_passes(2.0 * d * s), 1.0);
-    forward.add(&p.run(SdpaForward), 1.0);
-    forward.add(&p.run(WoForward), 1.0);
+    match spec.mixer {
+        Mixer::Attention { .. } => {
+            forward.add(&p.run(SdpaForward), 1.0);
+            forward.add(&p.run(WoForward), 1.0);
+        }
+    }
     forward.add(&p.host_passes(5.0 * d * s), 1.0);
-    forward.add(&p.run(FfnForward), 1.0);
+    match spec.mlp {
+        Mlp::SwiGlu => forward.add(&p.run(FfnForward), 1.0),
+    }
 
-    // One layer's backward (engine `ffn_backward`, `attention_backward`):
-    // each group of weight gradients queued on the worker when its
-    // upstream gradient exists, the kernels going on beside the queue.
+    // One layer's backward (engine `layer_backward`: the MLP's, its norm's,
+    // the mixer's, its norm's): each group of weight gradients queued on
+    // the worker when its upstream gradient exists, the kernels going on
+    // beside the queue.
     let mut backward = Clock::default();
     if setup.grad_checkpoint {
         backward.add(&forward, 1.0);
@@ -367,23 +378,31 @@ pub fn predict(
         None => rates.host_gemm_ms(grad(ps)),
     };
     let mut layer = Queued::default();
-    layer.then(&p.host_passes(d * s));
-    layer.job(job(&[Projection::Down]));
-    layer.then(&p.run(FfnBackwardW2));
-    layer.then(&p.host_passes(5.0 * h * s));
-    layer.job(job(&[Projection::Gate, Projection::Up]));
-    layer.then(&p.run(FfnBackwardW13));
+    match spec.mlp {
+        Mlp::SwiGlu => {
+            layer.then(&p.host_passes(d * s));
+            layer.job(job(&[Projection::Down]));
+            layer.then(&p.run(FfnBackwardW2));
+            layer.then(&p.host_passes(5.0 * h * s));
+            layer.job(job(&[Projection::Gate, Projection::Up]));
+            layer.then(&p.run(FfnBackwardW13));
+        }
+    }
     layer.then(&p.host_passes(6.0 * d * s));
-    layer.job(job(&[Projection::O]));
-    layer.then(&p.run(WoBackward));
-    // The pair, or the fused program: the plan runs one of them.
-    layer.then(&p.run(SdpaBackward1));
-    layer.then(&p.run(SdpaBackward2));
-    layer.then(&p.run(SdpaBackward));
-    layer.then(&p.host_passes(4.0 * qkv * s));
-    layer.job(job(&[Projection::Q, Projection::K, Projection::V]));
-    layer.then(&p.run(QBackward));
-    layer.then(&p.run(KvBackward));
+    match spec.mixer {
+        Mixer::Attention { .. } => {
+            layer.job(job(&[Projection::O]));
+            layer.then(&p.run(WoBackward));
+            // The pair, or the fused program: the plan runs one of them.
+            layer.then(&p.run(SdpaBackward1));
+            layer.then(&p.run(SdpaBackward2));
+            layer.then(&p.run(SdpaBackward));
+            layer.then(&p.host_passes(4.0 * qkv * s));
+            layer.job(job(&[Projection::Q, Projection::K, Projection::V]));
+            layer.then(&p.run(QBackward));
+            layer.then(&p.run(KvBackward));
+        }
+    }
     layer.then(&p.host_passes(6.0 * d * s));
     backward.add(&layer.end(), 1.0);
 

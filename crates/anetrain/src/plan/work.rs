@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::kernels::{tiling, KernelOptions, Shape};
 use crate::model::config::ModelConfig;
+use crate::model::layer::Mixer;
 
 /// The host's arithmetic per logit in `Engine::head_loss` with a
 /// gradient: the running maximum (1), exp(z − m) and its sum (3), both
@@ -142,22 +143,26 @@ impl StepWork {
 /// FLOPs of one training step (forward + backward = 3× forward), counting
 /// every matmul including the LM head and full (unmasked) attention.
 pub fn step_flops(c: &ModelConfig, seq: usize, batch: usize) -> f64 {
-    let q = c.q_dim() as f64;
-    let attention = batch as f64 * c.num_hidden_layers as f64 * 4.0 * (seq * seq) as f64 * q;
-    projection_flops(c, seq * batch) + 3.0 * attention
+    // The mixer's products between positions, forward, per layer and sequence.
+    let mixing = match c.layer().mixer {
+        // scores Q·Kᵀ and the weighted values P·V: 2·2·S²·(heads·HD)
+        Mixer::Attention { .. } => 4.0 * (seq * seq) as f64 * c.q_dim() as f64,
+    };
+    projection_flops(c, seq * batch) + 3.0 * batch as f64 * c.num_hidden_layers as f64 * mixing
 }
 
-/// FLOPs of a step's weight products alone (every projection and the LM
-/// head; forward, input gradient, weight gradient) at `tokens` positions.
+/// FLOPs of a step's weight products alone (every projection of the
+/// layer's description and the LM head; forward, input gradient, weight
+/// gradient) at `tokens` positions.
 pub fn projection_flops(c: &ModelConfig, tokens: usize) -> f64 {
-    let (d, h, q, kv, v) = (
-        c.hidden_size as f64,
-        c.intermediate_size as f64,
-        c.q_dim() as f64,
-        c.kv_dim() as f64,
-        c.vocab_size as f64,
-    );
-    let per_layer = d * q + 2.0 * d * kv + q * d + 3.0 * d * h;
+    let (d, v) = (c.hidden_size as f64, c.vocab_size as f64);
+    let per_layer: f64 = c
+        .layer()
+        .params(&c.layer_dims())
+        .iter()
+        .filter(|p| p.shape.len() == 2)
+        .map(|p| (p.shape[0] * p.shape[1]) as f64)
+        .sum();
     3.0 * 2.0 * tokens as f64 * (per_layer * c.num_hidden_layers as f64 + v * d)
 }
 

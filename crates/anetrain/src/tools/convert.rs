@@ -14,7 +14,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use crate::model::config::{Arch, ModelConfig};
-use crate::model::Model;
+use crate::model::{Model, Projection};
 
 /// Moves rows of a `[heads·HD, cols]` matrix from interleaved to half-split order.
 fn permute_rope_rows(w: &[f32], heads: usize, hd: usize, cols: usize) -> Vec<f32> {
@@ -196,17 +196,17 @@ fn model_from_tensors(
     m.params[m.embed].data = embed;
     for i in 0..l {
         let ids = m.layers[i];
-        m.params[ids.attn_norm].data = per(&rms_att, i, d);
-        m.params[ids.wq].data =
+        m.params[ids.mixer_norm].data = per(&rms_att, i, d);
+        m.params[Projection::Q.base(&ids)].data =
             permute_rope_rows(&per(&wq, i, q * d), cfg.num_attention_heads, hd, d);
-        m.params[ids.wk].data =
+        m.params[Projection::K.base(&ids)].data =
             permute_rope_rows(&per(&wk, i, kv * d), cfg.num_key_value_heads, hd, d);
-        m.params[ids.wv].data = per(&wv, i, kv * d);
-        m.params[ids.wo].data = per(&wo, i, d * q);
-        m.params[ids.ffn_norm].data = per(&rms_ffn, i, d);
-        m.params[ids.w1].data = per(&w1, i, h * d);
-        m.params[ids.w2].data = per(&w2, i, d * h);
-        m.params[ids.w3].data = per(&w3, i, h * d);
+        m.params[Projection::V.base(&ids)].data = per(&wv, i, kv * d);
+        m.params[Projection::O.base(&ids)].data = per(&wo, i, d * q);
+        m.params[ids.mlp_norm].data = per(&rms_ffn, i, d);
+        m.params[Projection::Gate.base(&ids)].data = per(&w1, i, h * d);
+        m.params[Projection::Down.base(&ids)].data = per(&w2, i, d * h);
+        m.params[Projection::Up.base(&ids)].data = per(&w3, i, h * d);
     }
     m.params[m.final_norm].data = final_norm;
     if let Some(head) = m.lm_head {

@@ -541,15 +541,17 @@ pub enum AttentionBackward {
 }
 
 impl Plan {
-    /// Whether a training step runs `kind` (one of the attention
-    /// backward's two forms does not).
+    /// Whether a training step runs `kind`: the plan has it (the kernels
+    /// of the layer's parts and the head's) and it is not the attention
+    /// backward's form the plan set aside.
     pub fn in_use(&self, kind: KernelKind) -> bool {
         use KernelKind::*;
-        match kind {
-            SdpaBackward1 | SdpaBackward2 => self.attention_backward == AttentionBackward::Pair,
-            SdpaBackward => self.attention_backward == AttentionBackward::Fused,
-            _ => true,
-        }
+        self.kernels.iter().any(|k| k.kind == kind)
+            && match kind {
+                SdpaBackward1 | SdpaBackward2 => self.attention_backward == AttentionBackward::Pair,
+                SdpaBackward => self.attention_backward == AttentionBackward::Fused,
+                _ => true,
+            }
     }
 
     /// The tilings of the kernels a step runs, in schedule order.

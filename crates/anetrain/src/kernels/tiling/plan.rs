@@ -72,7 +72,7 @@ pub(super) fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> V
 pub fn plan(full: &Shape, o: &KernelOptions) -> Result<Plan, PlanError> {
     let rules = ane::rules::RuleSet::for_limits(o.limits);
     let mut kernels = Vec::new();
-    for kind in KernelKind::ALL.into_iter().filter(|k| !k.is_head()) {
+    for kind in KernelKind::ALL.into_iter().filter(|k| k.serves(&o.layer)) {
         // sdpa_backward2 takes sdpa_backward1's tiles where they pass, so
         // the runner can hand each tile's P and dP straight from one to
         // the other (`KernelRunner::attention_backward`).

@@ -1,0 +1,321 @@
+//! A decoder layer as data: its token mixer, its MLP, and where its norms
+//! sit. An architecture is a description over these parts (Qwen3 and
+//! Llama are two); the weights' layout, the parameter count, the engine,
+//! the kernel set, the memory plan and the decoder read it, so a new
+//! architecture adds a part where it differs, not a branch in each.
+//!   pre-norm:  h = x + α·mixer(rmsnorm(x)·w₁),  x' = h + α·mlp(rmsnorm(h)·w₂)
+//!   mixer = attention(rope(qknorm(Wq·)), rope(qknorm(Wk·)), Wv·)·Wo,  mlp = W_down·(silu(W_gate·) ⊙ W_up·)
+
+use serde::Serialize;
+
+/// The sizes a layer's parts are made of (from the model's configuration,
+/// `ModelConfig::layer_dims`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerDims {
+    /// The residual stream's width `D`.
+    pub hidden: usize,
+    /// Queries' and keys'/values' widths (heads · head_dim).
+    pub q: usize,
+    pub kv: usize,
+    pub head_dim: usize,
+    /// The MLP's inner width.
+    pub intermediate: usize,
+}
+
+/// Indices into [`Model::params`](crate::model::Model::params) of one
+/// layer's tensors, by their role in the layer's description
+/// ([`LayerSpec`]).
+#[derive(Clone, Copy, Debug)]
+pub struct LayerIds {
+    /// The RMSNorm weights before the mixer and before the MLP.
+    pub mixer_norm: usize,
+    pub mlp_norm: usize,
+    /// The weight projections, by [`Projection::index`].
+    pub projections: [usize; 7],
+    /// The mixer's per-head query and key norms (QK-norm).
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+}
+
+/// One of a decoder layer's seven weight projections (what a LoRA adapter
+/// attaches to, what a kernel multiplies by).
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+/// The names each projection goes by, by [`Projection::index`]: Hugging
+/// Face module, module path inside a decoder layer, kernel weight region,
+/// kernel regions of LoRA's A and B, the weight's tensor name inside a
+/// decoder layer.
+#[rustfmt::skip]
+const PROJECTION_NAMES: [(&str, &str, &str, &str, &str, &str); 7] = [
+    ("q_proj", "self_attn.q_proj", "wq", "wq_lora_a", "wq_lora_b", "self_attn.q_proj.weight"),
+    ("k_proj", "self_attn.k_proj", "wk", "wk_lora_a", "wk_lora_b", "self_attn.k_proj.weight"),
+    ("v_proj", "self_attn.v_proj", "wv", "wv_lora_a", "wv_lora_b", "self_attn.v_proj.weight"),
+    ("o_proj", "self_attn.o_proj", "wo", "wo_lora_a", "wo_lora_b", "self_attn.o_proj.weight"),
+    ("gate_proj", "mlp.gate_proj", "w1", "w1_lora_a", "w1_lora_b", "mlp.gate_proj.weight"),
+    ("up_proj", "mlp.up_proj", "w3", "w3_lora_a", "w3_lora_b", "mlp.up_proj.weight"),
+    ("down_proj", "mlp.down_proj", "w2", "w2_lora_a", "w2_lora_b", "mlp.down_proj.weight"),
+];
+
+impl Projection {
+    /// `(out, in)` of the projection's weight for a model dimension `dim`,
+    /// an FFN of `hidden`, and query and key/value widths `q` and `kv`: the
+    /// one place projection shapes are written.
+    pub fn dims(self, dim: usize, hidden: usize, q: usize, kv: usize) -> (usize, usize) {
+        match self {
+            Projection::Q => (q, dim),
+            Projection::K | Projection::V => (kv, dim),
+            Projection::O => (dim, q),
+            Projection::Gate | Projection::Up => (hidden, dim),
+            Projection::Down => (dim, hidden),
+        }
+    }
+
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    /// Position in [`Projection::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Hugging Face module name (`q_proj`).
+    pub fn module(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].0
+    }
+
+    /// Module path inside a decoder layer (`self_attn.q_proj`).
+    pub fn path(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].1
+    }
+
+    /// The weight's tensor name inside a decoder layer
+    /// (`self_attn.q_proj.weight`).
+    pub fn weight_name(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].5
+    }
+
+    /// The kernel weight region of the base projection (`wq`).
+    pub fn region(self) -> &'static str {
+        PROJECTION_NAMES[self.index()].2
+    }
+
+    /// Kernel regions of A and B (`wq_lora_a`, `wq_lora_b`).
+    pub fn adapter_regions(self) -> (&'static str, &'static str) {
+        let n = PROJECTION_NAMES[self.index()];
+        (n.3, n.4)
+    }
+
+    pub fn from_module(name: &str) -> Option<Projection> {
+        Projection::ALL.into_iter().find(|t| t.module() == name)
+    }
+
+    /// The base weight's index in the model's parameter list.
+    pub fn base(self, l: &LayerIds) -> usize {
+        l.projections[self.index()]
+    }
+}
+
+impl crate::util::choice::Choice for Projection {
+    const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
+        (Projection::Q, "q", "self_attn.q_proj"),
+        (Projection::K, "k", "self_attn.k_proj"),
+        (Projection::V, "v", "self_attn.v_proj"),
+        (Projection::O, "o", "self_attn.o_proj"),
+        (Projection::Gate, "gate", "mlp.gate_proj"),
+        (Projection::Up, "up", "mlp.up_proj"),
+        (Projection::Down, "down", "mlp.down_proj"),
+    ];
+}
+
+impl LayerDims {
+    /// Projection `p`'s weight as a layer parameter (`[out, in]`, decayed).
+    fn matrix(&self, p: Projection) -> LayerParam {
+        let (out, inp) = p.dims(self.hidden, self.intermediate, self.q, self.kv);
+        LayerParam {
+            role: Role::Projection(p),
+            name: p.weight_name(),
+            shape: vec![out, inp],
+            decay: true,
+        }
+    }
+}
+
+/// One decoder layer's parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerSpec {
+    pub mixer: Mixer,
+    pub mlp: Mlp,
+    pub norms: Norms,
+}
+
+/// What mixes information across positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mixer {
+    /// Causal grouped-query attention with rotary positions (Hugging
+    /// Face's `rotate_half`) on queries and keys; `qk_norm`: a per-head
+    /// RMSNorm on each before RoPE (Qwen3).
+    Attention { qk_norm: bool },
+}
+
+/// The position-wise MLP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mlp {
+    /// `down(silu(gate·x) ⊙ up·x)` (Llama's, Qwen's).
+    SwiGlu,
+}
+
+/// Where the layer's RMSNorms sit around its two sublayers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Norms {
+    /// One before each sublayer; the residual adds the sublayer's output
+    /// (`input_layernorm`, `post_attention_layernorm`).
+    Pre,
+}
+
+/// The two sublayers, in the order a layer runs them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sublayer {
+    Mixer,
+    Mlp,
+}
+
+/// What a layer parameter is to the layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// The RMSNorm weight before a sublayer (`[D]`).
+    Norm(Sublayer),
+    /// A weight projection (what LoRA adapts, what kernels multiply by).
+    Projection(Projection),
+    /// The per-head RMSNorm weights of queries and keys (`[HD]`).
+    QNorm,
+    KNorm,
+}
+
+/// One parameter of a layer: its role, its Hugging Face name under
+/// `model.layers.{i}.`, its shape, and whether weight decay applies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerParam {
+    pub role: Role,
+    pub name: &'static str,
+    pub shape: Vec<usize>,
+    pub decay: bool,
+}
+
+impl LayerSpec {
+    /// Whether the mixer normalises queries and keys per head.
+    pub fn qk_norm(&self) -> bool {
+        match self.mixer {
+            Mixer::Attention { qk_norm } => qk_norm,
+        }
+    }
+
+    /// The layer's parameters in the order the layer meets them (the
+    /// order of Hugging Face's checkpoints and of ours): each sublayer's
+    /// norm (pre-norm), then the sublayer's own.
+    pub fn params(&self, dims: &LayerDims) -> Vec<LayerParam> {
+        let mut out = Vec::new();
+        for sub in [Sublayer::Mixer, Sublayer::Mlp] {
+            match self.norms {
+                Norms::Pre => out.push(self.norm(dims, sub)),
+            }
+            match sub {
+                Sublayer::Mixer => out.extend(self.mixer_params(dims)),
+                Sublayer::Mlp => out.extend(self.mlp_params(dims)),
+            }
+        }
+        out
+    }
+
+    fn norm(&self, dims: &LayerDims, sub: Sublayer) -> LayerParam {
+        let name = match (self.norms, sub) {
+            (Norms::Pre, Sublayer::Mixer) => "input_layernorm.weight",
+            (Norms::Pre, Sublayer::Mlp) => "post_attention_layernorm.weight",
+        };
+        LayerParam {
+            role: Role::Norm(sub),
+            name,
+            shape: vec![dims.hidden],
+            decay: false,
+        }
+    }
+
+    fn mixer_params(&self, dims: &LayerDims) -> Vec<LayerParam> {
+        let hd = dims.head_dim;
+        let matrix = |p: Projection| dims.matrix(p);
+        let norm = |role, name| LayerParam {
+            role,
+            name,
+            shape: vec![hd],
+            decay: false,
+        };
+        match self.mixer {
+            Mixer::Attention { qk_norm } => {
+                let mut out = vec![
+                    matrix(Projection::Q),
+                    matrix(Projection::K),
+                    matrix(Projection::V),
+                    matrix(Projection::O),
+                ];
+                if qk_norm {
+                    out.push(norm(Role::QNorm, "self_attn.q_norm.weight"));
+                    out.push(norm(Role::KNorm, "self_attn.k_norm.weight"));
+                }
+                out
+            }
+        }
+    }
+
+    fn mlp_params(&self, dims: &LayerDims) -> Vec<LayerParam> {
+        match self.mlp {
+            Mlp::SwiGlu => [Projection::Gate, Projection::Up, Projection::Down]
+                .map(|p| dims.matrix(p))
+                .to_vec(),
+        }
+    }
+
+    /// Values one layer's forward keeps for its backward, per position:
+    /// `(host, kernels)` — the host's (the residual stream and the norms'
+    /// outputs, in f32) and the kernels' outputs (in f16 when a device
+    /// made them). The engine's `LayerActs` holds exactly these.
+    pub fn kept_per_position(&self, dims: &LayerDims) -> (usize, usize) {
+        let (d, q, kv, h) = (dims.hidden, dims.q, dims.kv, dims.intermediate);
+        // Each sublayer's input and its normed input.
+        let host = match self.norms {
+            Norms::Pre => 4 * d,
+        };
+        let mixer = match self.mixer {
+            // attn, q_rope, k_rope, v (+ q and k before RoPE, for QK-norm's backward)
+            Mixer::Attention { qk_norm } => {
+                let raw = usize::from(qk_norm);
+                (2 + raw) * q + (2 + raw) * kv
+            }
+        };
+        let mlp = match self.mlp {
+            // h1 = gate·x, h3 = up·x, silu(h1)·h3
+            Mlp::SwiGlu => 3 * h,
+        };
+        (host, mixer + mlp)
+    }
+}
