@@ -149,25 +149,24 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let pair = a.pair;
     let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory, pair)?;
     let plan = tiling::plan(&shape, &opts)?;
-    // A preference step: one pair, two sequences and the reference's.
-    let (rows, reference) = pair.map_or((1, 0), |p| (2, p.reference_forwards));
+    // One example, or one pair: its two sequences and the reference's.
+    let setup = anetrain::plan::timeline::StepSetup::new(
+        seq,
+        1,
+        pair,
+        lora.clone(),
+        a.memory.grad_checkpoint,
+        memory.buffers,
+    );
     let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
-        rows,
+        setup.batch,
         &opts,
         lora.is_none(),
         a.memory.grad_checkpoint,
     )?
-    .with_reference(&cfg, &opts, reference)?;
-    let setup = anetrain::plan::timeline::StepSetup {
-        seq,
-        batch: rows,
-        reference_forwards: reference,
-        lora: lora.clone(),
-        grad_checkpoint: a.memory.grad_checkpoint,
-        buffers: memory.buffers,
-    };
+    .with_reference(&cfg, &opts, setup.reference_forwards)?;
     let predicted = anetrain::plan::timeline::predict_families(&cfg, &setup, &opts)?;
     if a.json {
         let by_family: serde_json::Map<String, serde_json::Value> = predicted

@@ -310,12 +310,9 @@ fn max_memory(v: &str) -> Result<u64, String> {
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let lr = a.lr.unwrap_or(match a.model.as_str() {
-        _ if a.lora_rank.is_some() || a.init_adapter.is_some() => 2e-4,
-        "tiny" => 3e-3,
-        m if ModelConfig::preset(m).is_some() => 5e-4,
-        _ => 2e-5,
-    });
+    let lora_run = a.lora_rank.is_some() || a.init_adapter.is_some();
+    let lr =
+        a.lr.unwrap_or_else(|| TrainSettings::default_lr(&a.model, lora_run));
     if let Some(dir) = &a.adapter {
         bail!(
             "train starts from an adapter with --init-adapter {} (--adapter applies one in eval, generate, merge and export)",
@@ -331,12 +328,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
             )?)?;
             Some(Lora::config_of(&cfg, dir)?)
         }
-        None => a.lora_rank.map(|rank| LoraConfig {
-            rank,
-            alpha: a.lora_alpha.unwrap_or(2.0 * rank as f64),
-            dropout: a.lora_dropout,
-            targets: a.lora_targets.clone(),
-            rslora: false,
+        None => a.lora_rank.map(|rank| {
+            LoraConfig::new(rank, a.lora_alpha, a.lora_dropout, a.lora_targets.clone())
         }),
     };
     // The run is named after the model as given; a Hub id is read from its

@@ -168,7 +168,7 @@ fn one_line(rendered: &str) -> String {
     format!("{}{tips} (see --help)", first.join(" "))
 }
 
-fn dispatch(cli: Cli) -> anyhow::Result<()> {
+fn run_cli(cli: Cli) -> anyhow::Result<()> {
     if let Command::Doctor(args) = &cli.command {
         if let Some(f) = args.sim_family() {
             let f =
@@ -273,7 +273,7 @@ fn main() -> ExitCode {
     let _ = rayon::ThreadPoolBuilder::new()
         .stack_size(8 << 20)
         .build_global();
-    match std::panic::catch_unwind(|| rayon::scope(|_| dispatch(cli))) {
+    match std::panic::catch_unwind(|| rayon::scope(|_| run_cli(cli))) {
         Ok(Ok(())) => ExitCode::SUCCESS,
         Ok(Err(e)) if e.downcast_ref::<anetrain::train::Interrupted>().is_some() => {
             // Stopped as asked, the last step saved: a plain line, not an error.

@@ -36,16 +36,27 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Rank `rank` on `targets`, with LoRA dropout `dropout` and α as given
+    /// or, by default, 2·rank (mlx-lm's `scale` 2 as PEFT's α/r).
+    pub fn new(
+        rank: usize,
+        alpha: Option<f64>,
+        dropout: f64,
+        targets: Vec<Projection>,
+    ) -> LoraConfig {
+        LoraConfig {
+            rank,
+            alpha: alpha.unwrap_or(2.0 * rank as f64),
+            dropout,
+            targets,
+            rslora: false,
+        }
+    }
+
     /// Rank `rank` on all seven projections, α = 2·rank, no dropout: the
     /// adapters `kernels plan --lora-rank` and `bench --lora-rank` assume.
     pub fn every_projection(rank: usize) -> LoraConfig {
-        LoraConfig {
-            rank,
-            alpha: 2.0 * rank as f64,
-            dropout: 0.0,
-            targets: Projection::ALL.to_vec(),
-            rslora: false,
-        }
+        LoraConfig::new(rank, None, 0.0, Projection::ALL.to_vec())
     }
 
     /// The branch scale s.

@@ -1,12 +1,14 @@
 //! Where a run's model comes from, resolved once: a preset (a known shape,
 //! randomly initialised) or a Hugging Face model directory (a Hub id is
-//! resolved to its snapshot directory by the command line first).
+//! resolved to its snapshot directory first, by `model::hub::resolve`),
+//! and how its frozen base is held (quantized on load or not).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
 use crate::model::config::ModelConfig;
+use crate::model::quant::{QuantSpec, Quantization};
 use crate::model::Model;
 
 /// A resolved model: what the user named, its configuration, and its
@@ -18,7 +20,11 @@ pub struct ModelSource {
     /// The directory holding `config.json` and the weights; `None` for a
     /// preset.
     pub dir: Option<PathBuf>,
+    /// The checkpoint's configuration, as its files say.
     pub config: ModelConfig,
+    /// A frozen base quantized as it loads (`--quantize-base`), as MLX's
+    /// affine quantization with this spec.
+    pub quantize_on_load: Option<QuantSpec>,
 }
 
 impl ModelSource {
@@ -38,6 +44,26 @@ impl ModelSource {
             spec: spec.to_string(),
             dir,
             config,
+            quantize_on_load: None,
+        })
+    }
+
+    /// This model with its frozen base quantized as it loads.
+    pub fn quantized_on_load(self, spec: QuantSpec) -> ModelSource {
+        ModelSource {
+            quantize_on_load: Some(spec),
+            ..self
+        }
+    }
+
+    /// How the frozen base is held quantized: the checkpoint's own MLX
+    /// quantization, or the one applied on load; `None` for a plain base.
+    pub fn base_quantization(&self) -> Option<Quantization> {
+        self.config.quantization.clone().or_else(|| {
+            self.quantize_on_load.map(|spec| Quantization {
+                default: spec,
+                modules: Default::default(),
+            })
         })
     }
 
@@ -57,16 +83,14 @@ impl ModelSource {
     /// The starting weights: a preset initialised from `seed` with `cfg`
     /// (the preset's, or adjusted: special tokens); a directory loaded in
     /// f32, or memory-mapped in its file dtype when the base is `frozen`
-    /// (LoRA).
+    /// (LoRA), and quantized as it loads when asked.
     pub fn load(&self, cfg: &ModelConfig, frozen: bool, seed: u64) -> Result<Model> {
         match (&self.dir, frozen) {
             (None, _) => Model::init(cfg, seed),
             (Some(d), true) => {
                 let mut m = Model::load_frozen(d)?;
-                // A base quantized on load (`--quantize-base`): `cfg` says
-                // how, the files do not.
-                if let (Some(q), None) = (&cfg.quantization, &m.cfg.quantization) {
-                    m.quantize_frozen(q.default)?;
+                if let (Some(spec), None) = (self.quantize_on_load, &m.cfg.quantization) {
+                    m.quantize_frozen(spec)?;
                 }
                 Ok(m)
             }

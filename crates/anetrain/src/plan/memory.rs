@@ -502,7 +502,12 @@ impl RunPlan {
         m: &MemoryOptions,
         preference: Option<PairStep>,
     ) -> anyhow::Result<RunPlan> {
-        let cfg = model.config.clone();
+        // The configuration of the base as the run holds it: quantized
+        // when its files are, or when it is quantized on load.
+        let cfg = ModelConfig {
+            quantization: model.base_quantization(),
+            ..model.config.clone()
+        };
         let base = match (lora, model.dir()) {
             (Some(_), Some(dir)) => BaseWeights::Mapped(crate::model::file_dtype(dir)?),
             _ => BaseWeights::F32,

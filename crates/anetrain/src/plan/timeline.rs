@@ -28,6 +28,7 @@ use crate::model::config::ModelConfig;
 use crate::model::layer::{Mixer, Mlp, Norms};
 use crate::model::lora::LoraConfig;
 use crate::model::params::Projection;
+use crate::plan::memory::PairStep;
 
 /// What the step trains and how the device keeps its buffers.
 #[derive(Clone, Debug)]
@@ -42,6 +43,31 @@ pub struct StepSetup {
     /// Forward-only sequences a step runs besides its rows (DPO's
     /// reference: two a pair).
     pub reference_forwards: usize,
+}
+
+impl StepSetup {
+    /// The step of `examples` examples (or pairs, with `pair` the
+    /// preference step's extra work) at `seq`: a pair runs its two
+    /// sequences, and DPO's reference forwards unless precomputed. `train`
+    /// and `kernels plan` predict from this one setup.
+    pub fn new(
+        seq: usize,
+        examples: usize,
+        pair: Option<PairStep>,
+        lora: Option<LoraConfig>,
+        grad_checkpoint: bool,
+        buffers: DeviceBuffers,
+    ) -> StepSetup {
+        let (rows, reference) = pair.map_or((1, 0), |p| (2, p.reference_forwards));
+        StepSetup {
+            seq,
+            batch: examples * rows,
+            reference_forwards: examples * reference,
+            lora,
+            grad_checkpoint,
+            buffers,
+        }
+    }
 }
 
 /// Where the seed's step differs from ours (maderix/ANE's dynamic

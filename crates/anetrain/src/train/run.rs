@@ -67,35 +67,31 @@ pub fn train(
     if r.settings.backend != Backend::Cpu {
         report(&Event::Note(predicted_line(&r, &pre)?));
     }
-    dispatch(&r, pre, start, report, stop)
+    run_steps(&r, pre, start, report, stop)
 }
 
 /// The predicted step and run on the chip family in force (the one the
 /// simulator plays, if set) before the first step.
 fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
     let s = &r.settings;
-    let cfg = &pre.source.config;
-    // A preference step runs two sequences a pair, and the reference's.
-    let (rows, pair) = match s.objective.pair_step() {
-        Some(p) => (2, p),
-        None => (1, Default::default()),
-    };
-    let setup = crate::plan::timeline::StepSetup {
-        seq: s.seq,
-        batch: s.batch * s.accum * rows,
-        reference_forwards: s.batch * s.accum * pair.reference_forwards,
-        lora: s.lora.clone(),
-        grad_checkpoint: r.memory.grad_checkpoint,
-        buffers: pre.plan.buffers,
-    };
+    let setup = crate::plan::timeline::StepSetup::new(
+        s.seq,
+        s.batch * s.accum,
+        s.objective.pair_step(),
+        s.lora.clone(),
+        r.memory.grad_checkpoint,
+        pre.plan.buffers,
+    );
     let family = backend::predicted_family(s.backend)?;
-    let opts = KernelOptions::for_run(cfg, s.lora.as_ref());
-    crate::plan::timeline::run_estimate(cfg, &setup, &opts, family, r.steps)
+    let cfg = &pre.source.config;
+    crate::plan::timeline::run_estimate(cfg, &setup, &pre.opts, family, r.steps)
 }
 
 /// What a run checked before creating anything.
 struct Preflight {
     source: ModelSource,
+    /// The kernels' options for the run's model and adapters.
+    opts: KernelOptions,
     plan: RunPlan,
     /// The backend's device, opened first so an unusable Neural Engine
     /// fails first.
@@ -116,12 +112,9 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
         if source.config.quantization.is_some() {
             bail!("'{}' is already quantized; drop --quantize-base", s.model);
         }
-        source.config.quantization = Some(crate::model::quant::Quantization {
-            default: spec,
-            modules: Default::default(),
-        });
+        source = source.quantized_on_load(spec);
     }
-    if source.config.quantization.is_some() && s.lora.is_none() {
+    if source.base_quantization().is_some() && s.lora.is_none() {
         bail!(
             "'{}' is quantized: a quantized base trains LoRA adapters only (add --lora-rank R); full fine-tuning needs the unquantized weights",
             s.model
@@ -134,11 +127,11 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
             source.config.max_position_embeddings
         );
     }
+    let opts = KernelOptions::for_run(&source.config, s.lora.as_ref());
     if s.backend != Backend::Cpu {
         // A model the device cannot run, even tiled, fails before any work.
-        let o = KernelOptions::for_run(&source.config, s.lora.as_ref());
         let compiled = crate::kernels::compiled_length(s.seq);
-        tiling::plan(&Shape::new(&source.config, compiled), &o)?;
+        tiling::plan(&Shape::new(&source.config, compiled), &opts)?;
     }
     // Refused before anything is created; reported once the data is read.
     let plan = RunPlan::new(
@@ -171,6 +164,7 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
     }
     Ok(Preflight {
         source,
+        opts,
         plan,
         device,
     })
@@ -311,7 +305,7 @@ fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event))
 }
 
 /// The step loop on the run's backend.
-fn dispatch(
+fn run_steps(
     r: &TrainRequest,
     pre: Preflight,
     start: Start,

@@ -96,6 +96,21 @@ pub struct TrainSettings {
     pub objective: Objective,
 }
 
+impl TrainSettings {
+    /// The learning rate a run takes unless given one: 2e-4 for LoRA
+    /// (mlx-lm's and PEFT's usual), 3e-3 for the `tiny` preset, 5e-4 for
+    /// the other presets trained from scratch, 2e-5 to fine-tune every
+    /// weight of a pretrained model.
+    pub fn default_lr(model: &str, lora: bool) -> f64 {
+        match model {
+            _ if lora => 2e-4,
+            "tiny" => 3e-3,
+            m if ModelConfig::preset(m).is_some() => 5e-4,
+            _ => 2e-5,
+        }
+    }
+}
+
 /// Everything `anetrain train` was asked to do.
 #[derive(Clone, Debug)]
 pub struct TrainRequest {
