@@ -1,5 +1,5 @@
 //! `anetrain eval`: a model's (and adapter's) loss over tokens, a data
-//! file or JSONL records.
+//! file or JSONL records, or its preference loss and metrics over pairs.
 
 use std::path::PathBuf;
 
@@ -8,6 +8,7 @@ use anetrain::device::backend::Backend;
 
 use crate::{base_check, cmd_model, cmd_train};
 use anetrain::model::hub;
+use anetrain::train::objective::{self, DpoLoss, Objective, ObjectiveKind};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -55,10 +56,33 @@ pub struct Args {
     /// Engine [default: ane where available, else cpu].
     #[arg(long, value_parser = crate::choice::<Backend>())]
     backend: Option<Backend>,
+    /// Preference pairs (a .jsonl of {"prompt", "chosen", "rejected"}):
+    /// the loss to report, dpo (against the base without --adapter's
+    /// adapters, as TRL's reference of a PEFT model) or orpo, with TRL's
+    /// metrics (rewards, accuracy, margin, log-probabilities).
+    #[arg(long, value_parser = crate::choice::<ObjectiveKind>(), help_heading = "Preference pairs")]
+    objective: Option<ObjectiveKind>,
+    /// DPO's β, or ORPO's λ.
+    #[arg(long, value_name = "B", default_value_t = objective::DEFAULT_BETA, help_heading = "Preference pairs")]
+    beta: f64,
+    /// DPO's loss: sigmoid or ipo.
+    #[arg(long, value_name = "TYPE", value_parser = crate::choice::<DpoLoss>(), default_value = "sigmoid", help_heading = "Preference pairs")]
+    dpo_loss: DpoLoss,
 }
 
 pub fn run(a: Args) -> anyhow::Result<()> {
+    // Pairs are scored by DPO unless another objective is named.
+    let kind = match a.objective {
+        Some(ObjectiveKind::Sft) => {
+            anyhow::bail!("--objective applies to preference pairs: dpo or orpo (plain records are scored by their cross-entropy without it)")
+        }
+        Some(k) => k,
+        None => ObjectiveKind::Dpo,
+    };
+    let objective = Objective::new(kind, a.dpo_loss, a.beta, false)?;
     cmd_model::eval(cmd_model::EvalArgs {
+        objective,
+        objective_given: a.objective.is_some(),
         adapter: base_check::checked(&a.model, a.adapter, a.any_base)?,
         backend: a.backend.unwrap_or_else(Backend::platform_default),
         model: hub::resolve_path(&a.model, hub::Need::Model)?,

@@ -13,6 +13,8 @@ use anetrain::engine::Engine;
 use anetrain::model::generation::{GenerationConfig, Sampling};
 use anetrain::model::lora::Lora;
 use anetrain::model::{Model, StoredDtype};
+use anetrain::train::objective::Objective;
+use anetrain::train::reference::Reference;
 use anetrain::train::step::{eval_loss, Batch, Loss};
 use anyhow::{bail, Context, Result};
 
@@ -223,6 +225,10 @@ pub struct EvalArgs {
     pub split: Option<String>,
     pub mask_prompt: bool,
     pub keys: records::Keys,
+    /// How preference pairs are scored (DPO unless `--objective` says).
+    pub objective: Objective,
+    /// `--objective` was given (it applies to pairs only).
+    pub objective_given: bool,
 }
 
 /// The records file `eval --data PATH [--split S]` reads.
@@ -256,6 +262,15 @@ fn eval_records(a: &EvalArgs, model: &mut Model, path: &Path) -> Result<()> {
     }
     let file = records_file(path, a.split.as_deref())?;
     let tok = Tokenizer::find(a.tokenizer.as_deref(), Some(&a.model))?;
+    if records::holds_pairs(&file, &a.keys)? {
+        return eval_pairs(a, model, &file, &tok);
+    }
+    if a.objective_given {
+        bail!(
+            "--objective scores preference pairs, and '{}' holds none",
+            file.display()
+        );
+    }
     let rf = records::read_file(&file, &tok, &a.keys, a.mask_prompt)?;
     if let Some(w) = rf.unmasked_warning(a.mask_prompt) {
         eprintln!("warning: {w}");
@@ -294,6 +309,65 @@ fn eval_records(a: &EvalArgs, model: &mut Model, path: &Path) -> Result<()> {
         "{}",
         serde_json::json!({"loss": loss, "tokens": count, "ppl": loss.exp(), "records": records})
     );
+    Ok(())
+}
+
+/// The preference loss and TRL's metrics over the pairs of `file`: the
+/// training step's own evaluation (`step::eval_loss`), DPO against the
+/// base without the adapters.
+fn eval_pairs(a: &EvalArgs, model: &mut Model, file: &Path, tok: &Tokenizer) -> Result<()> {
+    use anetrain::data::preference::{self, Tokenization};
+    if a.mask_prompt {
+        bail!(
+            "--mask-prompt applies to records; a preference loss counts the answers' tokens only"
+        );
+    }
+    let how = match a.objective {
+        Objective::Orpo { .. } => Tokenization::Orpo,
+        _ => Tokenization::Dpo,
+    };
+    let pairs = preference::read_file(file, tok, how)?;
+    for p in &pairs {
+        for e in p.sequences() {
+            tokens::check_ids(
+                &e.tokens,
+                model.cfg.vocab_size,
+                &format!("'{}'", file.display()),
+            )
+            .context("the tokenizer does not match the model")?;
+        }
+    }
+    let seq = a.seq.unwrap_or(model.cfg.max_position_embeddings);
+    if seq > model.cfg.max_position_embeddings {
+        bail!(
+            "--seq {seq} exceeds the model's max_position_embeddings ({})",
+            model.cfg.max_position_embeddings
+        );
+    }
+    let fitted = preference::fit(pairs, seq);
+    if let Some(w) = fitted.warning(file, seq) {
+        eprintln!("warning: {w}");
+    }
+    if fitted.pairs.is_empty() {
+        bail!(
+            "'{}' has no pair with an answer token within --seq {seq}",
+            file.display()
+        );
+    }
+    let n = fitted.pairs.len();
+    let reference = match a.objective {
+        Objective::Dpo { .. } => Reference::base_of(model),
+        _ => Reference::Unneeded,
+    };
+    let mut loss = Loss::new(a.objective, reference);
+    let mut eng = Engine::on(model, a.backend.open()?);
+    let r = eval_loss(&mut eng, model, &mut loss, &Batch::Pairs(fitted.pairs))?;
+    let mut out = serde_json::Map::new();
+    out.insert("objective".into(), a.objective.name().into());
+    out.insert("loss".into(), serde_json::json!(r.loss));
+    out.insert("pairs".into(), serde_json::json!(n));
+    out.extend(r.preference.map(|m| m.json()).unwrap_or_default());
+    println!("{}", serde_json::Value::Object(out));
     Ok(())
 }
 

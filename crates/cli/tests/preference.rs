@@ -644,3 +644,107 @@ fn objectives_are_named_forgivingly_and_unbuilt_ones_say_so() {
         &["--objective dpo trains on preference pairs"],
     );
 }
+
+/// `eval` on preference pairs scores them as the training step does: a
+/// DPO run from fresh adapters (whose reference, the initial adapters, is
+/// the base) reports validation metrics that `eval --adapter RUN` on the
+/// same pairs gives again (its reference the base without the adapters,
+/// as TRL's for a PEFT model), to f64 rounding; ORPO needs no reference;
+/// `--objective` on records without pairs, and `sft` on pairs, are
+/// refused in one line.
+#[test]
+fn eval_scores_pairs_as_the_runs_validation() {
+    let dir = tmp();
+    let out = dir.path().join("dpo");
+    let data = preference_dir().join("data/chat");
+    let model = s(&chat_model());
+    run(
+        &[
+            "train",
+            "--model",
+            &model,
+            "--lora-rank",
+            "4",
+            "--data",
+            &s(&data),
+            "--objective",
+            "dpo",
+            "--batch",
+            "2",
+            "--steps",
+            "2",
+            "--eval-every",
+            "2",
+            "--eval-windows",
+            "8",
+            "--seq",
+            "511",
+            "--backend",
+            "cpu",
+        ],
+        &out,
+    );
+    let val = records(&out)
+        .into_iter()
+        .rfind(|r| r["split"] == "val")
+        .expect("a validation line");
+    let eval = |objective: &str| {
+        let o = bin()
+            .args(["eval", "--model", &model, "--adapter"])
+            .arg(&out)
+            .arg("--data")
+            .arg(&data)
+            .args([
+                "--split",
+                "valid",
+                "--backend",
+                "cpu",
+                "--objective",
+                objective,
+            ])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    let got = eval("dpo");
+    assert_eq!(got["pairs"], 2);
+    for k in COMPARED {
+        let Some(want) = val[*k].as_f64() else {
+            continue;
+        };
+        let have = got[*k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no {k} in {got}"));
+        assert!(
+            (have - want).abs() <= 1e-9 * want.abs().max(1.0),
+            "{k}: eval {have} vs the run's validation {want}"
+        );
+    }
+    let orpo = eval("orpo");
+    assert!(orpo["nll_loss"].as_f64().is_some() && orpo["log_odds_ratio"].as_f64().is_some());
+    fails(
+        &[
+            "eval",
+            "--model",
+            &model,
+            "--data",
+            &s(&chat_model().join("../data/chat")),
+            "--objective",
+            "dpo",
+        ],
+        &["--objective scores preference pairs", "holds none"],
+    );
+    fails(
+        &[
+            "eval",
+            "--model",
+            &model,
+            "--data",
+            &s(&data),
+            "--objective",
+            "sft",
+        ],
+        &["--objective applies to preference pairs"],
+    );
+}

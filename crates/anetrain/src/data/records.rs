@@ -182,6 +182,14 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<(usize, Map<String, Value>)>> {
     Ok(parsed)
 }
 
+/// Whether the JSONL file `path` holds preference pairs (its first record
+/// has "chosen" and "rejected" and is no other layout with `keys`).
+pub fn holds_pairs(path: &Path, keys: &Keys) -> Result<bool> {
+    let parsed = read_jsonl(path)?;
+    let (_, first) = &parsed[0];
+    Ok(is_pair(first) && detect(first, keys).is_none())
+}
+
 /// Reads and tokenizes the records of `path`. Every problem is an error
 /// naming the file (and the line): malformed JSON, a record with none of
 /// the known fields or another format than the first, a message without

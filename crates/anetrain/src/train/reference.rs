@@ -57,6 +57,30 @@ impl Reference {
         }
     }
 
+    /// The base under `model`'s adapters, as TRL takes the reference of
+    /// a PEFT model given none (its adapters disabled): the adapters with
+    /// every B zeroed, which adds nothing to the base. A model without
+    /// adapters is its own reference.
+    pub fn base_of(model: &Model) -> Reference {
+        match &model.lora {
+            Some(l) => {
+                let mut params = l.params.clone();
+                for ids in l.slots.iter().flatten().flatten() {
+                    params[ids.b].data.fill(0.0);
+                }
+                Reference::Adapter {
+                    params,
+                    version: REFERENCE_VERSION,
+                }
+            }
+            None => {
+                let mut copy = model.clone();
+                copy.version = REFERENCE_VERSION;
+                Reference::Model(Box::new(copy))
+            }
+        }
+    }
+
     /// Runs `f` on the reference model: the adapters swapped in and out
     /// again (also when `f` fails), or the frozen copy.
     pub(super) fn with<T>(
