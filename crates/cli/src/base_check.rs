@@ -20,8 +20,9 @@ use anetrain::model::hub::HubId;
 /// `--any-base`, shared by every command that takes `--adapter`.
 #[derive(clap::Args, Clone, Copy, Debug, Default)]
 pub struct AnyBase {
-    /// Apply --adapter even though its adapter_config.json names another
-    /// base than --model (the same model in another place, say).
+    /// Use the adapter (--adapter; train's --init-adapter) even though its
+    /// adapter_config.json names another base than --model (the same
+    /// model in another place, say).
     #[arg(long)]
     pub any_base: bool,
 }

@@ -48,7 +48,8 @@ pub struct Args {
     /// Evaluate at most this many windows of --data.
     #[arg(long)]
     max_windows: Option<usize>,
-    /// A LoRA adapter directory (PEFT format) to apply to --model.
+    /// A LoRA adapter directory to apply to --model: a LoRA run, a PEFT
+    /// adapter or an mlx-lm one.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
     #[command(flatten)]

@@ -41,7 +41,8 @@ pub struct Args {
     /// tokenizer.json (or a Hub id: its tokenizer) [default: the model's].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// A LoRA adapter directory (PEFT format) to apply to --model.
+    /// A LoRA adapter directory to apply to --model: a LoRA run, a PEFT
+    /// adapter or an mlx-lm one.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
     #[command(flatten)]

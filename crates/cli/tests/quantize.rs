@@ -299,3 +299,79 @@ fn qlora_buffers_and_resume_are_exact() {
         );
     }
 }
+
+/// A quantized base plans streamed device buffers by default, below the
+/// persistent plan (whose buffers would hold its weights again as fp16
+/// copies); a run refused for memory on a plain base names
+/// `--quantize-base 4` when the quantized base would fit.
+#[test]
+fn quantized_bases_stream_and_memory_refusals_offer_quantize_base() {
+    let d = tmp();
+    let base = common::tiny_base();
+    let q4 = d.path().join("q4");
+    let o = bin()
+        .args([
+            "quantize",
+            "--model",
+            s(&base),
+            "--bits",
+            "4",
+            "--group-size",
+            "32",
+        ])
+        .args(["--out", s(&q4)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let plan = |model: &Path, extra: &[&str]| {
+        let o = bin()
+            .args(["kernels", "plan", "--model", s(model), "--lora-rank", "8"])
+            .args(["--seq", "256", "--backend", "ane-sim", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        (
+            v["memory"]["total"].as_u64().unwrap(),
+            v["memory"]["device_buffers"].as_str().unwrap().to_owned(),
+        )
+    };
+    let (streamed, mode) = plan(&q4, &[]);
+    assert_eq!(mode, "streamed");
+    let (persistent, _) = plan(&q4, &["--device-buffers", "persistent"]);
+    assert!(streamed < persistent, "{streamed} vs {persistent}");
+    // The plain base over a limit a quantized copy fits under (1% above
+    // the 4-bit plan: `--quantize-base 4` groups by 64, a little smaller).
+    let (plain, _) = plan(&base, &[]);
+    assert!(streamed < plain, "{streamed} vs {plain}");
+    let limit = format!("{}B", streamed + streamed / 100);
+    let out = d.path().join("refused");
+    let o = bin()
+        .args([
+            "train",
+            "--model",
+            s(&base),
+            "--lora-rank",
+            "8",
+            "--seq",
+            "256",
+            "--steps",
+            "1",
+        ])
+        .args([
+            "--backend",
+            "ane-sim",
+            "--max-memory",
+            &limit,
+            "--out",
+            s(&out),
+        ])
+        .output()
+        .unwrap();
+    common::one_line_error(
+        &o,
+        "a run over the limit",
+        &["would fit:", "--quantize-base 4"],
+    );
+}

@@ -29,7 +29,7 @@ use crate::device::HEAD_CHUNK_ROWS;
 use crate::kernels::{tiling, KernelKind, KernelOptions, Shape};
 use crate::model::config::ModelConfig;
 use crate::model::lora::LoraConfig;
-use crate::model::quant::Quantization;
+use crate::model::quant::{QuantSpec, Quantization};
 use crate::model::source::ModelSource;
 use crate::model::StoredDtype;
 
@@ -468,6 +468,7 @@ pub struct MemoryOptions {
 
 /// A training run's plan: the device buffer mode it settles and the limit
 /// it is held to.
+#[derive(Clone)]
 pub struct RunPlan {
     pub buffers: DeviceBuffers,
     pub plan: MemoryPlan,
@@ -535,9 +536,21 @@ impl RunPlan {
             preference,
         };
         run.plan = run.with(seq, lora, m.grad_checkpoint, run.buffers)?;
-        if m.device_buffers.is_none() && limit.is_some_and(|l| run.plan.total > l / 4) {
-            run.buffers = DeviceBuffers::Streamed;
-            run.plan = run.with(seq, lora, m.grad_checkpoint, run.buffers)?;
+        if m.device_buffers.is_none() {
+            // Persistent buffers hold a quantized base's weights a second
+            // time as fp16 copies, undoing what its quantization saves (a
+            // 4-bit Qwen3-0.6B's 335 MB base would plan 4.65 GB of them):
+            // streamed, staged from the quantized words per call, unless
+            // persistent costs no more (small models).
+            let over = limit.is_some_and(|l| run.plan.total > l / 4);
+            let quantized = device && lora.is_some() && run.cfg.quantization.is_some();
+            if over || quantized {
+                let streamed = run.with(seq, lora, m.grad_checkpoint, DeviceBuffers::Streamed)?;
+                if over || streamed.total < run.plan.total {
+                    run.buffers = DeviceBuffers::Streamed;
+                    run.plan = streamed;
+                }
+            }
         }
         Ok(run)
     }
@@ -601,6 +614,28 @@ impl RunPlan {
                     fits.push(format!("--lora-rank {} ({})", smaller.rank, size(p.total)));
                     break;
                 }
+            }
+        }
+        // A pretrained base held as it is: quantized on load (4-bit, MLX's
+        // groups of 64, streamed as a quantized base is).
+        if let (Some(_), BaseWeights::Mapped(_), None) = (lora, self.base, &self.cfg.quantization) {
+            let quantized = RunPlan {
+                cfg: ModelConfig {
+                    quantization: Some(Quantization {
+                        default: QuantSpec::new(4, 64)?,
+                        modules: Default::default(),
+                    }),
+                    ..self.cfg.clone()
+                },
+                ..self.clone()
+            };
+            let qb = match self.backend {
+                Backend::Cpu => buffers,
+                _ => DeviceBuffers::Streamed,
+            };
+            let p = quantized.with(seq, lora, ckpt, qb)?;
+            if p.total <= limit {
+                fits.push(format!("--quantize-base 4 ({})", size(p.total)));
             }
         }
         let mut shorter = seq;
