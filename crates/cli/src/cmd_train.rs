@@ -1,18 +1,16 @@
 //! `anetrain train`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anetrain::data::tokens::TokenDtype;
 use anetrain::device::backend::Backend;
 use anetrain::device::DeviceBuffers;
-use anetrain::model::config::ModelConfig;
-use anetrain::model::lora::{Lora, LoraConfig};
+use anetrain::model::lora::LoraConfig;
 use anetrain::model::Projection;
 use anetrain::train::objective::{self, DpoLoss, Objective, ObjectiveKind};
 use anetrain::train::optim::AdamWConfig;
 use anetrain::train::{self, MemoryOptions, Sample, TrainRequest, TrainSettings};
-use anetrain::util::choice::Choice;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 /// How JSONL records are read (`train` and `eval`).
 #[derive(clap::Args, Debug)]
@@ -241,10 +239,11 @@ pub struct PreferenceArgs {
     #[arg(
         long,
         value_name = "TYPE",
+        value_parser = crate::choice::<DpoLoss>(),
         default_value = "sigmoid",
         help_heading = "Preference tuning"
     )]
-    dpo_loss: String,
+    dpo_loss: DpoLoss,
     /// Compute the reference's log-probabilities of every pair once
     /// before training (as TRL's precompute_ref_log_probs) instead of two
     /// reference forwards per pair and step.
@@ -253,21 +252,13 @@ pub struct PreferenceArgs {
 }
 
 impl PreferenceArgs {
-    /// The run's objective. A DPO loss TRL has and this tool does not yet
-    /// is refused by name.
     fn objective(&self) -> Result<Objective> {
-        let loss = match DpoLoss::from_name(&self.dpo_loss) {
-            Some(l) => l,
-            None if objective::PLANNED_LOSSES.contains(&self.dpo_loss.as_str()) => bail!(
-                "--dpo-loss {} is one of TRL's loss types not built yet; use sigmoid or ipo",
-                self.dpo_loss
-            ),
-            None => bail!(
-                "--dpo-loss {}: unknown; use sigmoid (default) or ipo",
-                self.dpo_loss
-            ),
-        };
-        Objective::new(self.objective, loss, self.beta, self.precompute_ref)
+        Objective::new(
+            self.objective,
+            self.dpo_loss,
+            self.beta,
+            self.precompute_ref,
+        )
     }
 }
 
@@ -319,18 +310,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
             dir.display()
         );
     }
-    let lora = match &a.init_adapter {
+    let (lora, init_adapter) = match &a.init_adapter {
         Some(dir) => {
-            crate::base_check::check(Path::new(&a.model), Some(dir), a.any_base)?;
-            let cfg = ModelConfig::resolve(&anetrain::model::hub::resolve(
-                &a.model,
-                anetrain::model::hub::Need::Config,
-            )?)?;
-            Some(Lora::config_of(&cfg, dir)?)
+            let (lora, dir, found) =
+                TrainSettings::lora_of_adapter(&a.model, dir, a.any_base.any_base)?;
+            crate::base_check::warn_unchecked(&a.model, &dir, found);
+            (Some(lora), Some(dir))
         }
-        None => a.lora_rank.map(|rank| {
-            LoraConfig::new(rank, a.lora_alpha, a.lora_dropout, a.lora_targets.clone())
-        }),
+        None => {
+            let lora = a.lora_rank.map(|rank| {
+                LoraConfig::new(rank, a.lora_alpha, a.lora_dropout, a.lora_targets.clone())
+            });
+            (lora, None)
+        }
     };
     // The run is named after the model as given; a Hub id is read from its
     // snapshot in the Hugging Face cache (downloaded first if need be).
@@ -338,10 +330,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .out
         .clone()
         .unwrap_or_else(|| train::default_out(&a.model));
-    let model = anetrain::model::hub::resolve(&a.model, anetrain::model::hub::Need::Model)?;
+    let (model, hub_id) = TrainSettings::resolve_model(&a.model)?;
     let settings = TrainSettings {
-        // Resolved through the Hub cache (not a local path or preset).
-        hub_id: (model != a.model && !Path::new(&a.model).exists()).then(|| a.model.clone()),
+        hub_id,
         model,
         backend: a.backend.unwrap_or_else(Backend::platform_default),
         data: a.data.clone(),
@@ -359,7 +350,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         eval_every: a.eval_every,
         eval_windows: a.eval_windows,
         lora,
-        init_adapter: a.init_adapter.as_deref().map(absolute).transpose()?,
+        init_adapter,
         quantize_base: a
             .quantize_base
             .map(|b| anetrain::model::quant::QuantSpec::new(b, a.q_group_size))
@@ -392,12 +383,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let stop = crate::progress::stop_flag();
     train::train(request, &mut |e| progress.event(e), stop)?;
     Ok(())
-}
-
-/// `path` made absolute (a run resumed from elsewhere still finds it).
-fn absolute(path: &Path) -> Result<PathBuf> {
-    path.canonicalize()
-        .with_context(|| format!("adapter directory '{}' does not exist", path.display()))
 }
 
 /// `--loss-scale`: a power of two from 1 to 2^30, so scaling and unscaling

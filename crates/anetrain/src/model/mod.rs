@@ -1,6 +1,7 @@
 //! The model as data: its configuration, parameters in Hugging Face names
 //! and shapes, LoRA adapters, and Hugging Face directories on disk.
 
+pub mod adapter_base;
 pub mod config;
 pub mod dtype;
 pub mod generation;

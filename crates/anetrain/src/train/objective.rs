@@ -82,6 +82,21 @@ pub enum DpoLoss {
 }
 
 impl Choice for DpoLoss {
+    // TRL's other `loss_type`s, refused by name until they are built.
+    const NOT_BUILT: &'static [(&'static str, &'static str)] = &[
+        ("hinge", "TRL's hinge loss is not built yet"),
+        ("robust", "TRL's robust loss is not built yet"),
+        ("bco_pair", "TRL's bco_pair loss is not built yet"),
+        ("sppo_hard", "TRL's sppo_hard loss is not built yet"),
+        ("nca_pair", "TRL's nca_pair loss is not built yet"),
+        ("aot", "TRL's aot loss is not built yet"),
+        ("aot_unpaired", "TRL's aot_unpaired loss is not built yet"),
+        ("apo_zero", "TRL's apo_zero loss is not built yet"),
+        ("apo_down", "TRL's apo_down loss is not built yet"),
+        ("discopop", "TRL's discopop loss is not built yet"),
+        ("exo_pair", "TRL's exo_pair loss is not built yet"),
+        ("sigmoid_norm", "TRL's sigmoid_norm loss is not built yet"),
+    ];
     const CHOICES: &'static [(Self, &'static str, &'static str)] = &[
         (
             DpoLoss::Sigmoid,
@@ -95,22 +110,6 @@ impl Choice for DpoLoss {
         ),
     ];
 }
-
-/// TRL's other DPO loss types, refused by name until they are built.
-pub const PLANNED_LOSSES: &[&str] = &[
-    "hinge",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "nca_pair",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "exo_pair",
-    "sigmoid_norm",
-];
 
 /// TRL's default β (DPO) and λ (ORPO).
 pub const DEFAULT_BETA: f64 = 0.1;

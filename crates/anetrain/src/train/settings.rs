@@ -1,17 +1,19 @@
 //! What a run is asked to do: its settings (saved with every checkpoint
 //! and compared on resume), the request around them, and their checks.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use super::optim::AdamWConfig;
 use crate::data::records::{self};
 use crate::data::tokens::TokenDtype;
 use crate::device::backend::Backend;
+use crate::model::adapter_base::{self, BaseMatch};
 use crate::model::config::ModelConfig;
-use crate::model::lora::LoraConfig;
+use crate::model::hub;
+use crate::model::lora::{Lora, LoraConfig};
 use crate::train::objective::Objective;
 use crate::util::choice::Choice;
 
@@ -108,6 +110,37 @@ impl TrainSettings {
             m if ModelConfig::preset(m).is_some() => 5e-4,
             _ => 2e-5,
         }
+    }
+
+    /// The model a run trains, named as the user gave it (a preset, a
+    /// directory or a Hub id): `(model, hub_id)`, the directory (a Hub
+    /// id's snapshot, downloaded if need be) and the id when it was one.
+    pub fn resolve_model(spec: &str) -> Result<(String, Option<String>)> {
+        let model = hub::resolve(spec, hub::Need::Model)?;
+        let hub_id = (model != spec && !Path::new(spec).exists()).then(|| spec.to_string());
+        Ok((model, hub_id))
+    }
+
+    /// The LoRA of a run started from the adapter in `dir` (its rank, α,
+    /// dropout and projections), with `dir` made absolute so a run resumed
+    /// from elsewhere still finds it. Refused when the adapter names
+    /// another base than `model` (the spec as given) unless `any_base`;
+    /// what cannot be checked here comes back as [`BaseMatch::Unchecked`].
+    pub fn lora_of_adapter(
+        model: &str,
+        dir: &Path,
+        any_base: bool,
+    ) -> Result<(LoraConfig, PathBuf, BaseMatch)> {
+        let found = match any_base {
+            true => BaseMatch::Same,
+            false => adapter_base::check(model, dir)?,
+        };
+        let cfg = ModelConfig::resolve(&hub::resolve(model, hub::Need::Config)?)?;
+        let lora = Lora::config_of(&cfg, dir)?;
+        let dir = dir
+            .canonicalize()
+            .with_context(|| format!("adapter directory '{}' does not exist", dir.display()))?;
+        Ok((lora, dir, found))
     }
 }
 
