@@ -4,7 +4,9 @@ parity tests read (committed under testdata/fixtures/, so
 `cargo test` needs no Python).
 
 For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
-hidden/heads) and Llama (MHA, untied) — it writes:
+hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window no
+shorter than the fixture's sequence) and Granite (every multiplier away
+from 1) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -16,7 +18,7 @@ hidden/heads) and Llama (MHA, untied) — it writes:
 
 Norm weights are moved away from 1 so norm-backward mistakes show.
 
-Usage: python scripts/make_fixtures.py [OUT_DIR]
+Usage: python scripts/make_fixtures.py [OUT_DIR [KIND ...]]  (every kind by default)
 """
 import json
 import os
@@ -25,7 +27,12 @@ import sys
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+    MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+)
+
+KINDS = ["qwen3", "llama", "mistral", "granite"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -41,6 +48,23 @@ def build(kind):
             max_position_embeddings=64, attn_implementation="eager",
         )
         return Qwen3ForCausalLM(cfg)
+    if kind == "mistral":
+        cfg = MistralConfig(
+            vocab_size=112, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
+            num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            sliding_window=16, max_position_embeddings=64, attn_implementation="eager",
+        )
+        return MistralForCausalLM(cfg)
+    if kind == "granite":
+        cfg = GraniteConfig(
+            vocab_size=100, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+            rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=64,
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2,
+            logits_scaling=2.5, attn_implementation="eager",
+        )
+        return GraniteForCausalLM(cfg)
     cfg = LlamaConfig(
         vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, head_dim=12,
@@ -90,7 +114,10 @@ def export_llama2c(model, path):
 
 def main():
     out_root = sys.argv[1] if len(sys.argv) > 1 else "testdata/fixtures"
-    for i, kind in enumerate(["qwen3", "llama"]):
+    wanted = sys.argv[2:] or KINDS
+    for i, kind in enumerate(KINDS):
+        if kind not in wanted:
+            continue
         torch.manual_seed(1234 + i)
         model = build(kind).float()
         with torch.no_grad():

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Builds the LoRA fixtures for anetrain's parity tests with `peft` and
 PyTorch, on the small models that scripts/make_fixtures.py wrote (run that
-first). For each of qwen3 and llama it writes under <fixtures>/<kind>/lora/:
+first). For each of qwen3, llama, mistral and granite it writes under
+<fixtures>/<kind>/lora/:
 
   adapter/              the starting adapter (peft save_pretrained); B is
                         random instead of zero so every gradient is non-zero
@@ -10,7 +11,7 @@ first). For each of qwen3 and llama it writes under <fixtures>/<kind>/lora/:
   adamw.safetensors     adapters after one torch.optim.AdamW step
   fixture.json          loss, AdamW hyper-parameters, versions
 
-Usage: python scripts/make_lora_fixtures.py [FIXTURES_DIR]
+Usage: python scripts/make_lora_fixtures.py [FIXTURES_DIR [KIND ...]]
 """
 import json
 import os
@@ -30,7 +31,14 @@ TARGETS = {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     # a subset, rank 3, an alpha that does not divide evenly
     "llama": dict(r=3, lora_alpha=5, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"]),
+    # the attention's projections (mlx-lm's usual), rsLoRA's scale
+    "mistral": dict(r=4, lora_alpha=6, use_rslora=True,
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    # every projection, rank 2
+    "granite": dict(r=2, lora_alpha=4, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
+KINDS = list(TARGETS)
 
 
 def saved_name(n):
@@ -39,7 +47,10 @@ def saved_name(n):
 
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "testdata/fixtures"
-    for i, kind in enumerate(["qwen3", "llama"]):
+    wanted = sys.argv[2:] or KINDS
+    for i, kind in enumerate(KINDS):
+        if kind not in wanted:
+            continue
         torch.manual_seed(4321 + i)
         base = AutoModelForCausalLM.from_pretrained(
             os.path.join(root, kind, "model"), attn_implementation="eager").float()

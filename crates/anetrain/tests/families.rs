@@ -37,6 +37,8 @@ fn gqa() -> ModelConfig {
         bos_token_id: None,
         eos_token_id: None,
         quantization: None,
+        scales: Default::default(),
+        sliding_window: None,
     }
 }
 

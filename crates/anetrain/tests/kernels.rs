@@ -46,6 +46,8 @@ fn config(
         bos_token_id: None,
         eos_token_id: None,
         quantization: None,
+        scales: Default::default(),
+        sliding_window: None,
     }
 }
 

@@ -41,7 +41,7 @@ fn logits_err<R: KernelRunner>(kind: &str, eng: &mut Engine<R>, model: &Model) -
 
 #[test]
 fn adapter_logits_gradients_and_adamw_match_peft() {
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let dir = fixture(kind);
         let model = adapted(kind);
         let lora = model.lora.as_ref().unwrap();
@@ -130,7 +130,7 @@ fn adapter_logits_gradients_and_adamw_match_peft() {
 
 #[test]
 fn adapters_run_through_the_simulated_neural_engine() {
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let model = adapted(kind);
         let mut eng = Engine::neural(&model, ane::SimDevice::new());
         let rel = logits_err(kind, &mut eng, &model);
@@ -227,7 +227,7 @@ fn adapters_save_load_and_merge() {
 fn decoding_reads_a_mapped_base_and_applies_its_adapter() {
     use anetrain::engine::generate::{generate, Decoder, GenerateOptions};
     use anetrain::model::generation::Sampling;
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let dir = fixture(kind);
         let mut model = Model::load_frozen(&dir.join("model")).unwrap();
         assert!(

@@ -20,7 +20,7 @@ fn json(dir: &Path) -> serde_json::Value {
 
 #[test]
 fn logits_loss_and_gradients_match_transformers() {
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
         let rows = tokens(&dir);
@@ -193,7 +193,7 @@ fn dpo_and_orpo_steps_equal_trl_through_the_library() {
 /// gradient (tied and untied heads, a two-row batch that accumulates).
 #[test]
 fn reused_gradient_buffers_match_fresh_ones() {
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
         let rows = tokens(&dir);
@@ -263,7 +263,7 @@ fn save_then_load_roundtrips_and_bad_checkpoints_fail_clearly() {
 fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
     use anetrain::engine::generate::{generate, Decoder, GenerateOptions};
     use anetrain::model::generation::Sampling;
-    for kind in ["qwen3", "llama"] {
+    for kind in common::FAMILIES {
         let dir = fixture(kind);
         let model = Model::load(&dir.join("model")).unwrap();
         let j = json(&dir);

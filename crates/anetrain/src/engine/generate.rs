@@ -78,7 +78,12 @@ impl<'a> Decoder<'a> {
         let (alpha, spec) = (engine.opts.residual_scale as f32, engine.opts.layer);
         let w = |i: usize| m.params[i].data.as_slice();
         let t = token as usize;
-        let mut x = m.params[m.embed].data[t * d..(t + 1) * d].to_vec();
+        c.check_length(*pos + 1)?;
+        let m_e = c.scales.embedding as f32;
+        let mut x: Vec<f32> = m.params[m.embed].data[t * d..(t + 1) * d]
+            .iter()
+            .map(|v| m_e * v)
+            .collect();
         let one = Shape::new(c, 1);
         for (i, l) in m.layers.iter().enumerate() {
             let Norms::Pre = spec.norms;
@@ -94,7 +99,8 @@ impl<'a> Decoder<'a> {
             let masks = dropout_masks(m, i, 1, None);
             x = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, &x)?.1;
         }
-        let xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
+        let mut xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
+        super::scale_head_input(c, &mut xf);
         *pos += 1;
         Ok(w_x(&m.lm_head(), &xf, c.vocab_size, d, 1))
     }
@@ -130,7 +136,7 @@ fn cached_attention(
     ks.extend_from_slice(&kvec);
     vs.extend_from_slice(&vvec);
     let (n, ratio) = (pos + 1, c.gqa_ratio());
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = opts.score_scale as f32;
     let mut attn = vec![0f32; q];
     let mut scores = vec![0f32; n];
     for h in 0..c.num_attention_heads {

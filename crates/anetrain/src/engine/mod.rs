@@ -121,7 +121,8 @@ pub struct Forward {
     tokens: Vec<u32>,
     layers: Vec<Saved>,
     x_last: Vec<f32>,
-    /// Final-normed hidden state `[D, S]`.
+    /// The LM head's input `[D, S]`: the final-normed hidden state (over
+    /// the model's logits_scaling, [`scale_head_input`]).
     pub xf: Vec<f32>,
 }
 
@@ -338,9 +339,11 @@ impl<R: KernelRunner> Engine<R> {
         if seq == 0 {
             bail!("cannot run the model on an empty sequence");
         }
+        cfg.check_length(seq)?;
         let shape = Shape::new(cfg, seq);
         let eps = cfg.rms_norm_eps as f32;
-        // x[c, s] = E[token_s, c]
+        // x[c, s] = m_e·E[token_s, c]
+        let m_e = cfg.scales.embedding as f32;
         let emb = &model.params[model.embed];
         let mut x = vec![0f32; d * seq];
         let mut row = Vec::new();
@@ -353,7 +356,7 @@ impl<R: KernelRunner> Engine<R> {
                 );
             }
             for (c, v) in emb.rows(t..t + 1, &mut row).iter().enumerate() {
-                x[c * seq + s] = *v;
+                x[c * seq + s] = m_e * v;
             }
         }
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -367,7 +370,9 @@ impl<R: KernelRunner> Engine<R> {
             });
             x = x_next;
         }
-        let xf = maths::rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
+        // The head's input: the final norm's output, over logits_scaling.
+        let mut xf = maths::rms_norm(&x, &model.params[model.final_norm].data, d, seq, eps);
+        scale_head_input(cfg, &mut xf);
         Ok(Forward {
             tokens: tokens.to_vec(),
             layers,
@@ -505,11 +510,13 @@ impl<R: KernelRunner> Engine<R> {
         let eps = cfg.rms_norm_eps as f32;
         let rope = self.opts.rope_tables(seq, cfg.head_dim);
         let mut scratch = Vec::new();
-        // xf = rmsnorm(x)·w_final
+        // xf = rmsnorm(x)·w_final / s
+        let mut dxf = dxf.to_vec();
+        scale_head_input(cfg, &mut dxf);
         let mut dx = maths::rms_norm_backward(
             &fwd.x_last,
             &model.params[model.final_norm].data,
-            dxf,
+            &dxf,
             d,
             seq,
             eps,
@@ -568,11 +575,12 @@ impl<R: KernelRunner> Engine<R> {
         if model.lora.is_some() {
             return Ok(()); // the embedding is frozen
         }
-        // x[c, s] = E[token_s, c]
+        // x[c, s] = m_e·E[token_s, c]
+        let m_e = cfg.scales.embedding as f32;
         let de = grads.accumulator(model.embed);
         for (s, &t) in fwd.tokens.iter().enumerate() {
             for c in 0..d {
-                de[t as usize * d + c] += dx[c * seq + s];
+                de[t as usize * d + c] += m_e * dx[c * seq + s];
             }
         }
         Ok(())
@@ -759,5 +767,15 @@ impl LayerCtx<'_> {
         let w = &self.model.params[norm].data;
         let g = base_grad(self.model, grads, norm, scratch);
         maths::rms_norm_backward(x, w, dy, d, seq, self.eps, g)
+    }
+}
+
+/// The LM head reads the final norm's output divided by the model's
+/// `logits_scaling` (Granite's; 1 elsewhere, an exact no-op): logits
+/// = W·(x_f/s) = (W·x_f)/s, and the same factor on its gradient.
+pub(crate) fn scale_head_input(cfg: &crate::model::config::ModelConfig, x: &mut [f32]) {
+    let inv = (1.0 / cfg.scales.logits) as f32;
+    if inv != 1.0 {
+        x.iter_mut().for_each(|v| *v *= inv);
     }
 }

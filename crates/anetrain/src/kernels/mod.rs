@@ -220,9 +220,13 @@ pub struct KernelOptions {
     pub layer: LayerSpec,
     /// RMSNorm epsilon (QK-norm inside sdpa_forward).
     pub eps: f64,
-    /// Scale α of the FFN residual branch: 1 for Hugging Face models,
-    /// 1/sqrt(2·layers) in the seed (DeepNet).
+    /// Scale α of each residual branch: 1 for most Hugging Face models
+    /// (Granite's `residual_multiplier`), 1/sqrt(2·layers) in the seed
+    /// (DeepNet).
     pub residual_scale: f64,
+    /// The attention scores' scale: 1/√head_dim, or the model's own
+    /// (Granite's `attention_multiplier`, `ModelConfig::score_scale`).
+    pub score_scale: f64,
     /// Reproduce the seed's layouts (sdpa_forward also passes xnorm through).
     pub seed_compat: bool,
     /// CPU twin only: compute with the constants exactly as the MIL program
@@ -370,7 +374,8 @@ impl KernelOptions {
             rope_theta: cfg.rope_theta,
             layer: cfg.layer(),
             eps: cfg.rms_norm_eps,
-            residual_scale: 1.0,
+            residual_scale: cfg.scales.residual,
+            score_scale: cfg.score_scale(),
             seed_compat: false,
             fp16_constants: false,
             lora: None,
@@ -472,6 +477,7 @@ impl KernelOptions {
             },
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
+            score_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
             seed_compat: true,
             fp16_constants: false,
             lora: None,

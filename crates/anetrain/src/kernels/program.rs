@@ -442,11 +442,17 @@ impl<'a> Gen<'a> {
         self.b.add(out, &xc, &xs)
     }
 
-    /// softmax(q·kᵀ/√HD + mask) for folded queries `q [1, KV, R·S, HD]`,
-    /// keys `k [1, KV, S, HD]`.
-    pub fn attention_probs(&mut self, q: &Value, k: &Value, s: &Shape) -> Result<Value> {
+    /// softmax(q·kᵀ·scale + mask) for folded queries `q [1, KV, R·S, HD]`,
+    /// keys `k [1, KV, S, HD]` (scale: [`KernelOptions::score_scale`]).
+    pub fn attention_probs(
+        &mut self,
+        q: &Value,
+        k: &Value,
+        s: &Shape,
+        scale: f64,
+    ) -> Result<Value> {
         let scores = self.matmul("scores", q, k, false, true)?;
-        let sc = self.scalar("scale", 1.0 / (s.head_dim as f64).sqrt())?;
+        let sc = self.scalar("scale", scale)?;
         let scaled = self.b.mul("scaled", &scores, &sc)?;
         let masked = if s.query_block() {
             // A block of queries: its mask is an input `[queries, S]`,

@@ -45,8 +45,8 @@ impl Kernel for SdpaBackward1 {
             .output(Port::Dp, s.score_channels());
     }
 
-    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
-        let a = recompute(g, s)?;
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
+        let a = recompute(g, s, o)?;
         let dvc = g.heads_rows_to_channels("dv", &a.dv)?;
         let sc = s.score_channels();
         let pf = g.reshape("probs_out", &a.probs, &[1, sc, 1, s.seq])?;
@@ -59,7 +59,7 @@ impl Kernel for SdpaBackward1 {
             return query_block(s, o, a);
         }
         let (kv, seq, hd, r) = (s.kv_dim(), s.seq, s.head_dim, s.ratio());
-        let scale = o.constant(1.0 / (hd as f64).sqrt());
+        let scale = o.constant(o.score_scale);
         let (qr, kr, v, da) = (a.q_rope, a.k_rope, a.v, a.da);
         let mut dv = vec![0f32; kv * seq];
         let mut probs = vec![0f32; s.heads * seq * seq];
@@ -133,9 +133,9 @@ pub(super) struct Recomputed {
     pub k: Value,
 }
 
-/// P = softmax(qᵀk/√HD + mask), dV = Σ_h Pᵀ·dA, dP = dA·Vᵀ from the
+/// P = softmax(qᵀk·scale + mask), dV = Σ_h Pᵀ·dA, dP = dA·Vᵀ from the
 /// [`inputs`] regions.
-pub(super) fn recompute(g: &mut Gen, s: &Shape) -> mil::Result<Recomputed> {
+pub(super) fn recompute(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Recomputed> {
     let (kvh, r, hd, qb) = (s.kv_heads, s.ratio(), s.head_dim, s.queries);
     let qc = g.query_channels(Port::QRope, s.q_dim(), s)?;
     let kc = g.region(Port::KRope)?;
@@ -147,7 +147,7 @@ pub(super) fn recompute(g: &mut Gen, s: &Shape) -> mil::Result<Recomputed> {
     let da = g.channels_to_heads("da_h", &dac, s.heads)?;
     let q_fold = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
     let daf = g.reshape("da_fold", &da, &[1, kvh, r * qb, hd])?;
-    let probs = g.attention_probs(&q_fold, &k, s)?;
+    let probs = g.attention_probs(&q_fold, &k, s, o.score_scale)?;
     // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
     let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
     let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
@@ -165,7 +165,7 @@ pub(super) fn recompute(g: &mut Gen, s: &Shape) -> mil::Result<Recomputed> {
 /// over whole rows (the mask, an input, says what is causal).
 fn query_block(s: &Shape, o: &KernelOptions, a: &Acts) -> Out {
     let (kv, seq, hd, r, qb) = (s.kv_dim(), s.seq, s.head_dim, s.ratio(), s.queries);
-    let scale = o.constant(1.0 / (hd as f64).sqrt());
+    let scale = o.constant(o.score_scale);
     let mask = a
         .mask
         .expect("a block of queries reads its mask (the runner makes it)");

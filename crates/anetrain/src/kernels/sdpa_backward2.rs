@@ -40,7 +40,7 @@ impl Kernel for SdpaBackward2 {
             .output(Port::Dk, s.kv_dim());
     }
 
-    fn mil(g: &mut Gen, s: &Shape, _: &KernelOptions) -> mil::Result<Vec<Value>> {
+    fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let (kvh, r, seq, hd, qb) = (s.kv_heads, s.ratio(), s.seq, s.head_dim, s.queries);
         let pf = g.region(Port::Probs)?;
         let dpf = g.region(Port::Dp)?;
@@ -51,7 +51,7 @@ impl Kernel for SdpaBackward2 {
         let q = g.channels_to_heads("q", &qc, s.heads)?;
         let k = g.channels_to_heads("k", &kc, kvh)?;
         let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
-        let (dqc, dkc) = softmax_backward(g, s, &probs, &dp, &qf, &k)?;
+        let (dqc, dkc) = softmax_backward(g, s, o, &probs, &dp, &qf, &k)?;
         Ok(vec![dqc, dkc])
     }
 
@@ -65,7 +65,7 @@ impl Kernel for SdpaBackward2 {
             s.ratio(),
             s.queries,
         );
-        let scale = o.constant(1.0 / (hd as f64).sqrt());
+        let scale = o.constant(o.score_scale);
         let (p, dp, qr, kr) = (a.probs, a.dp, a.q_rope, a.k_rope);
         let mut dq = vec![0f32; q * qb];
         let mut dk = vec![0f32; kv * seq];
@@ -113,20 +113,21 @@ impl Kernel for SdpaBackward2 {
 pub(super) fn softmax_backward(
     g: &mut Gen,
     s: &Shape,
+    o: &KernelOptions,
     probs: &Value,
     dp: &Value,
     qf: &Value,
     k: &Value,
 ) -> mil::Result<(Value, Value)> {
     let (hd, qb) = (s.head_dim, s.queries);
-    // dS = P ⊙ (dP − Σ_j P⊙dP) / √HD
+    // dS = P ⊙ (dP − Σ_j P⊙dP)·scale
     let pdp = g.b.mul("pdp", probs, dp)?;
     let axes = g.ints("axes", &[-1])?;
     let keep = g.flag(true)?;
     let rs = g.b.reduce("reduce_sum", "pdp_sum", &pdp, &axes, &keep)?;
     let dps = g.b.sub("dp_centered", dp, &rs)?;
     let ds0 = g.b.mul("ds_raw", probs, &dps)?;
-    let sc = g.scalar("scale", 1.0 / (hd as f64).sqrt())?;
+    let sc = g.scalar("scale", o.score_scale)?;
     let ds = g.b.mul("ds", &ds0, &sc)?;
     // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
     let dq = g.matmul("dq_fold", &ds, k, false, false)?;

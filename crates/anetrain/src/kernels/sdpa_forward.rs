@@ -147,7 +147,7 @@ impl Kernel for SdpaForward {
         };
         // Fold the R query heads of each KV head along the sequence.
         let qf = g.reshape("q_fold", &q_rope, &[1, kvh, r * qb, hd])?;
-        let probs = g.attention_probs(&qf, &k_rope, s)?;
+        let probs = g.attention_probs(&qf, &k_rope, s, o.score_scale)?;
         let a = g.matmul("attn_fold", &probs, &v, false, false)?;
         let a = g.reshape("attn_heads", &a, &[1, s.heads, qb, hd])?;
         let (attn, qc) = match s.query_block() {
@@ -189,7 +189,7 @@ impl Kernel for SdpaForward {
             return query_block(s, o, w, a);
         }
         let (d, q, kv, seq, hd, r) = (s.dim, s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
-        let scale = o.constant(1.0 / (hd as f64).sqrt());
+        let scale = o.constant(o.score_scale);
         let eps = o.norm_eps();
         let x = a.xnorm;
         let project = |p: Projection, rows: usize| {
@@ -285,7 +285,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
         need(a.rope_sin, "RoPE angles"),
         need(a.mask, "mask"),
     );
-    let scale = o.constant(1.0 / (hd as f64).sqrt());
+    let scale = o.constant(o.score_scale);
     let eps = o.norm_eps();
     let block = Shape {
         seq: qb,

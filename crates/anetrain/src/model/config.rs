@@ -1,5 +1,6 @@
-//! Model configuration: Hugging Face `config.json` (Qwen3 and Llama) or a
-//! built-in preset, validated before anything is allocated.
+//! Model configuration: Hugging Face `config.json` (the families in
+//! [`FAMILIES`]) or a built-in preset, validated before anything is
+//! allocated.
 
 use std::path::Path;
 
@@ -8,11 +9,76 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::layer::{LayerDims, LayerSpec, Mixer, Mlp, Norms};
 
-/// Architecture family: decides QK-norm and the names written to config.json.
+/// Architecture family: decides the layer's parts, the config's defaults
+/// and the names written to config.json.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Arch {
     Llama,
     Qwen3,
+    /// Llama's layer; attention may be limited to a sliding window.
+    Mistral,
+    /// Llama's layer with scalar multipliers ([`Scales`]).
+    Granite,
+}
+
+/// Every family read: `(arch, model_type, the transformers class)`.
+pub const FAMILIES: [(Arch, &str, &str); 4] = [
+    (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+    (Arch::Llama, "llama", "LlamaForCausalLM"),
+    (Arch::Mistral, "mistral", "MistralForCausalLM"),
+    (Arch::Granite, "granite", "GraniteForCausalLM"),
+];
+
+impl Arch {
+    /// The family's `model_type`.
+    pub fn model_type(self) -> &'static str {
+        FAMILIES.iter().find(|f| f.0 == self).map_or("", |f| f.1)
+    }
+
+    /// The transformers class its checkpoints load as.
+    pub fn class(self) -> &'static str {
+        FAMILIES.iter().find(|f| f.0 == self).map_or("", |f| f.2)
+    }
+
+    /// The family a config names, by `model_type` or else by class.
+    fn of(model_type: &str, classes: &[String]) -> Option<Arch> {
+        FAMILIES
+            .iter()
+            .find(|f| f.1 == model_type)
+            .or_else(|| FAMILIES.iter().find(|f| classes.iter().any(|c| c == f.2)))
+            .map(|f| f.0)
+    }
+}
+
+/// Scalar multipliers some families put on the residual stream (Granite's
+/// `embedding_multiplier`, `residual_multiplier`, `attention_multiplier`,
+/// `logits_scaling`); every other family has the defaults.
+///   x₀ = m_e·E[t],  x ← x + m_r·sublayer(x),  scores = m_a·qᵀk,  logits = W·x_f / s
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Scales {
+    pub embedding: f64,
+    pub residual: f64,
+    /// The attention scores' scale; `None` is 1/√head_dim.
+    pub attention: Option<f64>,
+    /// The logits are divided by this.
+    pub logits: f64,
+}
+
+impl Default for Scales {
+    fn default() -> Scales {
+        Scales {
+            embedding: 1.0,
+            residual: 1.0,
+            attention: None,
+            logits: 1.0,
+        }
+    }
+}
+
+impl Scales {
+    fn is_default(&self) -> bool {
+        *self == Scales::default()
+    }
 }
 
 /// Everything the kernels, engines and weight I/O need to know about a model.
@@ -43,6 +109,15 @@ pub struct ModelConfig {
     /// one (`crate::model::quant`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub quantization: Option<crate::model::quant::Quantization>,
+    /// Granite's multipliers (the defaults elsewhere).
+    #[serde(default, skip_serializing_if = "Scales::is_default")]
+    pub scales: Scales,
+    /// Mistral's attention window: a query sees itself and the
+    /// `window − 1` keys before it. Sequences no longer than the window
+    /// are plain causal attention, which is what is built
+    /// ([`ModelConfig::check_length`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
 }
 
 /// Names accepted by `--model` besides a directory.
@@ -90,6 +165,13 @@ struct HfConfig {
     mlp_bias: Option<bool>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+    /// Mistral's window (null: none).
+    sliding_window: Option<Count>,
+    /// Granite's multipliers.
+    embedding_multiplier: Option<f64>,
+    residual_multiplier: Option<f64>,
+    attention_multiplier: Option<f64>,
+    logits_scaling: Option<f64>,
 }
 
 /// transformers 5's `rope_parameters`.
@@ -188,6 +270,8 @@ impl ModelConfig {
             bos_token_id: None,
             eos_token_id: None,
             quantization: None,
+            scales: Scales::default(),
+            sliding_window: None,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -207,6 +291,8 @@ impl ModelConfig {
                 bos_token_id: None,
                 eos_token_id: None,
                 quantization: None,
+                scales: Scales::default(),
+                sliding_window: None,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -228,6 +314,8 @@ impl ModelConfig {
                 bos_token_id: None,
                 eos_token_id: None,
                 quantization: None,
+                scales: Scales::default(),
+                sliding_window: None,
             },
             _ => return None,
         })
@@ -280,7 +368,8 @@ impl ModelConfig {
         ModelConfig::from_json(&text).with_context(|| format!("'{}'", path.display()))
     }
 
-    /// Parses Hugging Face config JSON (Qwen3 or Llama) and validates it.
+    /// Parses Hugging Face config JSON (a family of [`FAMILIES`]) and
+    /// validates it.
     /// (One field after another, each with its own default and error.)
     pub fn from_json(text: &str) -> Result<ModelConfig> {
         let v: serde_json::Value = serde_json::from_str(text).context("invalid JSON")?;
@@ -297,12 +386,12 @@ impl ModelConfig {
         })?;
         let model_type = hf.model_type.as_deref().unwrap_or("");
         let archs = hf.architectures.unwrap_or_default();
-        let arch = if model_type == "qwen3" || archs.iter().any(|a| a.starts_with("Qwen3")) {
-            Arch::Qwen3
-        } else if model_type == "llama" || archs.iter().any(|a| a.starts_with("Llama")) {
-            Arch::Llama
-        } else {
-            bail!("unsupported model_type '{model_type}' (architectures {archs:?}); anetrain trains qwen3 and llama models")
+        let Some(arch) = Arch::of(model_type, &archs) else {
+            let known: Vec<&str> = FAMILIES.iter().map(|f| f.1).collect();
+            bail!(
+                "unsupported model_type '{model_type}' (architectures {archs:?}); anetrain trains {}",
+                known.join(", ")
+            )
         };
         let (hidden, heads) = (hf.hidden_size.0, hf.num_attention_heads.0);
         if heads == 0 {
@@ -332,6 +421,42 @@ impl ModelConfig {
                 bail!("\"{k}\": true is not supported (bias-free projections only)");
             }
         }
+        // Each family's own keys; elsewhere refused by name.
+        let multipliers = [
+            ("embedding_multiplier", hf.embedding_multiplier),
+            ("residual_multiplier", hf.residual_multiplier),
+            ("attention_multiplier", hf.attention_multiplier),
+            ("logits_scaling", hf.logits_scaling),
+        ];
+        let mut scales = Scales::default();
+        if arch == Arch::Granite {
+            for (k, v) in multipliers {
+                if v.is_some_and(|v| !(v.is_finite() && v > 0.0)) {
+                    bail!("\"{k}\" must be a positive number");
+                }
+            }
+            scales = Scales {
+                embedding: hf.embedding_multiplier.unwrap_or(1.0),
+                residual: hf.residual_multiplier.unwrap_or(1.0),
+                attention: Some(hf.attention_multiplier.unwrap_or(1.0)),
+                logits: hf.logits_scaling.unwrap_or(1.0),
+            };
+        } else if let Some((k, _)) = multipliers.iter().find(|(_, v)| v.is_some()) {
+            bail!("\"{k}\" is Granite's; a {model_type} model has none (is model_type right?)");
+        }
+        let sliding_window = match (arch, hf.sliding_window) {
+            (Arch::Mistral, w) => w.map(|c| c.0),
+            (_, None) => None,
+            // Qwen's configs carry a window their layers use only with
+            // use_sliding_window, refused above.
+            (Arch::Qwen3, Some(_)) => None,
+            (_, Some(_)) => bail!(
+                "\"sliding_window\" is not read for a {model_type} model (is model_type right?)"
+            ),
+        };
+        if sliding_window == Some(0) {
+            bail!("\"sliding_window\" must be at least 1");
+        }
         // transformers' defaults where a key is absent.
         let cfg = ModelConfig {
             arch,
@@ -342,15 +467,16 @@ impl ModelConfig {
             num_key_value_heads: hf.num_key_value_heads.map_or(
                 match arch {
                     Arch::Qwen3 => 32,
-                    Arch::Llama => heads,
+                    Arch::Mistral => 8,
+                    Arch::Llama | Arch::Granite => heads,
                 },
                 |c| c.0,
             ),
-            // Qwen3Config 128, LlamaConfig hidden/heads.
+            // Qwen3Config 128, the others hidden/heads.
             head_dim: hf.head_dim.map_or(
                 match arch {
                     Arch::Qwen3 => 128,
-                    Arch::Llama => hidden / heads,
+                    Arch::Llama | Arch::Mistral | Arch::Granite => hidden / heads,
                 },
                 |c| c.0,
             ),
@@ -361,7 +487,8 @@ impl ModelConfig {
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
                     Arch::Qwen3 => 32768,
-                    Arch::Llama => 2048,
+                    Arch::Mistral => 4096 * 32,
+                    Arch::Llama | Arch::Granite => 2048,
                 },
                 |c| c.0,
             ),
@@ -369,6 +496,8 @@ impl ModelConfig {
             bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
             eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
             quantization,
+            scales,
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -422,6 +551,26 @@ impl ModelConfig {
             );
         }
         Ok(())
+    }
+
+    /// Refuses a sequence of `len` positions the model cannot run
+    /// exactly: longer than its attention window (a sliding window over
+    /// it is not built; up to the window, attention is plain causal).
+    pub fn check_length(&self, len: usize) -> Result<()> {
+        match self.sliding_window {
+            Some(w) if len > w => bail!(
+                "a sequence of {len} positions is longer than the model's attention window (sliding_window {w}); sliding-window attention is not built yet: use at most {w} positions (--seq)"
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// The attention scores' scale: 1/√head_dim, or Granite's
+    /// `attention_multiplier`.
+    pub fn score_scale(&self) -> f64 {
+        self.scales
+            .attention
+            .unwrap_or(1.0 / (self.head_dim as f64).sqrt())
     }
 
     pub fn q_dim(&self) -> usize {

@@ -496,11 +496,8 @@ pub fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
 
 /// A `config.json` `transformers` reads back to the same architecture.
 pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
-    let (arch, model_type) = match c.arch {
-        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
-        Arch::Llama => ("LlamaForCausalLM", "llama"),
-    };
-    let v = serde_json::json!({
+    let (arch, model_type) = (c.arch.class(), c.arch.model_type());
+    let mut v = serde_json::json!({
         "architectures": [arch],
         "model_type": model_type,
         "hidden_size": c.hidden_size,
@@ -528,6 +525,19 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         "eos_token_id": c.eos_token_id,
         "use_cache": true,
     });
+    let family = match c.arch {
+        Arch::Granite => serde_json::json!({
+            "embedding_multiplier": c.scales.embedding,
+            "residual_multiplier": c.scales.residual,
+            "attention_multiplier": c.score_scale(),
+            "logits_scaling": c.scales.logits,
+        }),
+        Arch::Mistral => serde_json::json!({ "sliding_window": c.sliding_window }),
+        Arch::Llama | Arch::Qwen3 => serde_json::json!({}),
+    };
+    if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {
+        v.extend(f);
+    }
     serde_json::to_string_pretty(&v).unwrap_or_default()
 }
 

@@ -115,6 +115,8 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         bos_token_id: Some(1.into()),
         eos_token_id: Some(2.into()),
         quantization: None,
+        scales: Default::default(),
+        sliding_window: None,
     };
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)

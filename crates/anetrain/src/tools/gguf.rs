@@ -298,8 +298,20 @@ pub fn export(
 /// The architecture's name in GGUF.
 fn arch_name(arch: Arch) -> &'static str {
     match arch {
-        Arch::Llama => "llama",
+        // llama.cpp's converter writes Mistral as `llama`.
+        Arch::Llama | Arch::Mistral => "llama",
         Arch::Qwen3 => "qwen3",
+        Arch::Granite => "granite",
+    }
+}
+
+/// Whether llama.cpp's architecture rotates adjacent pairs, so q and k
+/// rows are permuted from Hugging Face's half-split order (its
+/// converter's `LlamaModel.permute`, which Mistral and Granite inherit).
+fn rotates_adjacent_pairs(arch: Arch) -> bool {
+    match arch {
+        Arch::Llama | Arch::Mistral | Arch::Granite => true,
+        Arch::Qwen3 => false,
     }
 }
 
@@ -307,7 +319,8 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
     let c = &model.cfg;
     let a = arch_name(c.arch);
     let u = |v: usize| MetaValue::U32(v as u32);
-    vec![
+    let f = |v: f64| MetaValue::F32(v as f32);
+    let mut meta = vec![
         ("general.architecture".into(), MetaValue::Str(a.into())),
         ("general.name".into(), MetaValue::Str(name.into())),
         ("general.file_type".into(), MetaValue::U32(ty.file_type())),
@@ -337,7 +350,17 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
             format!("{a}.attention.layer_norm_rms_epsilon"),
             MetaValue::F32(c.rms_norm_eps as f32),
         ),
-    ]
+    ];
+    if c.arch == Arch::Granite {
+        // llama.cpp's GraniteModel keys.
+        meta.extend([
+            (format!("{a}.embedding_scale"), f(c.scales.embedding)),
+            (format!("{a}.residual_scale"), f(c.scales.residual)),
+            (format!("{a}.attention.scale"), f(c.score_scale())),
+            (format!("{a}.logit_scale"), f(c.scales.logits)),
+        ]);
+    }
+    meta
 }
 
 /// GGUF names of a layer's tensors, by the Hugging Face suffix.
@@ -379,7 +402,7 @@ fn tensor_plan(model: &Model, ty: ExportType) -> Result<Vec<TensorPlan<'_>>> {
         let mut values = std::borrow::Cow::Borrowed(p.data.as_slice());
         // llama.cpp's `llama` rotates adjacent pairs: permute the q and k
         // rows from the half-split order Hugging Face weights have.
-        if c.arch == Arch::Llama {
+        if rotates_adjacent_pairs(c.arch) {
             let heads = if p.name.ends_with("q_proj.weight") {
                 Some(c.num_attention_heads)
             } else if p.name.ends_with("k_proj.weight") {

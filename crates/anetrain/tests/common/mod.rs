@@ -81,3 +81,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
     .expect("never stopped");
     Ok((b.loss, b.targets))
 }
+
+/// Every family with a transformers fixture (`scripts/make_fixtures.py`).
+#[allow(dead_code)]
+pub const FAMILIES: [&str; 4] = ["qwen3", "llama", "mistral", "granite"];
