@@ -5,8 +5,8 @@ parity tests read (committed under testdata/fixtures/, so
 
 For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
 hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window no
-shorter than the fixture's sequence) and Granite (every multiplier away
-from 1) — it writes:
+shorter than the fixture's sequence), Granite (every multiplier away
+from 1) and Qwen2 (biases on q, k and v) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-    MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -65,6 +65,14 @@ def build(kind):
             logits_scaling=2.5, attn_implementation="eager",
         )
         return GraniteForCausalLM(cfg)
+    if kind == "qwen2":
+        cfg = Qwen2Config(
+            vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=64,
+            attn_implementation="eager",
+        )
+        return Qwen2ForCausalLM(cfg)
     cfg = LlamaConfig(
         vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, head_dim=12,
@@ -122,7 +130,9 @@ def main():
         model = build(kind).float()
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if p.dim() == 1:  # norm weights away from 1
+                if name.endswith(".bias"):
+                    p.copy_(0.1 * torch.randn_like(p))
+                elif p.dim() == 1:  # norm weights away from 1
                     p.copy_(1.0 + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.08 * torch.randn_like(p))

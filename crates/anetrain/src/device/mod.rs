@@ -168,6 +168,7 @@ pub fn layer_weights<'a>(
         projections: Projection::ALL.map(projection),
         q_norm: l.q_norm.map(p),
         k_norm: l.k_norm.map(p),
+        biases: l.biases.map(|b| b.map(p)),
         ..LayerWeights::default()
     };
     if let Some(lora) = &model.lora {

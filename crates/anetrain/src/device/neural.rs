@@ -200,6 +200,13 @@ fn weight_regions(
             let block = tiling::projection_block(tiles, full, t, p, param);
             sink(Port::Weight(p), l.region_values(Port::Weight(p), &block))?;
         }
+        if !adapters_only && has(Port::Bias(p)) {
+            let id = model.layers[layer].biases[p.index()].ok_or_else(|| {
+                anyhow!("{}: the layer has no bias on '{}'", l.kernel, p.module())
+            })?;
+            let block = tiling::bias_block(tiles, full, t, p, &model.params[id].data);
+            sink(Port::Bias(p), l.region_values(Port::Bias(p), &block))?;
+        }
         if !has(Port::LoraA(p)) {
             continue;
         }

@@ -124,9 +124,16 @@ fn cached_attention(
     let w = |i: usize| m.params[i].data.as_slice();
     let proj = |t: Projection| w(t.base(l));
     let (cos, sin) = rope_row(pos, hd, opts.rope_theta, opts.rope);
-    let mut qv = w_x(proj(Projection::Q), xn, q, d, 1);
-    let mut kvec = w_x(proj(Projection::K), xn, kv, d, 1);
-    let vvec = w_x(proj(Projection::V), xn, kv, d, 1);
+    let project = |t: Projection, rows: usize| {
+        let mut y = w_x(proj(t), xn, rows, d, 1);
+        if let Some(b) = l.biases[t.index()] {
+            y.iter_mut().zip(w(b)).for_each(|(y, b)| *y += b);
+        }
+        y
+    };
+    let mut qv = project(Projection::Q, q);
+    let mut kvec = project(Projection::K, kv);
+    let vvec = project(Projection::V, kv);
     if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
         qv = rms_norm(&qv, w(qn), hd, 1, eps);
         kvec = rms_norm(&kvec, w(kn), hd, 1, eps);

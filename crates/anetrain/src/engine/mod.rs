@@ -710,6 +710,22 @@ impl<R: KernelRunner> Engine<R> {
                     let gk = base_grad(c.model, grads, kn, scratch);
                     dk = maths::rms_norm_backward(&k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
                 }
+                // y = W·x + b: db = Σ_s dy (a frozen base's biases stay).
+                if c.model.lora.is_none() {
+                    let pairs = [
+                        (Projection::Q, &dq),
+                        (Projection::K, &dk),
+                        (Projection::V, &dv),
+                    ];
+                    for (p, dy) in pairs {
+                        if let Some(id) = c.ids.biases[p.index()] {
+                            let db = grads.accumulator(id);
+                            for (g, row) in db.iter_mut().zip(dy.chunks(seq)) {
+                                *g += row.iter().sum::<f32>();
+                            }
+                        }
+                    }
+                }
                 let (dq, dk, dv) = (Arc::new(dq), Arc::new(dk), Arc::new(dv));
                 let (gq, gk, gv) = (dq.clone(), dk.clone(), dv.clone());
                 queue.push(grads, move |g| {

@@ -66,6 +66,8 @@ pub enum Port {
     /// Per-head RMSNorm weights of QK-norm (`[HD]`).
     QNorm,
     KNorm,
+    /// A projection's bias `b [out]`, stored as a column `[out, 1]`.
+    Bias(Projection),
     /// A projection's LoRA `A [r, in]`.
     LoraA(Projection),
     /// A projection's LoRA `B [out, r]`.
@@ -113,6 +115,7 @@ impl Port {
             Port::Weight(p) => p.region(),
             Port::QNorm => "q_norm",
             Port::KNorm => "k_norm",
+            Port::Bias(p) => p.bias_region(),
             Port::LoraA(p) => p.adapter_regions().0,
             Port::LoraB(p) => p.adapter_regions().1,
         }
@@ -127,6 +130,7 @@ impl Port {
                 | Port::Head
                 | Port::QNorm
                 | Port::KNorm
+                | Port::Bias(_)
                 | Port::LoraA(_)
                 | Port::LoraB(_)
         )
@@ -155,7 +159,7 @@ impl Port {
         ];
         let per_projection = Projection::ALL
             .into_iter()
-            .flat_map(|p| [Weight(p), LoraA(p), LoraB(p)]);
+            .flat_map(|p| [Weight(p), Bias(p), LoraA(p), LoraB(p)]);
         plain
             .into_iter()
             .chain(per_projection)
@@ -182,6 +186,8 @@ pub struct LayerWeights<'a> {
     pub projections: [&'a [f32]; 7],
     pub q_norm: Option<&'a [f32]>,
     pub k_norm: Option<&'a [f32]>,
+    /// `b [out]` per projection that has one, by [`Projection::index`].
+    pub biases: [Option<&'a [f32]>; 7],
     /// `(A [r, in], B [out, r])` per adapted projection.
     pub adapters: [Option<(&'a [f32], &'a [f32])>; 7],
     /// LoRA dropout masks (already scaled by 1/(1−p)) on each adapted
@@ -198,6 +204,7 @@ impl<'a> LayerWeights<'a> {
             Port::Weight(p) => Some(self.projections[p.index()]).filter(|w| !w.is_empty()),
             Port::QNorm => self.q_norm,
             Port::KNorm => self.k_norm,
+            Port::Bias(p) => self.biases[p.index()],
             Port::LoraA(p) => self.adapters[p.index()].map(|(a, _)| a),
             Port::LoraB(p) => self.adapters[p.index()].map(|(_, b)| b),
             Port::Head => Some(self.head).filter(|w| !w.is_empty()),
@@ -219,6 +226,7 @@ impl<'a> LayerWeights<'a> {
                 Port::QNorm => w.q_norm = Some(v),
                 Port::Head => w.head = v,
                 Port::KNorm => w.k_norm = Some(v),
+                Port::Bias(p) => w.biases[p.index()] = Some(v),
                 Port::LoraA(p) | Port::LoraB(p) => {
                     if let (Some(a), Some(b)) = (t.get(&Port::LoraA(p)), t.get(&Port::LoraB(p))) {
                         w.adapters[p.index()] = Some((a, b));

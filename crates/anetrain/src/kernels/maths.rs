@@ -312,6 +312,19 @@ pub fn causal_blocks(seq: usize) -> impl Iterator<Item = (usize, usize)> {
         .map(move |lo| (lo, (lo + CAUSAL_BLOCK).min(seq)))
 }
 
+/// `y [out, S] += b` along every position, when the layer has a bias on
+/// projection `p` (`LayerSpec::biased`).
+pub fn add_bias(y: &mut [f32], w: &LayerWeights, o: &KernelOptions, p: Projection, seq: usize) {
+    if !o.layer.biased().contains(&p) {
+        return;
+    }
+    let b =
+        w.biases[p.index()].unwrap_or_else(|| panic!("the layer has no bias on '{}'", p.module()));
+    for (row, &bc) in y.chunks_mut(seq).zip(b) {
+        row.iter_mut().for_each(|v| *v += bc);
+    }
+}
+
 /// dx = Σᵢ Wᵢᵀ·dyᵢ (plus each projection's adapter) for a backward
 /// kernel's `projections`, projection i applied to `dys[i]`.
 pub fn projections_backward(

@@ -472,7 +472,10 @@ impl KernelOptions {
             rope: Rope::Interleaved,
             rope_theta: 10000.0,
             layer: LayerSpec {
-                mixer: Mixer::Attention { qk_norm: false },
+                mixer: Mixer::Attention {
+                    qk_norm: false,
+                    qkv_bias: false,
+                },
                 ..cfg.layer()
             },
             eps: cfg.rms_norm_eps,

@@ -227,6 +227,20 @@ impl<'a> Gen<'a> {
         self.matmul(out, act_t, &w2, false, false)
     }
 
+    /// Adds projection `t`'s bias, if the layer has one, to its projection
+    /// `y [1, 1, S, N]` (the bias a column `[N, 1]` of the input).
+    pub fn with_bias(&mut self, y: Value, t: Projection, o: &KernelOptions) -> Result<Value> {
+        if !o.layer.biased().contains(&t) {
+            return Ok(y);
+        }
+        let port = Port::Bias(t);
+        let b = self.region(port)?;
+        let n = b.dims()[1];
+        let row = self.reshape(&format!("{}_row", port.name()), &b, &[1, 1, 1, n])?;
+        let out = format!("{}_biased", t.region());
+        self.b.add(&out, &y, &row)
+    }
+
     /// Adds projection `t`'s LoRA branch, if it has one, to the
     /// projection `y [1, 1, S, N]` of `act_t [1, 1, S, C]`:
     /// forward y + s·(x·Aᵀ)·Bᵀ, backward y + s·(dy·B)·A.

@@ -41,7 +41,8 @@ impl Kernel for SdpaBackward {
     fn mil(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Result<Vec<Value>> {
         let a = sdpa_backward1::recompute(g, s, o)?;
         let dvc = g.heads_rows_to_channels("dv", &a.dv)?;
-        let (dqc, dkc) = sdpa_backward2::softmax_backward(g, s, o, &a.probs, &a.dp, &a.q_fold, &a.k)?;
+        let (dqc, dkc) =
+            sdpa_backward2::softmax_backward(g, s, o, &a.probs, &a.dp, &a.q_fold, &a.k)?;
         Ok(vec![dvc, dqc, dkc])
     }
 

@@ -1,7 +1,7 @@
 //! `sdpa_forward`: a layer's attention up to (not including) the output
 //! projection, with QK-norm and RoPE.
 //!
-//!   q = Wq·xn, k = Wk·xn, v = Wv·xn                (+ LoRA on each)
+//!   q = Wq·xn + bq, k = Wk·xn + bk, v = Wv·xn + bv (+ LoRA on each; biases: Qwen2)
 //!   q, k ← rmsnorm_per_head(q)·wq_norm, …          (QK-norm, when on)
 //!   attn_h = softmax(rope(q_h)ᵀ·rope(k_g)/√HD + causal)·v_gᵀ,  g = h / ratio
 //!
@@ -21,7 +21,7 @@ use super::prelude::*;
 use rayon::prelude::*;
 
 use super::maths::{
-    add_adapter, apply_rope, causal_blocks, head_probs, masked_head_probs, rms_norm, w_x,
+    add_adapter, add_bias, apply_rope, causal_blocks, head_probs, masked_head_probs, rms_norm, w_x,
 };
 use super::{BLOB_COS, BLOB_SIN};
 use linalg::{matmul_serial, MatMut, MatRef};
@@ -79,6 +79,13 @@ impl Kernel for SdpaForward {
         b.columns(Port::Weight(Projection::Q), d, q, Transposed)
             .columns(Port::Weight(Projection::K), d, kv, Transposed)
             .columns(Port::Weight(Projection::V), d, kv, Transposed);
+        // Biases as one column each, `[out, 1]`.
+        for &p in o.layer.biased() {
+            b.columns(Port::Bias(p), s.projection(p).0, 1, Activation);
+        }
+        if !o.layer.biased().is_empty() && !o.qk_norm() {
+            b.pad_spatial_to(16);
+        }
         if o.qk_norm() {
             // Two [HD] vectors in one column each (each in a column group
             // of its own in aligned layouts), then padding so the input
@@ -112,7 +119,8 @@ impl Kernel for SdpaForward {
         for (&(p, product), name) in Self::PROJECTIONS.iter().zip(["q_mm", "k_mm", "v_mm"]) {
             let x = if p == Projection::Q { &xq } else { &xt };
             let y = g.project(name, x, Port::Weight(p))?;
-            projected.push(g.with_adapter(y, x, p, product, o)?);
+            let y = g.with_adapter(y, x, p, product, o)?;
+            projected.push(g.with_bias(y, p, o)?);
         }
         let [qm, km, vm] = <[Value; 3]>::try_from(projected).expect("three projections");
         let mut q = g.rows_to_heads("q", &qm, s.heads)?;
@@ -195,6 +203,7 @@ impl Kernel for SdpaForward {
         let project = |p: Projection, rows: usize| {
             let mut y = w_x(w.projection(p), x, rows, d, seq);
             add_adapter(&mut y, w, o, s, p, x, Product::Forward);
+            add_bias(&mut y, w, o, p, seq);
             y
         };
         let (q_raw, k_raw, v) = (
@@ -295,6 +304,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
     let project = |p: Projection, rows: usize, x: &[f32], sh: &Shape| {
         let mut y = w_x(w.projection(p), x, rows, d, sh.seq);
         add_adapter(&mut y, w, o, sh, p, x, Product::Forward);
+        add_bias(&mut y, w, o, p, sh.seq);
         y
     };
     let q_raw = project(Projection::Q, q, &xq, &block);

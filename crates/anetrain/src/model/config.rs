@@ -15,6 +15,8 @@ use crate::model::layer::{LayerDims, LayerSpec, Mixer, Mlp, Norms};
 pub enum Arch {
     Llama,
     Qwen3,
+    /// Llama's layer with biases on q, k and v (Qwen2, Qwen2.5).
+    Qwen2,
     /// Llama's layer; attention may be limited to a sliding window.
     Mistral,
     /// Llama's layer with scalar multipliers ([`Scales`]).
@@ -22,8 +24,9 @@ pub enum Arch {
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 4] = [
+pub const FAMILIES: [(Arch, &str, &str); 5] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
+    (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
     (Arch::Mistral, "mistral", "MistralForCausalLM"),
     (Arch::Granite, "granite", "GraniteForCausalLM"),
@@ -449,7 +452,7 @@ impl ModelConfig {
             (_, None) => None,
             // Qwen's configs carry a window their layers use only with
             // use_sliding_window, refused above.
-            (Arch::Qwen3, Some(_)) => None,
+            (Arch::Qwen3 | Arch::Qwen2, Some(_)) => None,
             (_, Some(_)) => bail!(
                 "\"sliding_window\" is not read for a {model_type} model (is model_type right?)"
             ),
@@ -466,7 +469,7 @@ impl ModelConfig {
             num_attention_heads: heads,
             num_key_value_heads: hf.num_key_value_heads.map_or(
                 match arch {
-                    Arch::Qwen3 => 32,
+                    Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral => 8,
                     Arch::Llama | Arch::Granite => heads,
                 },
@@ -476,7 +479,7 @@ impl ModelConfig {
             head_dim: hf.head_dim.map_or(
                 match arch {
                     Arch::Qwen3 => 128,
-                    Arch::Llama | Arch::Mistral | Arch::Granite => hidden / heads,
+                    Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Granite => hidden / heads,
                 },
                 |c| c.0,
             ),
@@ -486,7 +489,7 @@ impl ModelConfig {
             tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
-                    Arch::Qwen3 => 32768,
+                    Arch::Qwen3 | Arch::Qwen2 => 32768,
                     Arch::Mistral => 4096 * 32,
                     Arch::Llama | Arch::Granite => 2048,
                 },
@@ -588,12 +591,14 @@ impl ModelConfig {
 
     /// The description of the model's decoder layers (every layer of the
     /// architectures read today is the same): Qwen3's attention normalises
-    /// queries and keys per head, Llama's does not; both have SwiGLU MLPs
-    /// and norms before each sublayer.
+    /// queries and keys per head, Qwen2's has biases on q, k and v,
+    /// Llama's (Mistral's, Granite's) neither; all have SwiGLU MLPs and
+    /// norms before each sublayer.
     pub fn layer(&self) -> LayerSpec {
         LayerSpec {
             mixer: Mixer::Attention {
                 qk_norm: self.qk_norm,
+                qkv_bias: self.arch == Arch::Qwen2,
             },
             mlp: Mlp::SwiGlu,
             norms: Norms::Pre,

@@ -35,6 +35,9 @@ pub struct LayerIds {
     /// The mixer's per-head query and key norms (QK-norm).
     pub q_norm: Option<usize>,
     pub k_norm: Option<usize>,
+    /// The projections' biases `[out]`, by [`Projection::index`] (Qwen2's
+    /// q, k and v).
+    pub biases: [Option<usize>; 7],
 }
 
 /// One of a decoder layer's seven weight projections (what a LoRA adapter
@@ -67,6 +70,19 @@ const PROJECTION_NAMES: [(&str, &str, &str, &str, &str, &str); 7] = [
     ("up_proj", "mlp.up_proj", "w3", "w3_lora_a", "w3_lora_b", "mlp.up_proj.weight"),
     ("down_proj", "mlp.down_proj", "w2", "w2_lora_a", "w2_lora_b", "mlp.down_proj.weight"),
 ];
+
+/// Each projection's bias: its tensor name in a decoder layer, its kernel
+/// region (by [`Projection::index`]).
+const PROJECTION_BIAS_NAMES: [&str; 7] = [
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.bias",
+    "self_attn.o_proj.bias",
+    "mlp.gate_proj.bias",
+    "mlp.up_proj.bias",
+    "mlp.down_proj.bias",
+];
+const PROJECTION_BIAS_REGIONS: [&str; 7] = ["bq", "bk", "bv", "bo", "b1", "b3", "b2"];
 
 impl Projection {
     /// `(out, in)` of the projection's weight for a model dimension `dim`,
@@ -113,6 +129,17 @@ impl Projection {
         PROJECTION_NAMES[self.index()].5
     }
 
+    /// The bias's tensor name inside a decoder layer
+    /// (`self_attn.q_proj.bias`).
+    pub fn bias_name(self) -> &'static str {
+        PROJECTION_BIAS_NAMES[self.index()]
+    }
+
+    /// The kernel region of the projection's bias (`bq`).
+    pub fn bias_region(self) -> &'static str {
+        PROJECTION_BIAS_REGIONS[self.index()]
+    }
+
     /// The kernel weight region of the base projection (`wq`).
     pub fn region(self) -> &'static str {
         PROJECTION_NAMES[self.index()].2
@@ -147,6 +174,17 @@ impl crate::util::choice::Choice for Projection {
 }
 
 impl LayerDims {
+    /// Projection `p`'s bias as a layer parameter (`[out]`, not decayed).
+    fn bias(&self, p: Projection) -> LayerParam {
+        let (out, _) = p.dims(self.hidden, self.intermediate, self.q, self.kv);
+        LayerParam {
+            role: Role::Bias(p),
+            name: p.bias_name(),
+            shape: vec![out],
+            decay: false,
+        }
+    }
+
     /// Projection `p`'s weight as a layer parameter (`[out, in]`, decayed).
     fn matrix(&self, p: Projection) -> LayerParam {
         let (out, inp) = p.dims(self.hidden, self.intermediate, self.q, self.kv);
@@ -173,8 +211,9 @@ pub struct LayerSpec {
 pub enum Mixer {
     /// Causal grouped-query attention with rotary positions (Hugging
     /// Face's `rotate_half`) on queries and keys; `qk_norm`: a per-head
-    /// RMSNorm on each before RoPE (Qwen3).
-    Attention { qk_norm: bool },
+    /// RMSNorm on each before RoPE (Qwen3); `qkv_bias`: biases on the q, k
+    /// and v projections (Qwen2).
+    Attention { qk_norm: bool, qkv_bias: bool },
 }
 
 /// The position-wise MLP.
@@ -211,6 +250,8 @@ pub enum Role {
     /// The per-head RMSNorm weights of queries and keys (`[HD]`).
     QNorm,
     KNorm,
+    /// A projection's bias (`[out]`).
+    Bias(Projection),
 }
 
 /// One parameter of a layer: its role, its Hugging Face name under
@@ -227,7 +268,17 @@ impl LayerSpec {
     /// Whether the mixer normalises queries and keys per head.
     pub fn qk_norm(&self) -> bool {
         match self.mixer {
-            Mixer::Attention { qk_norm } => qk_norm,
+            Mixer::Attention { qk_norm, .. } => qk_norm,
+        }
+    }
+
+    /// The projections with a bias (none, or Qwen2's q, k and v).
+    pub fn biased(&self) -> &'static [Projection] {
+        match self.mixer {
+            Mixer::Attention { qkv_bias: true, .. } => {
+                &[Projection::Q, Projection::K, Projection::V]
+            }
+            Mixer::Attention { .. } => &[],
         }
     }
 
@@ -271,13 +322,14 @@ impl LayerSpec {
             decay: false,
         };
         match self.mixer {
-            Mixer::Attention { qk_norm } => {
-                let mut out = vec![
-                    matrix(Projection::Q),
-                    matrix(Projection::K),
-                    matrix(Projection::V),
-                    matrix(Projection::O),
-                ];
+            Mixer::Attention { qk_norm, .. } => {
+                let mut out = vec![];
+                for p in [Projection::Q, Projection::K, Projection::V, Projection::O] {
+                    out.push(matrix(p));
+                    if self.biased().contains(&p) {
+                        out.push(dims.bias(p));
+                    }
+                }
                 if qk_norm {
                     out.push(norm(Role::QNorm, "self_attn.q_norm.weight"));
                     out.push(norm(Role::KNorm, "self_attn.k_norm.weight"));
@@ -307,7 +359,7 @@ impl LayerSpec {
         };
         let mixer = match self.mixer {
             // attn, q_rope, k_rope, v (+ q and k before RoPE, for QK-norm's backward)
-            Mixer::Attention { qk_norm } => {
+            Mixer::Attention { qk_norm, .. } => {
                 let raw = usize::from(qk_norm);
                 (2 + raw) * q + (2 + raw) * kv
             }

@@ -69,6 +69,7 @@ fn layout(cfg: &ModelConfig) -> Model {
             projections: [0; 7],
             q_norm: None,
             k_norm: None,
+            biases: [None; 7],
         };
         for p in spec.params(&dims) {
             let id = add(format!("model.layers.{i}.{}", p.name), p.shape, p.decay);
@@ -78,6 +79,7 @@ fn layout(cfg: &ModelConfig) -> Model {
                 Role::Projection(t) => ids.projections[t.index()] = id,
                 Role::QNorm => ids.q_norm = Some(id),
                 Role::KNorm => ids.k_norm = Some(id),
+                Role::Bias(t) => ids.biases[t.index()] = Some(id),
             }
         }
         layers.push(ids);
@@ -533,7 +535,7 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
             "logits_scaling": c.scales.logits,
         }),
         Arch::Mistral => serde_json::json!({ "sliding_window": c.sliding_window }),
-        Arch::Llama | Arch::Qwen3 => serde_json::json!({}),
+        Arch::Llama | Arch::Qwen3 | Arch::Qwen2 => serde_json::json!({}),
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {
         v.extend(f);

@@ -301,6 +301,7 @@ fn arch_name(arch: Arch) -> &'static str {
         // llama.cpp's converter writes Mistral as `llama`.
         Arch::Llama | Arch::Mistral => "llama",
         Arch::Qwen3 => "qwen3",
+        Arch::Qwen2 => "qwen2",
         Arch::Granite => "granite",
     }
 }
@@ -311,7 +312,7 @@ fn arch_name(arch: Arch) -> &'static str {
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
         Arch::Llama | Arch::Mistral | Arch::Granite => true,
-        Arch::Qwen3 => false,
+        Arch::Qwen3 | Arch::Qwen2 => false,
     }
 }
 
@@ -364,12 +365,15 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
 }
 
 /// GGUF names of a layer's tensors, by the Hugging Face suffix.
-const LAYER_TENSORS: [(&str, &str); 11] = [
+const LAYER_TENSORS: [(&str, &str); 14] = [
     ("input_layernorm.weight", "attn_norm.weight"),
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
     ("self_attn.v_proj.weight", "attn_v.weight"),
     ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("self_attn.v_proj.bias", "attn_v.bias"),
     ("self_attn.q_norm.weight", "attn_q_norm.weight"),
     ("self_attn.k_norm.weight", "attn_k_norm.weight"),
     ("post_attention_layernorm.weight", "ffn_norm.weight"),

@@ -84,4 +84,4 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 
 /// Every family with a transformers fixture (`scripts/make_fixtures.py`).
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 4] = ["qwen3", "llama", "mistral", "granite"];
+pub const FAMILIES: [&str; 5] = ["qwen3", "llama", "mistral", "granite", "qwen2"];

@@ -54,6 +54,9 @@ pub fn tile_weights(k: &KernelTiles, full: &Shape, w: &LayerWeights, t: usize) -
         if !base.is_empty() {
             out.insert(Port::Weight(p), block(k, t, base, rows, oe, ie));
         }
+        if let Some(b) = w.biases[p.index()] {
+            out.insert(Port::Bias(p), bias_block(k, full, t, p, b));
+        }
         if let Some((a, b)) = w.adapters[p.index()] {
             let r = a.len() / cols;
             out.insert(Port::LoraA(p), block(k, t, a, r, Extent::Whole, ie));
@@ -88,6 +91,14 @@ pub fn projection_block(
     let mut out = Vec::new();
     param.block_into(range(oe, rows), range(ie, cols), &mut out);
     out
+}
+
+/// Tile `t`'s block of projection `p`'s bias `[out]`: the rows of its
+/// output block.
+pub fn bias_block(k: &KernelTiles, full: &Shape, t: usize, p: Projection, b: &[f32]) -> Vec<f32> {
+    let (oe, _) = projection_extents(p);
+    let (rows, _) = full.projection(p);
+    block(k, t, b, rows, oe, Extent::Whole)
 }
 
 /// Tile `t`'s blocks of projection `p`'s LoRA `A [r, in]` and `B [out, r]`.

@@ -204,9 +204,8 @@ pub fn activation_extent(port: Port) -> Extent {
         Attn | QRope | Da | Dq | QRaw => Extent::Q,
         KRope | V | Dk | Dv | KRaw => Extent::Kv,
         Probs | Dp => Extent::Scores,
-        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
-            Extent::Whole
-        }
+        Weight(_) | Bias(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos
+        | RopeSin => Extent::Whole,
     }
 }
 
@@ -244,9 +243,8 @@ fn positions(kind: KernelKind, port: Port) -> Positions {
     use Port::*;
     let attention = attends(kind);
     match port {
-        Weight(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos | RopeSin => {
-            Positions::None
-        }
+        Weight(_) | Bias(_) | Head | QNorm | KNorm | LoraA(_) | LoraB(_) | Mask | RopeCos
+        | RopeSin => Positions::None,
         Probs | Dp => Positions::ScoreRows,
         KRope | V | KRaw if kind == KernelKind::SdpaForward => Positions::Shared,
         Xnorm | KRope | V | Dk | Dv | KRaw if attention => Positions::Keys,
