@@ -636,6 +636,7 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::layer::Projection;
 
     const QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
@@ -696,6 +697,73 @@ mod tests {
             let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    /// Each family's own keys are read for it and refused elsewhere by
+    /// name; an unknown model_type is refused naming every family read.
+    #[test]
+    fn families_read_their_own_keys_and_refuse_the_others() {
+        let llama = QWEN3
+            .replace("qwen3\"", "llama\"")
+            .replace("Qwen3ForCausalLM", "LlamaForCausalLM");
+        let granite = llama
+            .replace("llama\"", "granite\"")
+            .replace("LlamaForCausalLM", "GraniteForCausalLM")
+            .replace(
+                "\"rope_scaling\": null",
+                "\"embedding_multiplier\": 12.0, \"residual_multiplier\": 0.22, \"attention_multiplier\": 0.015625, \"logits_scaling\": 8.0",
+            );
+        let c = ModelConfig::from_json(&granite).unwrap();
+        assert_eq!(c.arch, Arch::Granite);
+        assert_eq!(c.score_scale(), 0.015625);
+        assert_eq!(
+            (c.scales.embedding, c.scales.residual, c.scales.logits),
+            (12.0, 0.22, 8.0)
+        );
+        let e = ModelConfig::from_json(&granite.replace("granite\"", "llama\"")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("\"embedding_multiplier\" is Granite's"),
+            "{e}"
+        );
+
+        let mistral = llama
+            .replace("llama\"", "mistral\"")
+            .replace("\"rope_scaling\": null", "\"sliding_window\": 64");
+        let c = ModelConfig::from_json(&mistral).unwrap();
+        assert_eq!((c.arch, c.sliding_window), (Arch::Mistral, Some(64)));
+        c.check_length(64).unwrap();
+        let e = c.check_length(65).unwrap_err().to_string();
+        assert!(
+            e.contains("sliding_window 64") && e.contains("--seq"),
+            "{e}"
+        );
+
+        let qwen2 = QWEN3
+            .replace("qwen3\"", "qwen2\"")
+            .replace("Qwen3ForCausalLM", "Qwen2ForCausalLM");
+        let c = ModelConfig::from_json(&qwen2).unwrap();
+        assert_eq!(
+            c.layer().biased(),
+            [Projection::Q, Projection::K, Projection::V]
+        );
+        assert!(ModelConfig::from_json(QWEN3)
+            .unwrap()
+            .layer()
+            .biased()
+            .is_empty());
+
+        let e = ModelConfig::from_json(
+            &QWEN3
+                .replace("qwen3\"", "gemma3_text\"")
+                .replace("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("'gemma3_text'") && e.contains("qwen3, qwen2, llama, mistral, granite"),
+            "{e}"
+        );
     }
 
     /// The description yields Hugging Face's parameter names and order
