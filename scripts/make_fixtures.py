@@ -4,8 +4,8 @@ parity tests read (committed under testdata/fixtures/, so
 `cargo test` needs no Python).
 
 For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
-hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window no
-shorter than the fixture's sequence), Granite (every multiplier away
+hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window of 5
+positions, shorter than the fixture's sequence), Granite (every multiplier away
 from 1) and Qwen2 (biases on q, k and v) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
@@ -53,7 +53,7 @@ def build(kind):
             vocab_size=112, hidden_size=48, intermediate_size=72, num_hidden_layers=2,
             num_attention_heads=6, num_key_value_heads=2, head_dim=8,
             rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            sliding_window=16, max_position_embeddings=64, attn_implementation="eager",
+            sliding_window=5, max_position_embeddings=64, attn_implementation="eager",
         )
         return MistralForCausalLM(cfg)
     if kind == "granite":

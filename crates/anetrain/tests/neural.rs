@@ -266,8 +266,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         );
         assert_eq!(ane::Device::compiles(&eng.runner.device), 11);
 
-        // 16 positions: Mistral's fixture window.
-        let rows = vec![(0..17).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
+        let rows = vec![(0..20).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let mut cpu = Engine::cpu(&model);
         let (mut gc, mut gs) = (zero_grads(&model), zero_grads(&model));
         let (lc, _) = common::batch_loss(&mut cpu, &model, &rows, Some(&mut gc)).unwrap();
@@ -327,8 +326,7 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
         assert!(r <= 1e-2, "{what}: head gradient rel err {r}");
         chunks
     };
-    // Mistral's fixture attends over a window of 16: not 25 positions.
-    for kind in ["qwen3", "llama", "granite", "qwen2"] {
+    for kind in common::FAMILIES {
         let model = Model::load(&fixture(kind).join("model")).unwrap();
         let row: Vec<u32> = (0..25).map(|i| (i * 37 % 90) as u32).collect();
         assert_eq!(check(kind, &model, &row, 1), 1);
@@ -389,8 +387,7 @@ fn the_head_on_the_device_gives_the_cpu_loss_and_input_gradient() {
 #[test]
 fn sequence_tiles_give_the_untiled_bits() {
     use anetrain::kernels::tiling::Axis;
-    // Mistral's fixture attends over a window of 16: not 60 positions.
-    for kind in ["qwen3", "llama", "granite", "qwen2"] {
+    for kind in common::FAMILIES {
         let model = Model::load(&fixture(kind).join("model")).unwrap();
         let mut opts = anetrain::kernels::KernelOptions::for_model(&model);
         opts.min_seq_tiles = 2;

@@ -322,7 +322,7 @@ fn write_activations<D: Device>(
         write_region(device, buf, l, port, &part)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::Mask) {
-        let mask = tiling::tile_mask(tiles, t);
+        let mask = tiling::tile_mask(tiles, t, opts.window);
         write_region(device, buf, l, Port::Mask, &mask)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::RopeCos) {

@@ -78,7 +78,6 @@ impl<'a> Decoder<'a> {
         let (alpha, spec) = (engine.opts.residual_scale as f32, engine.opts.layer);
         let w = |i: usize| m.params[i].data.as_slice();
         let t = token as usize;
-        c.check_length(*pos + 1)?;
         let m_e = c.scales.embedding as f32;
         let mut x: Vec<f32> = m.params[m.embed].data[t * d..(t + 1) * d]
             .iter()
@@ -142,14 +141,17 @@ fn cached_attention(
     let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, opts.rope, 1.0);
     ks.extend_from_slice(&kvec);
     vs.extend_from_slice(&vvec);
-    let (n, ratio) = (pos + 1, c.gqa_ratio());
+    let ratio = c.gqa_ratio();
+    // The cached keys this position sees (its window's, or all).
+    let keys = crate::kernels::visible_keys(pos, opts.window);
+    let first = *keys.start();
     let scale = opts.score_scale as f32;
     let mut attn = vec![0f32; q];
-    let mut scores = vec![0f32; n];
+    let mut scores = vec![0f32; keys.count()];
     for h in 0..c.num_attention_heads {
         let g = h / ratio;
         let qh = &qv[h * hd..(h + 1) * hd];
-        for (j, sc) in scores.iter_mut().enumerate() {
+        for (j, sc) in (first..).zip(scores.iter_mut()) {
             let kj = &ks[j * kv + g * hd..j * kv + (g + 1) * hd];
             *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
         }
@@ -160,7 +162,7 @@ fn cached_attention(
             sum += *s;
         });
         let out = &mut attn[h * hd..(h + 1) * hd];
-        for (j, &p) in scores.iter().enumerate() {
+        for (j, &p) in (first..).zip(&scores) {
             let vj = &vs[j * kv + g * hd..j * kv + (g + 1) * hd];
             out.iter_mut().zip(vj).for_each(|(o, v)| *o += p / sum * v);
         }

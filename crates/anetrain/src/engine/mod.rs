@@ -339,7 +339,6 @@ impl<R: KernelRunner> Engine<R> {
         if seq == 0 {
             bail!("cannot run the model on an empty sequence");
         }
-        cfg.check_length(seq)?;
         let shape = Shape::new(cfg, seq);
         let eps = cfg.rms_norm_eps as f32;
         // x[c, s] = m_e·E[token_s, c]

@@ -250,9 +250,19 @@ pub fn apply_rope(
     y
 }
 
-/// Causal softmax(qᵀk/√HD) for one query head, on the calling thread:
-/// `q_h, k_g` are `[HD, S]`; writes `P [S, S]` into `p`.
-pub fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p: &mut [f32]) {
+/// Causal softmax(qᵀk·scale) for one query head, on the calling thread,
+/// each query over the keys it sees ([`super::visible_keys`]: every
+/// earlier one, or those of its window): `q_h, k_g` are `[HD, S]`; writes
+/// `P [S, S]` into `p`.
+pub fn head_probs(
+    q_h: &[f32],
+    k_g: &[f32],
+    hd: usize,
+    seq: usize,
+    scale: f32,
+    window: Option<usize>,
+    p: &mut [f32],
+) {
     // Scores of queries lo..hi against keys 0..hi; the rest of each row is
     // masked and set to zero below.
     for (lo, hi) in causal_blocks(seq) {
@@ -264,9 +274,13 @@ pub fn head_probs(q_h: &[f32], k_g: &[f32], hd: usize, seq: usize, scale: f32, p
         );
     }
     for i in 0..seq {
-        let (live, masked) = p[i * seq..(i + 1) * seq].split_at_mut(i + 1);
+        let row = &mut p[i * seq..(i + 1) * seq];
+        let keys = super::visible_keys(i, window);
+        let (before, rest) = row.split_at_mut(*keys.start());
+        let (live, after) = rest.split_at_mut(keys.count());
         crate::util::simd::softmax_scaled(live, scale);
-        masked.fill(0.0);
+        before.fill(0.0);
+        after.fill(0.0);
     }
 }
 

@@ -62,8 +62,9 @@ pub use head_forward::HeadForward;
 pub use io::{Activations, LayerWeights, Outputs, Port, Tensors};
 pub use kv_backward::KvBackward;
 pub use layout::{Encoding, KernelLayout, LayoutBuilder};
+#[cfg(test)]
 pub(crate) use positions::MASKED;
-pub use positions::{causal_mask, rope_rotation, rope_row, rope_tables};
+pub use positions::{causal_mask, mask_row, rope_rotation, rope_row, rope_tables, visible_keys};
 pub use program::Gen;
 pub use q_backward::QBackward;
 pub use sdpa_backward::SdpaBackward;
@@ -227,6 +228,9 @@ pub struct KernelOptions {
     /// The attention scores' scale: 1/√head_dim, or the model's own
     /// (Granite's `attention_multiplier`, `ModelConfig::score_scale`).
     pub score_scale: f64,
+    /// The attention window (Mistral's `sliding_window`): a query sees
+    /// itself and the `W − 1` keys before it; `None`, every earlier key.
+    pub window: Option<usize>,
     /// Reproduce the seed's layouts (sdpa_forward also passes xnorm through).
     pub seed_compat: bool,
     /// CPU twin only: compute with the constants exactly as the MIL program
@@ -376,6 +380,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: cfg.scales.residual,
             score_scale: cfg.score_scale(),
+            window: cfg.sliding_window,
             seed_compat: false,
             fp16_constants: false,
             lora: None,
@@ -481,6 +486,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
             score_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
+            window: None,
             seed_compat: true,
             fp16_constants: false,
             lora: None,
@@ -805,7 +811,7 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<
         .into_iter()
         .map(|name| {
             let data = match name.as_str() {
-                BLOB_MASK => causal_mask(s.seq, s.ratio()),
+                BLOB_MASK => causal_mask(s.seq, s.ratio(), o.window),
                 BLOB_COS => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).0,
                 n if n.starts_with(BLOB_ROT) => {
                     let heads = n[BLOB_ROT.len()..n.len() - 4].parse().unwrap_or(1);

@@ -9,17 +9,30 @@ use super::Rope;
 pub(crate) const MASKED: f32 = -65504.0;
 
 /// Additive causal mask for `ratio` query heads folded along the sequence:
-/// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` with −65504 (fp16's
-/// lowest finite value; −inf would turn fully masked rows into NaN).
-pub fn causal_mask(seq: usize, ratio: usize) -> Vec<f32> {
+/// `[ratio·S, S]`, row `r·S + i` masks keys `j > i` — and with an
+/// attention window `W`, keys `j ≤ i − W` — with −65504 (fp16's lowest
+/// finite value; −inf would turn fully masked rows into NaN).
+pub fn causal_mask(seq: usize, ratio: usize, window: Option<usize>) -> Vec<f32> {
     let mut m = vec![0f32; ratio * seq * seq];
-    for row in 0..ratio * seq {
-        let i = row % seq;
-        for j in i + 1..seq {
-            m[row * seq + j] = MASKED;
-        }
+    for (row, mrow) in m.chunks_mut(seq).enumerate() {
+        mask_row(mrow, row % seq, window);
     }
     m
+}
+
+/// The keys query `i` sees: `first..=i`, `first` the window's start.
+pub fn visible_keys(i: usize, window: Option<usize>) -> std::ops::RangeInclusive<usize> {
+    let first = window.map_or(0, |w| (i + 1).saturating_sub(w));
+    first..=i
+}
+
+/// Masks, in one row of an additive mask over keys `0..row.len()`, the
+/// keys query `i` does not see ([`visible_keys`]).
+pub fn mask_row(row: &mut [f32], i: usize, window: Option<usize>) {
+    let keys = visible_keys(i, window);
+    let n = row.len();
+    row[..(*keys.start()).min(n)].fill(MASKED);
+    row[(i + 1).min(n)..].fill(MASKED);
 }
 
 /// RoPE's rotation as `heads` copies of a signed permutation `R [HD, HD]`

@@ -116,9 +116,7 @@ pub struct ModelConfig {
     #[serde(default, skip_serializing_if = "Scales::is_default")]
     pub scales: Scales,
     /// Mistral's attention window: a query sees itself and the
-    /// `window − 1` keys before it. Sequences no longer than the window
-    /// are plain causal attention, which is what is built
-    /// ([`ModelConfig::check_length`]).
+    /// `window − 1` keys before it (`kernels::visible_keys`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
 }
@@ -556,18 +554,6 @@ impl ModelConfig {
         Ok(())
     }
 
-    /// Refuses a sequence of `len` positions the model cannot run
-    /// exactly: longer than its attention window (a sliding window over
-    /// it is not built; up to the window, attention is plain causal).
-    pub fn check_length(&self, len: usize) -> Result<()> {
-        match self.sliding_window {
-            Some(w) if len > w => bail!(
-                "a sequence of {len} positions is longer than the model's attention window (sliding_window {w}); sliding-window attention is not built yet: use at most {w} positions (--seq)"
-            ),
-            _ => Ok(()),
-        }
-    }
-
     /// The attention scores' scale: 1/√head_dim, or Granite's
     /// `attention_multiplier`.
     pub fn score_scale(&self) -> f64 {
@@ -732,12 +718,8 @@ mod tests {
             .replace("\"rope_scaling\": null", "\"sliding_window\": 64");
         let c = ModelConfig::from_json(&mistral).unwrap();
         assert_eq!((c.arch, c.sliding_window), (Arch::Mistral, Some(64)));
-        c.check_length(64).unwrap();
-        let e = c.check_length(65).unwrap_err().to_string();
-        assert!(
-            e.contains("sliding_window 64") && e.contains("--seq"),
-            "{e}"
-        );
+        let e = ModelConfig::from_json(&mistral.replace(": 64", ": 0")).unwrap_err();
+        assert!(format!("{e:#}").contains("at least 1"), "{e:#}");
 
         let qwen2 = QWEN3
             .replace("qwen3\"", "qwen2\"")

@@ -127,7 +127,6 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
             source.config.max_position_embeddings
         );
     }
-    source.config.check_length(s.seq)?;
     let opts = KernelOptions::for_run(&source.config, s.lora.as_ref());
     if s.backend != Backend::Cpu {
         // A model the device cannot run, even tiled, fails before any work.

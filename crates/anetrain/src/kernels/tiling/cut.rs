@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::kernels::io::Tensors;
-use crate::kernels::{LayerWeights, MASKED};
+use crate::kernels::LayerWeights;
 
 /// Block `i` of `n` equal row blocks of a row-major `[rows, cols]` tensor.
 pub(super) fn row_block(data: &[f32], rows: usize, i: usize, n: usize) -> Vec<f32> {
@@ -160,14 +160,15 @@ pub fn tile_activation(
 }
 
 /// The additive causal mask of tile `t`'s block of queries against all
-/// `seq` keys, `[queries, seq]`: query `lo + r` sees keys `0..=lo + r`
-/// (as [`super::causal_mask`] for the whole).
-pub fn tile_mask(k: &KernelTiles, t: usize) -> Vec<f32> {
+/// `seq` keys, `[queries, seq]`: query `lo + r` sees keys `0..=lo + r`,
+/// within the attention window if there is one (as
+/// [`crate::kernels::causal_mask`] for the whole).
+pub fn tile_mask(k: &KernelTiles, t: usize, window: Option<usize>) -> Vec<f32> {
     let (qb, seq) = (k.shape.queries, k.shape.seq);
     let lo = k.query_block(t) * qb;
     let mut m = vec![0f32; qb * seq];
     for (r, row) in m.chunks_mut(seq).enumerate() {
-        row[lo + r + 1..].fill(MASKED);
+        crate::kernels::mask_row(row, lo + r, window);
     }
     m
 }

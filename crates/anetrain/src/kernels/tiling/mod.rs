@@ -768,12 +768,20 @@ mod tests {
         assert_eq!(cut.len(), kv * 64);
         assert_eq!(&cut[..3], &[0., 1., 2.]);
         assert_eq!(cut[64], 0.0, "each row restarts at key 0");
-        let mask = tile_mask(&k, 1);
+        let mask = tile_mask(&k, 1, None);
         assert_eq!(mask.len(), 32 * 64);
         // Query 32 + r sees keys 0..=32 + r.
         assert_eq!(mask[33], crate::kernels::MASKED);
         assert_eq!(mask[32], 0.0);
         assert_eq!(mask[31 * 64 + 63], 0.0);
+        // With a window of 8, query 32 + r sees keys 25 + r..=32 + r only.
+        let windowed = tile_mask(&k, 1, Some(8));
+        let masked = |m: &[f32], r: usize, j: usize| m[r * 64 + j] == crate::kernels::MASKED;
+        assert!(masked(&windowed, 0, 24) && !masked(&windowed, 0, 25));
+        assert!(!masked(&windowed, 0, 32) && masked(&windowed, 0, 33));
+        assert!(
+            masked(&windowed, 31, 55) && !masked(&windowed, 31, 56) && !masked(&windowed, 31, 63)
+        );
         let mut acc = vec![];
         for t in 0..2 {
             combine(&k, Port::Dk, &mut acc, vec![1.0; kv * 64], t, 128);
