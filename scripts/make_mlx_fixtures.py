@@ -2,8 +2,8 @@
 """MLX-quantized fixtures: testdata/mlx/.
 
 Quantizes the small Qwen3 model of testdata/chat/model (tied head, f32)
-and a small random Llama made here (untied head, bf16:
-testdata/mlx/llama-source) with mlx-lm's `convert` (mlx's CPU backend on
+and small random Llama, Qwen2, Mistral and Granite models made here (bf16:
+testdata/mlx/<family>-source) with mlx-lm's `convert` (mlx's CPU backend on
 Linux, `pip install "mlx[cpu]" mlx-lm`) in several widths, group sizes and
 dtypes, one of them with mlx-lm's mixed 3/6-bit recipe (per-module entries
 in config.json), and records what mlx computes from each, so `cargo test`
@@ -38,6 +38,10 @@ SOURCE = os.path.join(ROOT, "testdata", "chat", "model")
 OUT = os.path.join(ROOT, "testdata", "mlx")
 TOKENS = [1, 17, 42, 5, 99, 200, 7, 311, 64, 12, 150, 3, 77, 250, 8, 31]
 LLAMA = os.path.join(OUT, "llama-source")
+# Other families' small random sources (bf16), made here.
+QWEN2 = os.path.join(OUT, "qwen2-source")
+MISTRAL = os.path.join(OUT, "mistral-source")
+GRANITE = os.path.join(OUT, "granite-source")
 # name: (source, bits, group size, dtype, recipe). The Qwen3 source ties
 # its head to the embedding; the Llama one (bf16, made here) does not.
 VARIANTS = {
@@ -51,27 +55,54 @@ VARIANTS = {
     "mixed36-g32-bf16": (SOURCE, 3, 32, "bfloat16", "mixed_3_6"),
     "llama-q4-g64-bf16": (LLAMA, 4, 64, "bfloat16", None),
     "llama-q8-g32-bf16": (LLAMA, 8, 32, "bfloat16", None),
+    "qwen2-q4-g64-bf16": (QWEN2, 4, 64, "bfloat16", None),
+    "mistral-q4-g32-bf16": (MISTRAL, 4, 32, "bfloat16", None),
+    "granite-q4-g64-bf16": (GRANITE, 4, 64, "bfloat16", None),
 }
 
 
-def make_llama(path):
-    """A small random Llama with an untied head, saved in bf16 by
-    transformers (the dtype Hub checkpoints are published in)."""
+def make_source(kind, path):
+    """A small random model of `kind` (Llama with an untied head; Qwen2
+    with q/k/v biases, tied; Mistral with an attention window; Granite with its multipliers), saved in bf16 by transformers
+    (the dtype Hub checkpoints are published in)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers as tf
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    common = dict(
         vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, initializer_range=0.2,
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if kind == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(head_dim=16, tie_word_embeddings=False, **common))
+    elif kind == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(tie_word_embeddings=True, **common))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.copy_(0.2 * torch.randn_like(p))
+    elif kind == "mistral":
+        model = tf.MistralForCausalLM(tf.MistralConfig(
+            # A window longer than TOKENS: mlx-lm's Mistral attends over
+            # windows only for config layer_types transformers does not
+            # write, so the two agree only where the window does not bite.
+            head_dim=16, sliding_window=64, tie_word_embeddings=False, **common))
+    else:
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(
+            tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
+            attention_multiplier=0.1, logits_scaling=3.0, **common))
+    model = model.to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     for f in os.listdir(path):
         if f not in ("config.json", "model.safetensors"):
             os.remove(os.path.join(path, f))
+    # Published configs carry `rope_theta` beside transformers 5's
+    # `rope_parameters`; mlx-lm's Granite needs it.
+    config_path = os.path.join(path, "config.json")
+    config = json.load(open(config_path))
+    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    json.dump(config, open(config_path, "w"), indent=2)
     # mlx-lm loads a tokenizer with any model: the Qwen3 model's (same
     # vocabulary size).
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -86,7 +117,8 @@ def main():
         if d != "adapter":  # scripts/make_mlx_adapter_fixture.py's
             shutil.rmtree(os.path.join(OUT, d), ignore_errors=True)
     os.makedirs(OUT, exist_ok=True)
-    make_llama(LLAMA)
+    for kind, path in [("llama", LLAMA), ("qwen2", QWEN2), ("mistral", MISTRAL), ("granite", GRANITE)]:
+        make_source(kind, path)
     sources = {}
     for name, (source, bits, group, dtype, recipe) in VARIANTS.items():
         out = os.path.join(OUT, name)
