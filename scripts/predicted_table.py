@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Prints docs/benchmarks.md's table of predicted steps: `anetrain kernels
+"""Prints docs/benchmarks.md's tables of predicted steps: `anetrain kernels
 plan --json` for Qwen3-0.6B/1.7B/4B at seq 256/1024/4096, full fine-tuning
-and LoRA rank 16, on the M1, M4 and M5 rows of the cost model.
+and LoRA rank 16, on the M1, M4 and M5 rows of the cost model; with
+`--families`, one shape of each model family (LoRA r16, seq 1024, streamed
+device buffers) with its memory plan.
 
-    cargo build --release && python3 scripts/predicted_table.py
+    cargo build --release && python3 scripts/predicted_table.py [--families]
 """
 import json
 import subprocess
@@ -15,16 +17,36 @@ BIN = ROOT / "target" / "release" / "anetrain"
 MODELS = [("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen3-1.7B", "qwen3-1.7b"), ("Qwen3-4B", "qwen3-4b")]
 
 
-def plan(config, seq, lora):
+FAMILIES = [("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen2.5-0.5B", "qwen2.5-0.5b"),
+            ("Granite-3.3-2B", "granite-3.3-2b"), ("Llama-3.2-3B", "llama-3.2-3b"),
+            ("Mistral-7B-v0.3", "mistral-7b-v0.3")]
+
+
+def plan(config, seq, lora, *extra):
     args = [str(BIN), "kernels", "plan", "--model", str(ROOT / "testdata/configs" / f"{config}.json"),
-            "--seq", str(seq), "--json", "--grad-checkpoint", "--max-memory", "1T"]
+            "--seq", str(seq), "--json", "--grad-checkpoint", "--max-memory", "1T", *extra]
     if lora:
         args += ["--lora-rank", "16"]
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
 
+def families():
+    print("| model (bf16 base) | " + " | ".join(f"{f} ms/step (tok/s)" for f in ("m1", "m4", "m5")) +
+          " | evaluations | memory plan |")
+    print("|---|" + "---:|" * 5)
+    for name, config in FAMILIES:
+        v = plan(config, 1024, True, "--device-buffers", "streamed", "--backend", "ane-sim")
+        p = v["predicted"]
+        cells = [f"{p[f]['step_ms']:,.0f} ({p[f]['tokens_per_s']:,.0f})" for f in ("m1", "m4", "m5")]
+        print(f"| {name} | " + " | ".join(cells) +
+              f" | {p['m4']['evaluations']:,} | {v['memory']['total'] / 1e9:.2f} GB |")
+    return 0
+
+
 def main():
+    if "--families" in sys.argv[1:]:
+        return families()
     print("| model | seq | training | evaluations | " +
           " | ".join(f"{f} ms/step (tok/s, dominant)" for f in ("m1", "m4", "m5")) + " |")
     print("|---|---:|---|---:|" + "---|" * 3)
