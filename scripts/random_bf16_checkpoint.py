@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
-"""Writes a randomly initialised bf16 checkpoint of a Hugging Face Llama or
-Qwen3 config, the way `transformers` saves one (model.safetensors, bf16,
+"""Writes a randomly initialised bf16 checkpoint of a Hugging Face config of
+a family anetrain reads, the way `transformers` saves one (model.safetensors, bf16,
 tensors in name order), for memory measurements of models too large to
 keep in the repository (Qwen3-4B is 8 GB):
 
     python3 scripts/random_bf16_checkpoint.py testdata/configs/qwen3-4b.json /tmp/qwen3-4b
 
 Tensors are written one block at a time, so the script needs little memory
-whatever the model's size. Matrices are N(0, 0.02), norm weights 1. Needs
+whatever the model's size. Matrices and biases are N(0, 0.02), norm weights 1. Needs
 numpy. Copies the config to OUT/config.json.
 """
 import json
@@ -40,6 +40,10 @@ def tensors(cfg):
         ]
         if qk_norm:
             out += [(p + "self_attn.q_norm.weight", [hd]), (p + "self_attn.k_norm.weight", [hd])]
+        if cfg.get("model_type") == "qwen2":  # q, k and v biases
+            out += [(p + "self_attn.q_proj.bias", [heads * hd]),
+                    (p + "self_attn.k_proj.bias", [kv * hd]),
+                    (p + "self_attn.v_proj.bias", [kv * hd])]
     out.append(("model.norm.weight", [d]))
     if not cfg.get("tie_word_embeddings", False):
         out.append(("lm_head.weight", [v, d]))
@@ -75,7 +79,7 @@ def main():
         f.write(h)
         for name, shape in ts:
             n = int(np.prod(shape))
-            if len(shape) == 1:
+            if len(shape) == 1 and not name.endswith(".bias"):
                 f.write(bf16(np.ones(n, np.float32)).tobytes())
                 continue
             for start in range(0, n, 1 << 24):
