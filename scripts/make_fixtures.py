@@ -6,7 +6,8 @@ parity tests read (committed under testdata/fixtures/, so
 For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
 hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window of 5
 positions, shorter than the fixture's sequence), Granite (every multiplier away
-from 1) and Qwen2 (biases on q, k and v) — it writes:
+from 1), Qwen2 (biases on q, k and v) and Llama 3 (Llama 3.1's RoPE
+scaling, every branch of it in use) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -32,7 +33,7 @@ from transformers import (
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -65,6 +66,17 @@ def build(kind):
             logits_scaling=2.5, attn_implementation="eager",
         )
         return GraniteForCausalLM(cfg)
+    if kind == "llama3":
+        cfg = LlamaConfig(
+            vocab_size=104, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192},
+            rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=131072,
+            attn_implementation="eager",
+        )
+        return LlamaForCausalLM(cfg)
     if kind == "qwen2":
         cfg = Qwen2Config(
             vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

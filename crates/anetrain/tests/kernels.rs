@@ -48,6 +48,7 @@ fn config(
         quantization: None,
         scales: Default::default(),
         sliding_window: None,
+        rope_scaling: Default::default(),
     }
 }
 

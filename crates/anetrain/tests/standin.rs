@@ -82,6 +82,7 @@ fn gqa() -> ModelConfig {
         quantization: None,
         scales: Default::default(),
         sliding_window: None,
+        rope_scaling: Default::default(),
     }
 }
 

@@ -122,7 +122,7 @@ fn cached_attention(
     let eps = c.rms_norm_eps as f32;
     let w = |i: usize| m.params[i].data.as_slice();
     let proj = |t: Projection| w(t.base(l));
-    let (cos, sin) = rope_row(pos, hd, opts.rope_theta, opts.rope);
+    let (cos, sin) = rope_row(pos, hd, opts.rope_theta, opts.rope_scaling, opts.rope);
     let project = |t: Projection, rows: usize| {
         let mut y = w_x(proj(t), xn, rows, d, 1);
         if let Some(b) = l.biases[t.index()] {

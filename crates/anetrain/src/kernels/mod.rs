@@ -50,7 +50,7 @@ pub mod wo_forward;
 
 use serde::Serialize;
 
-use crate::model::config::ModelConfig;
+use crate::model::config::{ModelConfig, RopeScaling};
 use crate::model::layer::{LayerSpec, Mixer, Mlp};
 use crate::model::lora::LoraConfig;
 use crate::model::Projection;
@@ -64,7 +64,9 @@ pub use kv_backward::KvBackward;
 pub use layout::{Encoding, KernelLayout, LayoutBuilder};
 #[cfg(test)]
 pub(crate) use positions::MASKED;
-pub use positions::{causal_mask, mask_row, rope_rotation, rope_row, rope_tables, visible_keys};
+pub use positions::{
+    causal_mask, inv_freqs, mask_row, rope_rotation, rope_row, rope_tables, visible_keys,
+};
 pub use program::Gen;
 pub use q_backward::QBackward;
 pub use sdpa_backward::SdpaBackward;
@@ -215,6 +217,8 @@ pub enum Rope {
 pub struct KernelOptions {
     pub rope: Rope,
     pub rope_theta: f64,
+    /// RoPE's frequency scaling (the checkpoint's `rope_type`).
+    pub rope_scaling: RopeScaling,
     /// The layer the kernels compute parts of: which kernels a layer runs
     /// ([`KernelKind::serves`]) and what they compute (QK-norm inside
     /// sdpa_forward).
@@ -376,6 +380,7 @@ impl KernelOptions {
         KernelOptions {
             rope: Rope::HalfSplit,
             rope_theta: cfg.rope_theta,
+            rope_scaling: cfg.rope_scaling,
             layer: cfg.layer(),
             eps: cfg.rms_norm_eps,
             residual_scale: cfg.scales.residual,
@@ -476,6 +481,7 @@ impl KernelOptions {
         KernelOptions {
             rope: Rope::Interleaved,
             rope_theta: 10000.0,
+            rope_scaling: RopeScaling::Default,
             layer: LayerSpec {
                 mixer: Mixer::Attention {
                     qk_norm: false,
@@ -619,9 +625,15 @@ impl KernelOptions {
         }
     }
 
+    /// RoPE tables of the model's θ and scaling (what a program's
+    /// constants hold before fp16).
+    pub fn exact_rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+        rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope)
+    }
+
     /// RoPE tables as the twin should use them.
     pub fn rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
-        let (mut c, mut s) = rope_tables(seq, hd, self.rope_theta, self.rope);
+        let (mut c, mut s) = rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope);
         if self.fp16_constants {
             mil::tensor::round_to_f16_in_place(&mut c);
             mil::tensor::round_to_f16_in_place(&mut s);
@@ -812,7 +824,7 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<
         .map(|name| {
             let data = match name.as_str() {
                 BLOB_MASK => causal_mask(s.seq, s.ratio(), o.window),
-                BLOB_COS => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).0,
+                BLOB_COS => o.exact_rope_tables(s.seq, s.head_dim).0,
                 n if n.starts_with(BLOB_ROT) => {
                     let heads = n[BLOB_ROT.len()..n.len() - 4].parse().unwrap_or(1);
                     rope_rotation(heads, s.head_dim, o.rope)
@@ -825,7 +837,7 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<
                         .product();
                     vec![0.0; count]
                 }
-                _ => rope_tables(s.seq, s.head_dim, o.rope_theta, o.rope).1,
+                _ => o.exact_rope_tables(s.seq, s.head_dim).1,
             };
             (name, mil::blob::encode(&data))
         })

@@ -3,6 +3,7 @@
 //! the host and passed as constants or inputs.
 
 use super::Rope;
+use crate::model::config::RopeScaling;
 
 /// What an additive mask adds to a score a query must not see: fp16's
 /// lowest finite value (−inf would turn fully masked rows into NaN).
@@ -55,16 +56,62 @@ pub fn rope_rotation(heads: usize, hd: usize, rope: Rope) -> Vec<f32> {
     r.repeat(heads)
 }
 
+/// RoPE's `HD/2` inverse frequencies for half-split (Hugging Face) RoPE,
+/// in f32 step by step as `transformers`' `modeling_rope_utils` computes
+/// them: `1 / θ^(2i/HD)`, then the checkpoint's scaling.
+pub fn inv_freqs(hd: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
+    let plain = (0..hd / 2).map(|i| 1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32));
+    match scaling {
+        RopeScaling::Default => plain.collect(),
+        RopeScaling::Linear { factor } => plain.map(|f| f / factor as f32).collect(),
+        // _compute_llama3_parameters: wavelengths past low_freq_wavelen
+        // divided by the factor, between the two a smooth blend.
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
+            let (factor, low, high) = (
+                factor as f32,
+                low_freq_factor as f32,
+                high_freq_factor as f32,
+            );
+            let old = original_max_position_embeddings as f32;
+            let (low_wavelen, high_wavelen) = (old / low, old / high);
+            plain
+                .map(|f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    let scaled = if wavelen > low_wavelen { f / factor } else { f };
+                    if wavelen < high_wavelen || wavelen > low_wavelen {
+                        return scaled;
+                    }
+                    let smooth = (old / wavelen - low) / (high - low);
+                    (1.0 - smooth) * scaled / factor + smooth * scaled
+                })
+                .collect()
+        }
+    }
+}
+
 /// RoPE tables `cos, sin [S, HD]` for positions 0..S.
 ///
 /// Half-split (Hugging Face): column c uses frequency index `c mod HD/2`;
-/// inverse frequencies and angles are computed in f32 exactly as
-/// `transformers` does. Interleaved (seed): columns 2i and 2i+1 share index i.
-pub fn rope_tables(seq: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+/// inverse frequencies ([`inv_freqs`]) and angles are computed in f32
+/// exactly as `transformers` does. Interleaved (seed): columns 2i and 2i+1
+/// share index i.
+pub fn rope_tables(
+    seq: usize,
+    hd: usize,
+    theta: f64,
+    scaling: RopeScaling,
+    rope: Rope,
+) -> (Vec<f32>, Vec<f32>) {
+    let freqs = inv_freqs(hd, theta, scaling);
     let mut cos = Vec::with_capacity(seq * hd);
     let mut sin = Vec::with_capacity(seq * hd);
     for p in 0..seq {
-        let (c, s) = rope_row(p, hd, theta, rope);
+        let (c, s) = row(p, hd, theta, &freqs, rope);
         cos.extend(c);
         sin.extend(s);
     }
@@ -72,22 +119,26 @@ pub fn rope_tables(seq: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, 
 }
 
 /// One position's RoPE row (`cos, sin [HD]`), see [`rope_tables`].
-pub fn rope_row(pos: usize, hd: usize, theta: f64, rope: Rope) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_row(
+    pos: usize,
+    hd: usize,
+    theta: f64,
+    scaling: RopeScaling,
+    rope: Rope,
+) -> (Vec<f32>, Vec<f32>) {
+    row(pos, hd, theta, &inv_freqs(hd, theta, scaling), rope)
+}
+
+fn row(pos: usize, hd: usize, theta: f64, freqs: &[f32], rope: Rope) -> (Vec<f32>, Vec<f32>) {
     let half = hd / 2;
     let mut cos = vec![0f32; hd];
     let mut sin = vec![0f32; hd];
     for c in 0..hd {
-        let i = match rope {
-            Rope::HalfSplit => c % half,
-            Rope::Interleaved => c / 2,
-        };
         let angle = match rope {
-            // transformers: inv_freq = 1 / θ^(2i/HD) in f32, angle = p·inv_freq in f32
-            Rope::HalfSplit => {
-                pos as f32 * (1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32))
-            }
+            // transformers: angle = p·inv_freq in f32
+            Rope::HalfSplit => pos as f32 * freqs[c % half],
             // the seed: angle = p / powf(θ, 2i/HD) in f32
-            Rope::Interleaved => pos as f32 / (theta as f32).powf((2 * i) as f32 / hd as f32),
+            Rope::Interleaved => pos as f32 / (theta as f32).powf((2 * (c / 2)) as f32 / hd as f32),
         };
         cos[c] = (angle as f64).cos() as f32;
         sin[c] = (angle as f64).sin() as f32;

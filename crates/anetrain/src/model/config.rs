@@ -119,6 +119,9 @@ pub struct ModelConfig {
     /// `window − 1` keys before it (`kernels::visible_keys`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// How RoPE's frequencies are scaled (Llama 3.1/3.2's `llama3`).
+    #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
+    pub rope_scaling: RopeScaling,
 }
 
 /// Names accepted by `--model` besides a directory.
@@ -175,11 +178,85 @@ struct HfConfig {
     logits_scaling: Option<f64>,
 }
 
-/// transformers 5's `rope_parameters`.
+/// transformers 5's `rope_parameters`: θ, and the scaling's own keys.
 #[derive(Deserialize)]
 struct RopeParameters {
-    rope_type: Option<String>,
     rope_theta: Option<f64>,
+    #[serde(flatten)]
+    scaling: serde_json::Map<String, serde_json::Value>,
+}
+
+/// How a checkpoint scales RoPE's inverse frequencies (transformers'
+/// `rope_type`, in `rope_scaling` or transformers 5's `rope_parameters`;
+/// `kernels::inv_freqs` computes them as `modeling_rope_utils` does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case")]
+pub enum RopeScaling {
+    /// θ^(−2i/HD).
+    #[default]
+    Default,
+    /// Every frequency divided by `factor`.
+    Linear { factor: f64 },
+    /// Llama 3.1's: wavelengths past `original / low_freq_factor` divided
+    /// by `factor`, those under `original / high_freq_factor` kept, a
+    /// smooth blend between.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    pub fn is_default(&self) -> bool {
+        *self == RopeScaling::Default
+    }
+
+    /// The scaling a config's `rope_scaling` or `rope_parameters` object
+    /// describes (its `rope_type`, or the older `type`); a type not built
+    /// is refused by name.
+    fn from_hf(v: &serde_json::Map<String, serde_json::Value>) -> Result<RopeScaling> {
+        let kind = v
+            .get("rope_type")
+            .or_else(|| v.get("type"))
+            .and_then(|t| t.as_str())
+            .unwrap_or("default");
+        let num = |k: &str| -> Result<f64> {
+            v.get(k)
+                .and_then(|x| x.as_f64())
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .with_context(|| format!("rope_type \"{kind}\" needs a positive \"{k}\""))
+        };
+        let scaling = match kind {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear {
+                factor: num("factor")?,
+            },
+            "llama3" => {
+                let (low, high) = (num("low_freq_factor")?, num("high_freq_factor")?);
+                if high <= low {
+                    bail!("rope_type \"llama3\" needs high_freq_factor above low_freq_factor");
+                }
+                RopeScaling::Llama3 {
+                    factor: num("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?
+                        as usize,
+                }
+            }
+            other => bail!(
+                "rope_type \"{other}\" is not built yet; anetrain reads RoPE of type default, linear and llama3"
+            ),
+        };
+        Ok(scaling)
+    }
+
+    /// The keys transformers writes for it (`rope_parameters` beside θ).
+    pub fn hf_keys(&self) -> serde_json::Value {
+        serde_json::to_value(self).unwrap_or_default()
+    }
 }
 
 /// A size in a config: a non-negative integer that fits a `usize`.
@@ -273,6 +350,7 @@ impl ModelConfig {
             quantization: None,
             scales: Scales::default(),
             sliding_window: None,
+            rope_scaling: RopeScaling::Default,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -294,6 +372,7 @@ impl ModelConfig {
                 quantization: None,
                 scales: Scales::default(),
                 sliding_window: None,
+                rope_scaling: RopeScaling::Default,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -317,6 +396,7 @@ impl ModelConfig {
                 quantization: None,
                 scales: Scales::default(),
                 sliding_window: None,
+                rope_scaling: RopeScaling::Default,
             },
             _ => return None,
         })
@@ -399,17 +479,17 @@ impl ModelConfig {
             bail!("\"num_attention_heads\" must be at least 1");
         }
         let mut rope_theta = hf.rope_theta;
+        let mut rope_scaling = RopeScaling::Default;
         if let Some(p) = hf.rope_parameters {
-            let kind = p.rope_type.as_deref().unwrap_or("default");
-            if kind != "default" {
-                bail!(
-                    "rope_type \"{kind}\" is not supported; only plain RoPE models can be trained"
-                );
-            }
+            rope_scaling = RopeScaling::from_hf(&p.scaling)?;
             rope_theta = p.rope_theta.or(rope_theta);
         }
-        if let Some(s) = hf.rope_scaling.filter(|s| !s.is_null()) {
-            bail!("\"rope_scaling\" is not supported (got {s}); only plain RoPE models can be trained");
+        match hf.rope_scaling {
+            Some(serde_json::Value::Object(s)) if rope_scaling.is_default() => {
+                rope_scaling = RopeScaling::from_hf(&s)?;
+            }
+            Some(serde_json::Value::Object(_)) | Some(serde_json::Value::Null) | None => {}
+            Some(s) => bail!("\"rope_scaling\" must be an object or null (got {s})"),
         }
         if hf.use_sliding_window == Some(true) {
             bail!("\"use_sliding_window\": true is not supported (full causal attention only)");
@@ -499,6 +579,7 @@ impl ModelConfig {
             quantization,
             scales,
             sliding_window,
+            rope_scaling,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -746,6 +827,55 @@ mod tests {
             e.contains("'gemma3_text'") && e.contains("qwen3, qwen2, llama, mistral, granite"),
             "{e}"
         );
+    }
+
+    /// RoPE scaling read from transformers 4's `rope_scaling` (its older
+    /// `type` key too) or transformers 5's `rope_parameters`; a type not
+    /// built refused by name.
+    #[test]
+    fn rope_scaling_is_read_in_both_spellings() {
+        let llama3 = r#"{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}"#;
+        let want = RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
+        let v4 = QWEN3.replace(
+            "\"rope_scaling\": null",
+            &format!("\"rope_scaling\": {llama3}"),
+        );
+        assert_eq!(ModelConfig::from_json(&v4).unwrap().rope_scaling, want);
+        let v5 = QWEN3.replace(
+            "\"rope_scaling\": null",
+            &format!(
+                "\"rope_parameters\": {}",
+                llama3.replace("{", "{\"rope_theta\": 500000.0, ")
+            ),
+        );
+        let c = ModelConfig::from_json(&v5).unwrap();
+        assert_eq!((c.rope_scaling, c.rope_theta), (want, 500000.0));
+        let linear = QWEN3.replace(
+            "\"rope_scaling\": null",
+            "\"rope_scaling\": {\"type\": \"linear\", \"factor\": 8.0}",
+        );
+        let c = ModelConfig::from_json(&linear).unwrap();
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        for (bad, want) in [
+            (
+                "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
+                "\"yarn\" is not built yet",
+            ),
+            ("{\"rope_type\": \"linear\"}", "needs a positive \"factor\""),
+        ] {
+            let text = QWEN3.replace(
+                "\"rope_scaling\": null",
+                &format!("\"rope_scaling\": {bad}"),
+            );
+            let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
+            assert!(e.contains(want), "{want}: {e}");
+        }
     }
 
     /// The description yields Hugging Face's parameter names and order

@@ -496,6 +496,15 @@ pub fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     )
 }
 
+/// transformers 5's `rope_parameters`: θ and the scaling's keys.
+fn rope_parameters(c: &ModelConfig) -> serde_json::Value {
+    let mut p = c.rope_scaling.hf_keys();
+    if let Some(o) = p.as_object_mut() {
+        o.insert("rope_theta".into(), c.rope_theta.into());
+    }
+    p
+}
+
 /// A `config.json` `transformers` reads back to the same architecture.
 pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
     let (arch, model_type) = (c.arch.class(), c.arch.model_type());
@@ -510,7 +519,7 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         "head_dim": c.head_dim,
         "vocab_size": c.vocab_size,
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_theta": c.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope_parameters(c),
         "rms_norm_eps": c.rms_norm_eps,
         "tie_word_embeddings": c.tie_word_embeddings,
         "max_position_embeddings": c.max_position_embeddings,
@@ -539,6 +548,12 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {
         v.extend(f);
+    }
+    if !c.rope_scaling.is_default() {
+        // transformers 4's key, which mlx-lm and llama.cpp's converter read.
+        if let Some(v) = v.as_object_mut() {
+            v.insert("rope_scaling".into(), c.rope_scaling.hf_keys());
+        }
     }
     serde_json::to_string_pretty(&v).unwrap_or_default()
 }

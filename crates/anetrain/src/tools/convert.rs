@@ -117,6 +117,7 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         quantization: None,
         scales: Default::default(),
         sliding_window: None,
+        rope_scaling: Default::default(),
     };
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)

@@ -240,6 +240,14 @@ pub fn export(
     if model.lora.is_some() {
         bail!("merge the adapter before exporting");
     }
+    if !model.cfg.rope_scaling.is_default() {
+        // llama.cpp wants the scaled frequencies as a `rope_freqs` tensor
+        // (or scaling keys), not written here yet.
+        bail!(
+            "GGUF export of a model with scaled RoPE ({}) is not built yet; the model directory itself loads in transformers and mlx-lm",
+            model.cfg.rope_scaling.hf_keys()["rope_type"]
+        );
+    }
     model.check_finite("export")?;
     let mut meta = model_metadata(model, ty, name);
     meta.extend(tokenizer_metadata(tok, model, gen)?);

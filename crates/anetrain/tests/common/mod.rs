@@ -82,6 +82,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
     Ok((b.loss, b.targets))
 }
 
-/// Every family with a transformers fixture (`scripts/make_fixtures.py`).
+/// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
+/// and Llama with Llama 3.1's RoPE scaling.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 5] = ["qwen3", "llama", "mistral", "granite", "qwen2"];
+pub const FAMILIES: [&str; 6] = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3"];
