@@ -2,9 +2,10 @@
 """Checks `anetrain export gguf` against llama.cpp itself.
 
 For a small Qwen3 model with a LoRA adapter (testdata/chat/model plus an
-adapter trained here) and for a llama2.c checkpoint converted by `anetrain
+adapter trained here), for a llama2.c checkpoint converted by `anetrain
 convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
-tokenizer written here), in f16 and q8_0:
+tokenizer written here) and for small Qwen2, Mistral and Granite models
+(testdata/mlx/<family>-source), in f16 and q8_0:
 
 * reads the file with the `gguf` package (tensor count, architecture,
   tokenizer model);
@@ -147,6 +148,11 @@ def main():
             ("qwen3 + LoRA", CHAT_MODEL, adapter, [[1, 20, 30, 40, 50], [5, 6, 7], [100, 3, 200, 17, 9, 2]]),
             ("llama2.c stories", stories, None, [[1, 4, 5, 6], [1, 50, 60, 70, 80, 90], [2, 3]]),
         ]
+        # The other families: small random bf16 models (make_mlx_fixtures.py's
+        # sources, with the chat model's tokenizer).
+        for family in ("qwen2", "mistral", "granite"):
+            source = os.path.join(ROOT, "testdata", "mlx", f"{family}-source")
+            cases.append((family, source, None, [[1, 20, 30, 40, 50], [5, 6, 7], [100, 3, 200, 17]]))
         for label, model, adapter_dir, prompts in cases:
             for ty in ("f16", "q8_0"):
                 out = os.path.join(tmp, f"{label.split()[0]}-{ty}.gguf")
