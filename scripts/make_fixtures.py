@@ -7,7 +7,9 @@ For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
 hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window of 5
 positions, shorter than the fixture's sequence), Granite (every multiplier away
 from 1), Qwen2 (biases on q, k and v) and Llama 3 (Llama 3.1's RoPE
-scaling, every branch of it in use) — it writes:
+scaling, every branch of it in use) and Qwen3 with YaRN (its ramp
+between the correction dimensions inside the head, attention factor from
+mscale) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -33,7 +35,7 @@ from transformers import (
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -66,6 +68,16 @@ def build(kind):
             logits_scaling=2.5, attn_implementation="eager",
         )
         return GraniteForCausalLM(cfg)
+    if kind == "yarn":
+        cfg = Qwen3Config(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 2048},
+            rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=8192,
+            attn_implementation="eager",
+        )
+        return Qwen3ForCausalLM(cfg)
     if kind == "llama3":
         cfg = LlamaConfig(
             vocab_size=104, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

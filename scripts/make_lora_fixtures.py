@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Builds the LoRA fixtures for anetrain's parity tests with `peft` and
 PyTorch, on the small models that scripts/make_fixtures.py wrote (run that
-first). For each of qwen3, llama, mistral, granite, qwen2 and llama3 it writes under
+first). For each of qwen3, llama, mistral, granite, qwen2, llama3 and yarn it writes under
 <fixtures>/<kind>/lora/:
 
   adapter/              the starting adapter (peft save_pretrained); B is
@@ -41,6 +41,7 @@ TARGETS = {
     "qwen2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "down_proj"]),
     # mlx-lm's and PEFT's usual pair
     "llama3": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "yarn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]),
 }
 KINDS = list(TARGETS)
 

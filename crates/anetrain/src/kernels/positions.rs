@@ -91,6 +91,40 @@ pub fn inv_freqs(hd: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
                 })
                 .collect()
         }
+        // _compute_yarn_parameters: θ's frequencies and θ's over `factor`,
+        // blended along a ramp between the correction dimensions.
+        RopeScaling::Yarn {
+            factor,
+            original_max_position_embeddings,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => {
+            let dim = hd as f64;
+            let correction = |rotations: f64| {
+                let n = original_max_position_embeddings as f64;
+                dim * (n / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+            };
+            let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+            if low == high {
+                high += 0.001; // transformers' guard against a zero-width ramp
+            }
+            (0..hd / 2)
+                .map(|i| {
+                    let pos = (theta as f32).powf((2 * i) as f32 / hd as f32);
+                    let (extrapolation, interpolation) = (1.0 / pos, 1.0 / (factor as f32 * pos));
+                    let ramp =
+                        ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                    let keep = 1.0 - ramp;
+                    interpolation * (1.0 - keep) + extrapolation * keep
+                })
+                .collect()
+        }
     }
 }
 
@@ -111,7 +145,7 @@ pub fn rope_tables(
     let mut cos = Vec::with_capacity(seq * hd);
     let mut sin = Vec::with_capacity(seq * hd);
     for p in 0..seq {
-        let (c, s) = row(p, hd, theta, &freqs, rope);
+        let (c, s) = row(p, hd, theta, &freqs, scaling.attention_factor(), rope);
         cos.extend(c);
         sin.extend(s);
     }
@@ -126,10 +160,19 @@ pub fn rope_row(
     scaling: RopeScaling,
     rope: Rope,
 ) -> (Vec<f32>, Vec<f32>) {
-    row(pos, hd, theta, &inv_freqs(hd, theta, scaling), rope)
+    let freqs = inv_freqs(hd, theta, scaling);
+    row(pos, hd, theta, &freqs, scaling.attention_factor(), rope)
 }
 
-fn row(pos: usize, hd: usize, theta: f64, freqs: &[f32], rope: Rope) -> (Vec<f32>, Vec<f32>) {
+/// One row; `factor` multiplies cos and sin (YaRN's attention factor).
+fn row(
+    pos: usize,
+    hd: usize,
+    theta: f64,
+    freqs: &[f32],
+    factor: f64,
+    rope: Rope,
+) -> (Vec<f32>, Vec<f32>) {
     let half = hd / 2;
     let mut cos = vec![0f32; hd];
     let mut sin = vec![0f32; hd];
@@ -142,6 +185,10 @@ fn row(pos: usize, hd: usize, theta: f64, freqs: &[f32], rope: Rope) -> (Vec<f32
         };
         cos[c] = (angle as f64).cos() as f32;
         sin[c] = (angle as f64).sin() as f32;
+        if factor != 1.0 {
+            cos[c] *= factor as f32;
+            sin[c] *= factor as f32;
+        }
     }
     (cos, sin)
 }

@@ -206,9 +206,40 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: usize,
     },
+    /// YaRN: frequencies blended between θ's and θ's over `factor` along a
+    /// ramp between the dimensions that turn `beta_fast` and `beta_slow`
+    /// times over the original context; cos and sin scaled by
+    /// `attention_factor` (resolved from `mscale`s when not given).
+    Yarn {
+        factor: f64,
+        original_max_position_embeddings: usize,
+        beta_fast: f64,
+        beta_slow: f64,
+        attention_factor: f64,
+        truncate: bool,
+    },
+}
+
+/// YaRN's `mscale` (the paper's Eq. 21; transformers' `yarn_get_mscale`).
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * mscale * scale.ln() + 1.0,
+    }
 }
 
 impl RopeScaling {
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1
+    /// elsewhere).
+    pub fn attention_factor(&self) -> f64 {
+        match self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => *attention_factor,
+            _ => 1.0,
+        }
+    }
+
     pub fn is_default(&self) -> bool {
         *self == RopeScaling::Default
     }
@@ -246,8 +277,26 @@ impl RopeScaling {
                         as usize,
                 }
             }
+            "yarn" => {
+                let factor = num("factor")?;
+                let opt = |k: &str| v.get(k).and_then(|x| x.as_f64()).filter(|x| *x != 0.0);
+                let attention_factor = match (opt("attention_factor"), opt("mscale"), opt("mscale_all_dim")) {
+                    (Some(a), _, _) => a,
+                    (None, Some(m), Some(all)) => yarn_mscale(factor, m) / yarn_mscale(factor, all),
+                    _ => yarn_mscale(factor, 1.0),
+                };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_position_embeddings: num("original_max_position_embeddings")?
+                        as usize,
+                    beta_fast: opt("beta_fast").unwrap_or(32.0),
+                    beta_slow: opt("beta_slow").unwrap_or(1.0),
+                    attention_factor,
+                    truncate: v.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
+                }
+            }
             other => bail!(
-                "rope_type \"{other}\" is not built yet; anetrain reads RoPE of type default, linear and llama3"
+                "rope_type \"{other}\" is not built yet; anetrain reads RoPE of type default, linear, llama3 and yarn"
             ),
         };
         Ok(scaling)

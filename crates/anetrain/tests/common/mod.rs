@@ -83,6 +83,8 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 }
 
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
-/// and Llama with Llama 3.1's RoPE scaling.
+/// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 6] = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3"];
+pub const FAMILIES: [&str; 7] = [
+    "qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn",
+];
