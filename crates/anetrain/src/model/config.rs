@@ -911,10 +911,22 @@ mod tests {
         );
         let c = ModelConfig::from_json(&linear).unwrap();
         assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        // YaRN's attention factor from its mscales when not given.
+        let yarn = QWEN3.replace(
+            "\"rope_scaling\": null",
+            "\"rope_scaling\": {\"type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768, \"mscale\": 1.0, \"mscale_all_dim\": 0.5}",
+        );
+        let c = ModelConfig::from_json(&yarn).unwrap();
+        let want = (0.1 * 4f64.ln() + 1.0) / (0.05 * 4f64.ln() + 1.0);
+        assert!((c.rope_scaling.attention_factor() - want).abs() < 1e-12);
         for (bad, want) in [
             (
+                "{\"rope_type\": \"longrope\", \"factor\": 4.0}",
+                "\"longrope\" is not built yet",
+            ),
+            (
                 "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
-                "\"yarn\" is not built yet",
+                "\"original_max_position_embeddings\"",
             ),
             ("{\"rope_type\": \"linear\"}", "needs a positive \"factor\""),
         ] {
