@@ -267,6 +267,31 @@ fn kernels_plan_shows_the_memory_plan() {
     assert!((bf16 as f64 - 1.19e9).abs() < 0.02e9, "{bf16}");
     let f32 = part(&full, "base weights") as f64;
     assert!((f32 / bf16 as f64 - 2.0).abs() < 0.01, "{f32} vs {bf16}");
+    // The preset of that shape plans LoRA on the pretrained checkpoint it
+    // stands for (bf16), not on f32 random weights `train` would refuse.
+    let o = bin()
+        .args([
+            "kernels",
+            "plan",
+            "--model",
+            "qwen3-0.6b",
+            "--seq",
+            "256",
+            "--json",
+        ])
+        .args([
+            "--lora-rank",
+            "16",
+            "--backend",
+            "ane-sim",
+            "--device-buffers",
+            "persistent",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let preset: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(part(&preset, "base weights"), bf16);
     assert!(part(&ckpt, "activations") * 5 < part(&lora, "activations"));
     assert!(part(&streamed, "device buffers") * 10 < part(&lora, "device buffers"));
     assert_eq!(streamed["memory"]["device_buffers"], "streamed");

@@ -511,7 +511,10 @@ impl RunPlan {
         };
         let base = match (lora, model.dir()) {
             (Some(_), Some(dir)) => BaseWeights::Mapped(crate::model::file_dtype(dir)?),
-            _ => BaseWeights::F32,
+            // A preset's shape stands for the pretrained checkpoint (LoRA
+            // on the preset itself is refused by `train`), published in bf16.
+            (Some(_), None) => BaseWeights::Mapped(StoredDtype::BF16),
+            (None, _) => BaseWeights::F32,
         };
         let device = backend != Backend::Cpu;
         let limit = m
