@@ -268,7 +268,7 @@ fn ane_sim_training_tracks_the_cpu_run() {
                 "--model",
                 "tiny",
                 "--steps",
-                "50",
+                "25",
                 "--eval-every",
                 "0",
                 "--backend",
