@@ -129,6 +129,8 @@ pub struct PlanArgs {
     pub family: Option<ane::family::Family>,
     /// A preference step (one pair) instead of one SFT sequence.
     pub pair: Option<anetrain::plan::memory::PairStep>,
+    /// A whole run of this many steps to predict too.
+    pub steps: Option<u64>,
 }
 
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
@@ -173,7 +175,18 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             .iter()
             .map(|p| Ok((p.family.clone(), serde_json::to_value(p)?)))
             .collect::<Result<_>>()?;
+        // The whole run: its steps and the programs' compiles, once.
+        let runs: serde_json::Map<String, serde_json::Value> = predicted
+            .iter()
+            .filter_map(|p| {
+                let steps = a.steps? as f64;
+                let s = (p.step_ms * steps + p.compile_ms) / 1e3;
+                Some((p.family.clone(), s.into()))
+            })
+            .collect();
         let v = serde_json::json!({
+            "steps": a.steps,
+            "run_s": runs,
             "shape": shape,
             "plan": plan,
             "work": work,
@@ -302,6 +315,14 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             plan.programs(),
             p.compile_ms / 1e3
         );
+        if let Some(steps) = a.steps {
+            let s = (p.step_ms * steps as f64 + p.compile_ms) / 1e3;
+            println!(
+                "    {steps} steps ≈ {} with the compiles ({:.0} tokens a step)",
+                duration(s),
+                p.tokens_per_s * p.step_ms / 1e3
+            );
+        }
     }
     println!(
         "\nmemory of a training run on {}{}{}:",
@@ -494,6 +515,10 @@ enum KernelsCommand {
         /// reference forwards in the step).
         #[arg(long)]
         precompute_ref: bool,
+        /// Also predict a whole run of this many optimizer steps (each of
+        /// one sequence at --seq; the programs compiled once).
+        #[arg(long, value_name = "N")]
+        steps: Option<u64>,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -555,6 +580,7 @@ pub fn run(a: Args) -> Result<()> {
             family,
             objective,
             precompute_ref,
+            steps,
         } => show_plan(PlanArgs {
             model: resolve(&model, Need::Config)?,
             seq,
@@ -564,6 +590,7 @@ pub fn run(a: Args) -> Result<()> {
             json,
             family,
             pair: objective.pair_step(precompute_ref),
+            steps,
         }),
     }
 }
@@ -571,4 +598,14 @@ pub fn run(a: Args) -> Result<()> {
 /// `--family m1 … m5`.
 fn parse_family(s: &str) -> Result<ane::family::Family, ane::Error> {
     ane::family::Family::parse(s)
+}
+
+/// Seconds as a person reads them: 8.4 s, 95 s, 12.5 min, 3.2 h.
+fn duration(s: f64) -> String {
+    match s {
+        s if s < 10.0 => format!("{s:.1} s"),
+        s if s < 120.0 => format!("{s:.0} s"),
+        s if s < 7200.0 => format!("{:.1} min", s / 60.0),
+        s => format!("{:.1} h", s / 3600.0),
+    }
 }

@@ -278,3 +278,37 @@ fn a_plan_for_a_family_is_that_familys_plan() {
         );
     }
 }
+
+/// `--steps N` predicts the whole run: N steps of the family's predicted
+/// step and the programs' compiles once, in the text and the JSON.
+#[test]
+fn a_plan_predicts_the_whole_run() {
+    let run = |extra: &[&str]| {
+        let o = bin()
+            .env_remove("ANETRAIN_ANE_FAMILY")
+            .args(["kernels", "plan", "--model", "tiny", "--seq", "128"])
+            .args(["--lora-rank", "8", "--steps", "1000"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    assert_eq!(v["steps"], 1000);
+    let m4 = &v["predicted"]["m4"];
+    let (step_ms, compile_ms) = (
+        m4["step_ms"].as_f64().unwrap(),
+        m4["compile_ms"].as_f64().unwrap(),
+    );
+    let run_s = v["run_s"]["m4"].as_f64().unwrap();
+    assert!(
+        (run_s - (1000.0 * step_ms + compile_ms) / 1e3).abs() < 1e-9,
+        "{run_s}"
+    );
+    let text = run(&["--family", "m4"]);
+    assert!(
+        text.contains("1000 steps ≈ ") && text.contains("with the compiles"),
+        "{text}"
+    );
+}
