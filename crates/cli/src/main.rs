@@ -129,7 +129,8 @@ enum Command {
     Tokenizer(cmd_tokenize::TokenizerArgs),
     /// Tokenize a text file into a raw little-endian token file for --data.
     Tokenize(cmd_tokenize::Args),
-    /// Draw a run's train/val loss and learning rate as a PNG.
+    /// Draw a run's train/val loss and learning rate as a PNG (a preference
+    /// run: its reward margin, train and validation, in place of the rate).
     Plot(cmd_plot::Args),
     /// Print the platform, Neural Engine availability and versions.
     Info,
