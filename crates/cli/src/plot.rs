@@ -344,7 +344,18 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
     c.text(W - RIGHT + 8, 12, right_name, GREEN, 2);
     c.text(LEFT + 100, 12, "train loss", BLUE, 3);
     c.text(LEFT + 250, 12, "val loss", ORANGE, 3);
-    c.text(LEFT + 380, 12, right_name, GREEN, 3);
+    // A preference run's margin has two series: the thin line is the
+    // train margin, the thick one with marks the validation's.
+    let name_at = match preference {
+        true => {
+            c.text(LEFT + 380, 14, "margin: train (thin), val", GREEN, 2);
+            LEFT + 600
+        }
+        false => {
+            c.text(LEFT + 380, 12, right_name, GREEN, 3);
+            LEFT + 470
+        }
+    };
     c.text(W / 2 - 20, H - 22, "step", BLACK, 3);
     // The run it shows, as a title (the end of a long name is kept).
     let name = run
@@ -352,12 +363,12 @@ pub fn plot(run: &Path, out: &Path) -> Result<()> {
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| run.display().to_string());
-    let room = (W - RIGHT - (LEFT + 470)) / 8 - 5;
+    let room = (W - RIGHT - name_at) / 8 - 5;
     let shown: String = match name.chars().count() > room {
         true => name.chars().skip(name.chars().count() - room).collect(),
         false => name,
     };
-    c.text(LEFT + 470, 14, &format!("run: {shown}"), BLACK, 2);
+    c.text(name_at, 14, &format!("run: {shown}"), BLACK, 2);
     anetrain::util::fsutil::write_atomic(out, &encode_png(&c.px)?)
 }
 
