@@ -510,8 +510,15 @@ impl<R: KernelRunner> Engine<R> {
         let rope = self.opts.rope_tables(seq, cfg.head_dim);
         let mut scratch = Vec::new();
         // xf = rmsnorm(x)·w_final / s
-        let mut dxf = dxf.to_vec();
-        scale_head_input(cfg, &mut dxf);
+        // (copied only when the model divides its logits: Granite)
+        let dxf = match cfg.scales.logits == 1.0 {
+            true => std::borrow::Cow::Borrowed(dxf),
+            false => {
+                let mut scaled = dxf.to_vec();
+                scale_head_input(cfg, &mut scaled);
+                std::borrow::Cow::Owned(scaled)
+            }
+        };
         let mut dx = maths::rms_norm_backward(
             &fwd.x_last,
             &model.params[model.final_norm].data,
