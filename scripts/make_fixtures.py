@@ -7,9 +7,10 @@ For each model — Qwen3 (GQA ratio 2, QK-norm, tied embeddings, head_dim !=
 hidden/heads), Llama (MHA, untied), Mistral (GQA, an attention window of 5
 positions, shorter than the fixture's sequence), Granite (every multiplier away
 from 1), Qwen2 (biases on q, k and v) and Llama 3 (Llama 3.1's RoPE
-scaling, every branch of it in use) and Qwen3 with YaRN (its ramp
+scaling, every branch of it in use), Qwen3 with YaRN (its ramp
 between the correction dimensions inside the head, attention factor from
-mscale) — it writes:
+mscale) and SmolLM3 (four layers, the fourth without RoPE, as
+llama.cpp's smollm3 also places them) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -33,9 +34,10 @@ from safetensors.torch import save_file
 from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+    SmolLM3Config, SmolLM3ForCausalLM,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -89,6 +91,14 @@ def build(kind):
             attn_implementation="eager",
         )
         return LlamaForCausalLM(cfg)
+    if kind == "smollm3":
+        cfg = SmolLM3Config(
+            vocab_size=104, hidden_size=48, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, rope_theta=2e6,
+            rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="eager",
+        )
+        return SmolLM3ForCausalLM(cfg)
     if kind == "qwen2":
         cfg = Qwen2Config(
             vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -42,6 +42,8 @@ TARGETS = {
     # mlx-lm's and PEFT's usual pair
     "llama3": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
     "yarn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]),
+    # q and k across the NoPE layer: their gradients pass no rotation there.
+    "smollm3": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]),
 }
 KINDS = list(TARGETS)
 

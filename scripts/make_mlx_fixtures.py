@@ -2,7 +2,7 @@
 """MLX-quantized fixtures: testdata/mlx/.
 
 Quantizes the small Qwen3 model of testdata/chat/model (tied head, f32)
-and small random Llama, Qwen2, Mistral and Granite models made here (bf16:
+and small random Llama, Qwen2, Mistral, Granite and SmolLM3 models made here (bf16:
 testdata/mlx/<family>-source) with mlx-lm's `convert` (mlx's CPU backend on
 Linux, `pip install "mlx[cpu]" mlx-lm`) in several widths, group sizes and
 dtypes, one of them with mlx-lm's mixed 3/6-bit recipe (per-module entries
@@ -18,7 +18,9 @@ checks anetrain against it without Python:
   testdata/mlx/expected.json
       the variants, the tokens and the versions.
 
-Run from the repository root: python3 scripts/make_mlx_fixtures.py
+Run from the repository root: python3 scripts/make_mlx_fixtures.py [VARIANT ...]
+(every variant by default; named ones are remade, with their sources, and
+the others kept).
 """
 
 import importlib.metadata
@@ -42,6 +44,7 @@ LLAMA = os.path.join(OUT, "llama-source")
 QWEN2 = os.path.join(OUT, "qwen2-source")
 MISTRAL = os.path.join(OUT, "mistral-source")
 GRANITE = os.path.join(OUT, "granite-source")
+SMOLLM3 = os.path.join(OUT, "smollm3-source")
 # name: (source, bits, group size, dtype, recipe). The Qwen3 source ties
 # its head to the embedding; the Llama one (bf16, made here) does not.
 VARIANTS = {
@@ -58,7 +61,10 @@ VARIANTS = {
     "qwen2-q4-g64-bf16": (QWEN2, 4, 64, "bfloat16", None),
     "mistral-q4-g32-bf16": (MISTRAL, 4, 32, "bfloat16", None),
     "granite-q4-g64-bf16": (GRANITE, 4, 64, "bfloat16", None),
+    "smollm3-q4-g64-bf16": (SMOLLM3, 4, 64, "bfloat16", None),
 }
+SOURCES = [("llama", LLAMA), ("qwen2", QWEN2), ("mistral", MISTRAL), ("granite", GRANITE),
+           ("smollm3", SMOLLM3)]
 
 
 def make_source(kind, path):
@@ -88,6 +94,11 @@ def make_source(kind, path):
             # windows only for config layer_types transformers does not
             # write, so the two agree only where the window does not bite.
             head_dim=16, sliding_window=64, tie_word_embeddings=False, **common))
+    elif kind == "smollm3":
+        # The second layer without RoPE (SmolLM3 leaves it out of every
+        # fourth; two layers keep the bf16 comparison's bound).
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
+            tie_word_embeddings=True, pad_token_id=0, no_rope_layer_interval=2, **common))
     else:
         model = tf.GraniteForCausalLM(tf.GraniteConfig(
             tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
@@ -113,16 +124,27 @@ CHECKED = ["model.embed_tokens", "model.layers.1.mlp.down_proj", "lm_head"]
 
 
 def main():
+    wanted = sys.argv[1:] or list(VARIANTS)
+    unknown = [w for w in wanted if w not in VARIANTS]
+    if unknown:
+        sys.exit(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    remade = {VARIANTS[w][0] for w in wanted}
+    keep = ["adapter"]  # scripts/make_mlx_adapter_fixture.py's
+    keep += [v for v in VARIANTS if v not in wanted]
+    keep += [os.path.basename(p) for _, p in SOURCES if p not in remade]
     for d in os.listdir(OUT) if os.path.isdir(OUT) else []:
-        if d != "adapter":  # scripts/make_mlx_adapter_fixture.py's
+        if d not in keep and os.path.isdir(os.path.join(OUT, d)):
             shutil.rmtree(os.path.join(OUT, d), ignore_errors=True)
     os.makedirs(OUT, exist_ok=True)
-    for kind, path in [("llama", LLAMA), ("qwen2", QWEN2), ("mistral", MISTRAL), ("granite", GRANITE)]:
-        make_source(kind, path)
+    for kind, path in SOURCES:
+        if path in remade:
+            make_source(kind, path)
     sources = {}
     for name, (source, bits, group, dtype, recipe) in VARIANTS.items():
         out = os.path.join(OUT, name)
         sources[name] = os.path.relpath(source, os.path.join(ROOT, "testdata"))
+        if name not in wanted:
+            continue
         cmd = [sys.executable, "-m", "mlx_lm", "convert", "--hf-path", source]
         cmd += ["--mlx-path", out, "-q", "--q-bits", str(bits), "--q-group-size", str(group)]
         cmd += ["--dtype", dtype]

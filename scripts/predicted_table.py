@@ -18,7 +18,8 @@ MODELS = [("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen3-1.7B", "qwen3-1.7b"), ("Qwen3-4B
 
 
 FAMILIES = [("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen2.5-0.5B", "qwen2.5-0.5b"),
-            ("Granite-3.3-2B", "granite-3.3-2b"), ("Llama-3.2-3B", "llama-3.2-3b"),
+            ("Granite-3.3-2B", "granite-3.3-2b"), ("SmolLM3-3B", "smollm3-3b"),
+            ("Llama-3.2-3B", "llama-3.2-3b"),
             ("Mistral-7B-v0.3", "mistral-7b-v0.3")]
 
 

@@ -79,9 +79,11 @@ fn gqa() -> ModelConfig {
         qk_norm: true,
         bos_token_id: None,
         eos_token_id: None,
+        pad_token_id: None,
         quantization: None,
         scales: Default::default(),
         sliding_window: None,
+        no_rope_layers: vec![],
         rope_scaling: Default::default(),
     }
 }

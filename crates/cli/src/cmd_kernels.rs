@@ -251,8 +251,8 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let budget = ane::DEFAULT_COMPILE_BUDGET;
     println!(
         "{} programs to compile per sequence length (tiles of a kernel share one program, or one per causal key class; {} of the ~{budget} compiles a process gets), {} device evaluations per layer per training step",
-        plan.programs(),
-        plan.programs(),
+        plan.programs_for(&cfg.layer_classes()),
+        plan.programs_for(&cfg.layer_classes()),
         plan.evaluations_per_layer()
     );
     let fused = plan.of(KernelKind::SdpaBackward);
@@ -312,7 +312,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         println!(
             "  {}; compiling {} programs once: {:.1} s",
             p.describe(),
-            plan.programs(),
+            plan.programs_for(&cfg.layer_classes()),
             p.compile_ms / 1e3
         );
         if let Some(steps) = a.steps {

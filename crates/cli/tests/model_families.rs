@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 5] = ["qwen3", "llama", "mistral", "granite", "qwen2"];
+const FAMILIES: [&str; 6] = ["qwen3", "llama", "mistral", "granite", "qwen2", "smollm3"];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
 /// is larger), in a pattern a model can learn a little of in 20 steps.
@@ -116,6 +116,9 @@ fn a_family_not_read_is_refused_naming_those_that_are() {
     std::fs::write(dir.join("config.json"), config).unwrap();
     fails(
         &["eval", "--model", dir.to_str().unwrap()],
-        &["gemma3_text", "qwen3, qwen2, llama, mistral, granite"],
+        &[
+            "gemma3_text",
+            "qwen3, qwen2, llama, mistral, granite, smollm3",
+        ],
     );
 }

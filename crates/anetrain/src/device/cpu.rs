@@ -61,7 +61,12 @@ impl KernelRunner for CpuKernels {
         for (m, d) in w.dropout.iter_mut().zip(dropout) {
             *m = d.as_deref();
         }
-        Ok(K::cpu(shape, &self.opts, &w, acts))
+        Ok(K::cpu(
+            shape,
+            &self.opts.of_layer(&model.cfg, layer),
+            &w,
+            acts,
+        ))
     }
 
     fn head_chunks(&mut self, model: &Model, _seq: usize) -> Result<HeadChunks> {

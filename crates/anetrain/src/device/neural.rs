@@ -121,8 +121,15 @@ struct KernelSet<D: Device> {
     kinds: Vec<(KernelKind, usize)>,
     /// Each program's tiles (its shape, the kernel's splits).
     tiles: Vec<tiling::KernelTiles>,
-    /// One program per kernel (per key class), at its tile shape.
-    kernels: Vec<(KernelProgram, D::Program)>,
+    /// One program per kernel (per key class), at its tile shape, and
+    /// its compiled variants: one per distinct program text among the
+    /// model's layer classes ([`LayerClass`]: a NoPE or windowed class
+    /// changes a program's constants — its RoPE tables, its mask — where
+    /// the program holds them, and nothing where they are inputs).
+    kernels: Vec<(KernelProgram, Vec<D::Program>)>,
+    /// The variant each layer class runs, by kernel, by class index
+    /// (`ModelConfig::layer_classes`).
+    variant: Vec<Vec<usize>>,
     /// Input buffers by kernel (see [`NeuralKernels::buffer_index`]).
     inputs: Vec<Vec<D::Buffer>>,
     /// What each input buffer holds.
@@ -322,7 +329,7 @@ fn write_activations<D: Device>(
         write_region(device, buf, l, port, &part)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::Mask) {
-        let mask = tiling::tile_mask(tiles, t, opts.window);
+        let mask = tiling::tile_mask(tiles, t, opts.class.window);
         write_region(device, buf, l, Port::Mask, &mask)?;
     }
     if l.inputs.iter().any(|r| r.port == Port::RopeCos) {
@@ -337,16 +344,19 @@ fn write_activations<D: Device>(
 /// Evaluate: runs kernel `ki` on input buffer `b` while a host thread
 /// prepares `next`'s weight regions (unit, what it wants, what its buffer
 /// will hold), kept for [`stage_weights`].
+#[allow(clippy::too_many_arguments)]
 fn evaluate<D: Device>(
     device: &mut D,
     set: &mut KernelSet<D>,
     ki: usize,
+    class: usize,
     b: usize,
     model: &Model,
     next: Option<(Unit, Held, Option<Held>)>,
 ) -> Result<()> {
     let (full, head) = (set.plan.shape, set.plan.head);
-    let (k, prog) = &set.kernels[ki];
+    let (k, progs) = &set.kernels[ki];
+    let prog = &progs[set.variant[ki][class]];
     let tiles = &set.tiles[ki];
     let (buf, out) = (&set.inputs[ki][b], &mut set.outputs[ki]);
     let prepared = std::thread::scope(|s| {
@@ -466,7 +476,8 @@ impl<D: Device> NeuralKernels<D> {
     /// most 114 for every length up to 8192 (the longest attention plans
     /// for on M1–M3) and every model shape in `testdata/configs`, within the
     /// ~119-compile budget — at the price of padding short rows to the
-    /// longest seen.
+    /// longest seen. (A model with layers without RoPE compiles its
+    /// sdpa_forward programs once more per set: `Plan::programs_for`.)
     fn padded(&self, seq: usize) -> Result<usize> {
         match self.fixed_seq {
             Some(f) if seq > f => bail!("sequence of {seq} tokens exceeds the compiled length {f}"),
@@ -524,13 +535,51 @@ impl<D: Device> NeuralKernels<D> {
                 tiles.push(t);
             }
         }
+        let classes = model.cfg.layer_classes();
+        let mut variant = Vec::new();
         for (&(kind, _), t) in kinds.iter().zip(&tiles) {
-            let k = build(kind, &t.shape, &self.opts)
-                .map_err(|e| anyhow!("generating {}: {e}", kind.name()))?;
-            let p = self
-                .device
-                .compile(&k.text(), &k.blob_paths())
-                .map_err(|e| anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name()))?;
+            let generate = |class| {
+                let o = KernelOptions {
+                    class,
+                    ..self.opts.clone()
+                };
+                build(kind, &t.shape, &o).map_err(|e| anyhow!("generating {}: {e}", kind.name()))
+            };
+            // One program per distinct text among the layer classes (the
+            // head's serve every class); a text names its constants by
+            // their content (`kernels::build`), so equal texts are equal
+            // programs. Every variant has the first's layout, so they
+            // share its buffers.
+            let mut texts: Vec<String> = vec![];
+            let (mut progs, mut of_class) = (vec![], vec![]);
+            let mut first = None;
+            for &class in classes
+                .iter()
+                .take(if kind.is_head() { 1 } else { classes.len() })
+            {
+                let k = generate(class)?;
+                let text = k.text();
+                if let Some(at) = texts.iter().position(|t| *t == text) {
+                    of_class.push(at);
+                    continue;
+                }
+                if first
+                    .as_ref()
+                    .is_some_and(|f: &KernelProgram| f.layout != k.layout)
+                {
+                    bail!("{}: its layer classes' layouts differ", kind.name());
+                }
+                let p = self.device.compile(&text, &k.blob_paths()).map_err(|e| {
+                    anyhow!("{}: compiling {}: {e}", self.device.name(), kind.name())
+                })?;
+                of_class.push(progs.len());
+                progs.push(p);
+                texts.push(text);
+                first.get_or_insert(k);
+            }
+            let k = first.ok_or_else(|| anyhow!("{}: no layer class", kind.name()))?;
+            of_class.resize(classes.len(), of_class[0]);
+            variant.push(of_class);
             let new = |device: &mut D, elems| device.buffer(elems).map_err(|e| anyhow!("{e}"));
             outputs.push(new(&mut self.device, k.layout.output_elems())?);
             let (n, _) = self.buffers.buffers_of(t, plan.units(kind, layers));
@@ -539,7 +588,7 @@ impl<D: Device> NeuralKernels<D> {
                     .map(|_| new(&mut self.device, k.layout.input_elems()))
                     .collect::<Result<Vec<_>>>()?,
             );
-            kernels.push((k, p));
+            kernels.push((k, progs));
         }
         let held = inputs.iter().map(|b| vec![None; b.len()]).collect();
         let prepared = kernels.iter().map(|_| None).collect();
@@ -550,6 +599,7 @@ impl<D: Device> NeuralKernels<D> {
                 kinds,
                 tiles,
                 kernels,
+                variant,
                 inputs,
                 held,
                 prepared,
@@ -717,6 +767,10 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         let ports2 = [(Port::QRope, acts.q_rope), (Port::KRope, acts.k_rope)];
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
         let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
+        let (class, opts) = (
+            model.cfg.class_index(layer),
+            self.opts.of_layer(&model.cfg, layer),
+        );
         for t in 0..ntiles {
             let unit = Unit { layer, tile: t };
             // Neither kernel has weights: one input buffer each.
@@ -729,11 +783,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 k1,
                 b,
                 &ports1,
-                &self.opts,
+                &opts,
                 &mut rope,
                 tile,
             )?;
-            evaluate(&mut self.device, set, k1, b, model, None)?;
+            evaluate(&mut self.device, set, k1, class, b, model, None)?;
             stage_weights(&mut self.device, set, k2, model, unit, b)?;
             for blk in &l1.outputs {
                 let mut v = vec![0f32; blk.channels.len() * l1.out_spatial];
@@ -758,11 +812,11 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 k2,
                 b,
                 &ports2,
-                &self.opts,
+                &opts,
                 &mut rope,
                 tile,
             )?;
-            evaluate(&mut self.device, set, k2, b, model, None)?;
+            evaluate(&mut self.device, set, k2, class, b, model, None)?;
             read_outputs(&mut self.device, set, k2, t, &mut results)?;
         }
         let mut take = |port: Port| {
@@ -823,6 +877,14 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         };
         let mut results: BTreeMap<Port, Vec<f32>> = BTreeMap::new();
         let mut rope: Option<(Vec<f32>, Vec<f32>)> = None;
+        // The layer's class (a head kernel's `layer` is its chunk).
+        let (class, opts) = match kind.is_head() {
+            true => (0, std::borrow::Cow::Borrowed(&self.opts)),
+            false => (
+                model.cfg.class_index(layer),
+                self.opts.of_layer(&model.cfg, layer),
+            ),
+        };
         for t in 0..ntiles {
             let unit = Unit { layer, tile: t };
             let b = at(unit);
@@ -831,16 +893,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
             stage_weights(&mut self.device, set, ki, model, unit, b)?;
             let tile = Tile { t, seq, sp };
             let ports = acts.ports();
-            write_activations(
-                &mut self.device,
-                set,
-                ki,
-                b,
-                &ports,
-                &self.opts,
-                &mut rope,
-                tile,
-            )?;
+            write_activations(&mut self.device, set, ki, b, &ports, &opts, &mut rope, tile)?;
             // The next unit's weights, if its buffer will not hold them,
             // are prepared on a host thread while the device runs this one.
             let want = Held::of(model, unit);
@@ -856,7 +909,7 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
                 let nwant = Held::of(model, n);
                 (over != Some(nwant)).then_some((n, nwant, over))
             });
-            evaluate(&mut self.device, set, ki, b, model, next)?;
+            evaluate(&mut self.device, set, ki, class, b, model, next)?;
             read_outputs(&mut self.device, set, ki, t, &mut results)?;
         }
         // A head chunk's logits: its rows within the vocabulary.

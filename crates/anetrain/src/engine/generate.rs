@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 use super::{dropout_masks, Engine};
 use crate::device::CpuKernels;
 use crate::kernels::maths::{apply_rope, rms_norm, w_x};
-use crate::kernels::{rope_row, KernelOptions, Shape};
+use crate::kernels::{KernelOptions, Shape};
 use crate::model::generation::Sampling;
 use crate::model::layer::{Mixer, Norms};
 use crate::model::{LayerIds, Model, Projection};
@@ -90,7 +90,7 @@ impl<'a> Decoder<'a> {
             let o = match spec.mixer {
                 Mixer::Attention { .. } => {
                     let cache = (&mut keys[i], &mut values[i]);
-                    cached_attention(m, l, &engine.opts, *pos, &xn, cache)
+                    cached_attention(m, l, &engine.opts.for_layer(c, i), *pos, &xn, cache)
                 }
             };
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
@@ -122,7 +122,7 @@ fn cached_attention(
     let eps = c.rms_norm_eps as f32;
     let w = |i: usize| m.params[i].data.as_slice();
     let proj = |t: Projection| w(t.base(l));
-    let (cos, sin) = rope_row(pos, hd, opts.rope_theta, opts.rope_scaling, opts.rope);
+    let (cos, sin) = opts.rope_row(pos, hd);
     let project = |t: Projection, rows: usize| {
         let mut y = w_x(proj(t), xn, rows, d, 1);
         if let Some(b) = l.biases[t.index()] {
@@ -143,7 +143,7 @@ fn cached_attention(
     vs.extend_from_slice(&vvec);
     let ratio = c.gqa_ratio();
     // The cached keys this position sees (its window's, or all).
-    let keys = crate::kernels::visible_keys(pos, opts.window);
+    let keys = crate::kernels::visible_keys(pos, opts.class.window);
     let first = *keys.start();
     let scale = opts.score_scale as f32;
     let mut attn = vec![0f32; q];

@@ -507,7 +507,18 @@ impl<R: KernelRunner> Engine<R> {
         let cfg = &model.cfg;
         let (d, seq) = (cfg.hidden_size, fwd.tokens.len());
         let eps = cfg.rms_norm_eps as f32;
-        let rope = self.opts.rope_tables(seq, cfg.head_dim);
+        // Each layer class's RoPE tables (a NoPE class's are the identity).
+        let ropes: Vec<_> = cfg
+            .layer_classes()
+            .into_iter()
+            .map(|class| {
+                let opts = KernelOptions {
+                    class,
+                    ..self.opts.clone()
+                };
+                (class, opts.rope_tables(seq, cfg.head_dim))
+            })
+            .collect();
         let mut scratch = Vec::new();
         // xf = rmsnorm(x)·w_final / s
         // (copied only when the model divides its logits: Granite)
@@ -541,6 +552,8 @@ impl<R: KernelRunner> Engine<R> {
                     &recomputed
                 }
             };
+            let class = cfg.layer_class(i);
+            let rope = &ropes.iter().find(|(k, _)| *k == class).expect("a class").1;
             let c = LayerCtx {
                 model,
                 layer: i,
@@ -551,7 +564,7 @@ impl<R: KernelRunner> Engine<R> {
             };
             if !self.runner.overlaps_host() {
                 let queue = GradQueue::Inline;
-                self.layer_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue)?;
+                self.layer_backward(&c, rope, &mut dx, grads, &mut scratch, &queue)?;
                 continue;
             }
             // The layer's weight gradients on one worker thread, queued as
@@ -569,7 +582,7 @@ impl<R: KernelRunner> Engine<R> {
                     theirs
                 });
                 let queue = GradQueue::Worker(tx);
-                let out = self.layer_backward(&c, &rope, &mut dx, grads, &mut scratch, &queue);
+                let out = self.layer_backward(&c, rope, &mut dx, grads, &mut scratch, &queue);
                 drop(queue);
                 match worker.join() {
                     Ok(theirs) => grads.put_back(theirs, &ids),

@@ -51,7 +51,7 @@ pub mod wo_forward;
 use serde::Serialize;
 
 use crate::model::config::{ModelConfig, RopeScaling};
-use crate::model::layer::{LayerSpec, Mixer, Mlp};
+use crate::model::layer::{LayerClass, LayerSpec, Mixer, Mlp};
 use crate::model::lora::LoraConfig;
 use crate::model::Projection;
 pub use ffn_backward_w13::FfnBackwardW13;
@@ -232,9 +232,10 @@ pub struct KernelOptions {
     /// The attention scores' scale: 1/√head_dim, or the model's own
     /// (Granite's `attention_multiplier`, `ModelConfig::score_scale`).
     pub score_scale: f64,
-    /// The attention window (Mistral's `sliding_window`): a query sees
-    /// itself and the `W − 1` keys before it; `None`, every earlier key.
-    pub window: Option<usize>,
+    /// The class of the layer the kernels run for (its RoPE and attention
+    /// window: [`LayerClass`]); [`KernelOptions::for_layer`] sets it. A
+    /// model-wide use (a plan, a cost) reads the first layer's.
+    pub class: LayerClass,
     /// Reproduce the seed's layouts (sdpa_forward also passes xnorm through).
     pub seed_compat: bool,
     /// CPU twin only: compute with the constants exactly as the MIL program
@@ -385,7 +386,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: cfg.scales.residual,
             score_scale: cfg.score_scale(),
-            window: cfg.sliding_window,
+            class: cfg.layer_class(0),
             seed_compat: false,
             fp16_constants: false,
             lora: None,
@@ -492,7 +493,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
             score_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
-            window: None,
+            class: LayerClass::default(),
             seed_compat: true,
             fp16_constants: false,
             lora: None,
@@ -625,15 +626,45 @@ impl KernelOptions {
         }
     }
 
+    /// These options for layer `layer` of a model of `cfg`: its class's
+    /// RoPE and window.
+    pub fn for_layer(&self, cfg: &ModelConfig, layer: usize) -> KernelOptions {
+        KernelOptions {
+            class: cfg.layer_class(layer),
+            ..self.clone()
+        }
+    }
+
+    /// [`KernelOptions::for_layer`], borrowing these options when the
+    /// layer's class is theirs.
+    pub fn of_layer(&self, cfg: &ModelConfig, layer: usize) -> std::borrow::Cow<'_, KernelOptions> {
+        match cfg.layer_class(layer) == self.class {
+            true => std::borrow::Cow::Borrowed(self),
+            false => std::borrow::Cow::Owned(self.for_layer(cfg, layer)),
+        }
+    }
+
     /// RoPE tables of the model's θ and scaling (what a program's
-    /// constants hold before fp16).
+    /// constants hold before fp16); a layer without RoPE's are cos = 1,
+    /// sin = 0 (see [`LayerClass::rope`]).
     pub fn exact_rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
-        rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope)
+        match self.class.rope {
+            true => rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope),
+            false => (vec![1.0; seq * hd], vec![0.0; seq * hd]),
+        }
+    }
+
+    /// One position's RoPE row (`cos, sin [HD]`) of [`KernelOptions::exact_rope_tables`].
+    pub fn rope_row(&self, pos: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+        match self.class.rope {
+            true => rope_row(pos, hd, self.rope_theta, self.rope_scaling, self.rope),
+            false => (vec![1.0; hd], vec![0.0; hd]),
+        }
     }
 
     /// RoPE tables as the twin should use them.
     pub fn rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
-        let (mut c, mut s) = rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope);
+        let (mut c, mut s) = self.exact_rope_tables(seq, hd);
         if self.fp16_constants {
             mil::tensor::round_to_f16_in_place(&mut c);
             mil::tensor::round_to_f16_in_place(&mut s);
@@ -823,7 +854,7 @@ fn build_of<K: Kernel>(s: &Shape, o: &KernelOptions, fill: bool) -> mil::Result<
         .into_iter()
         .map(|name| {
             let data = match name.as_str() {
-                BLOB_MASK => causal_mask(s.seq, s.ratio(), o.window),
+                BLOB_MASK => causal_mask(s.seq, s.ratio(), o.class.window),
                 BLOB_COS => o.exact_rope_tables(s.seq, s.head_dim).0,
                 n if n.starts_with(BLOB_ROT) => {
                     let heads = n[BLOB_ROT.len()..n.len() - 4].parse().unwrap_or(1);

@@ -80,7 +80,7 @@ impl Kernel for SdpaBackward1 {
                         hd,
                         seq,
                         scale,
-                        o.window,
+                        o.class.window,
                         p,
                     );
                     // dV_g [HD, S] += dA_h [HD, S] · P; key block

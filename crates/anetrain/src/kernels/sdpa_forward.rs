@@ -241,7 +241,7 @@ impl Kernel for SdpaForward {
                         hd,
                         seq,
                         scale,
-                        o.window,
+                        o.class.window,
                         &mut p,
                     );
                     // attn_h [HD, S] = V_g [HD, S] · Pᵀ; query block

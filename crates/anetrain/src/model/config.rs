@@ -7,7 +7,7 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::model::layer::{LayerDims, LayerSpec, Mixer, Mlp, Norms};
+use crate::model::layer::{LayerClass, LayerDims, LayerSpec, Mixer, Mlp, Norms};
 
 /// Architecture family: decides the layer's parts, the config's defaults
 /// and the names written to config.json.
@@ -21,15 +21,18 @@ pub enum Arch {
     Mistral,
     /// Llama's layer with scalar multipliers ([`Scales`]).
     Granite,
+    /// Llama's layer; some layers have no RoPE (`no_rope_layers`).
+    SmolLM3,
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 5] = [
+pub const FAMILIES: [(Arch, &str, &str); 6] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
     (Arch::Mistral, "mistral", "MistralForCausalLM"),
     (Arch::Granite, "granite", "GraniteForCausalLM"),
+    (Arch::SmolLM3, "smollm3", "SmolLM3ForCausalLM"),
 ];
 
 impl Arch {
@@ -108,6 +111,10 @@ pub struct ModelConfig {
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+    /// `pad_token_id`, written back unchanged (SmolLM3Config's default,
+    /// 128004, lies outside a smaller vocabulary).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_token_id: Option<serde_json::Value>,
     /// MLX's affine quantization of the checkpoint's matrices, when it has
     /// one (`crate::model::quant`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -119,6 +126,10 @@ pub struct ModelConfig {
     /// `window − 1` keys before it (`kernels::visible_keys`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// The layers without rotary positions (SmolLM3's NoPE layers, the
+    /// zeros of its `no_rope_layers`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub no_rope_layers: Vec<usize>,
     /// How RoPE's frequencies are scaled (Llama 3.1/3.2's `llama3`).
     #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
     pub rope_scaling: RopeScaling,
@@ -169,8 +180,13 @@ struct HfConfig {
     mlp_bias: Option<bool>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
+    pad_token_id: Option<serde_json::Value>,
     /// Mistral's window (null: none).
     sliding_window: Option<Count>,
+    /// SmolLM3's per-layer RoPE flags (1: RoPE, 0: none), or the
+    /// interval its default puts a NoPE layer at.
+    no_rope_layers: Option<Vec<u8>>,
+    no_rope_layer_interval: Option<Count>,
     /// Granite's multipliers.
     embedding_multiplier: Option<f64>,
     residual_multiplier: Option<f64>,
@@ -396,9 +412,11 @@ impl ModelConfig {
             qk_norm: false,
             bos_token_id: None,
             eos_token_id: None,
+            pad_token_id: None,
             quantization: None,
             scales: Scales::default(),
             sliding_window: None,
+            no_rope_layers: vec![],
             rope_scaling: RopeScaling::Default,
         };
         Some(match name {
@@ -418,9 +436,11 @@ impl ModelConfig {
                 qk_norm: true,
                 bos_token_id: None,
                 eos_token_id: None,
+                pad_token_id: None,
                 quantization: None,
                 scales: Scales::default(),
                 sliding_window: None,
+                no_rope_layers: vec![],
                 rope_scaling: RopeScaling::Default,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
@@ -442,9 +462,11 @@ impl ModelConfig {
                 qk_norm: true,
                 bos_token_id: None,
                 eos_token_id: None,
+                pad_token_id: None,
                 quantization: None,
                 scales: Scales::default(),
                 sliding_window: None,
+                no_rope_layers: vec![],
                 rope_scaling: RopeScaling::Default,
             },
             _ => return None,
@@ -587,6 +609,26 @@ impl ModelConfig {
         if sliding_window == Some(0) {
             bail!("\"sliding_window\" must be at least 1");
         }
+        let layers = hf.num_hidden_layers.0;
+        let no_rope_layers = match (arch, hf.no_rope_layers) {
+            (Arch::SmolLM3, Some(flags)) => {
+                if flags.len() != layers || flags.iter().any(|&f| f > 1) {
+                    bail!(
+                        "\"no_rope_layers\" must hold a 0 or 1 for each of the {layers} layers (got {flags:?})"
+                    );
+                }
+                (0..layers).filter(|&i| flags[i] == 0).collect()
+            }
+            // transformers' default: every interval-th layer has no RoPE.
+            (Arch::SmolLM3, None) => {
+                let every = hf.no_rope_layer_interval.map_or(4, |c| c.0).max(1);
+                (0..layers).filter(|i| (i + 1) % every == 0).collect()
+            }
+            (_, None) if hf.no_rope_layer_interval.is_none() => vec![],
+            (_, _) => bail!(
+                "\"no_rope_layers\" is SmolLM3's; a {model_type} model has none (is model_type right?)"
+            ),
+        };
         // transformers' defaults where a key is absent.
         let cfg = ModelConfig {
             arch,
@@ -598,6 +640,7 @@ impl ModelConfig {
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral => 8,
+                    Arch::SmolLM3 => 4,
                     Arch::Llama | Arch::Granite => heads,
                 },
                 |c| c.0,
@@ -606,17 +649,23 @@ impl ModelConfig {
             head_dim: hf.head_dim.map_or(
                 match arch {
                     Arch::Qwen3 => 128,
-                    Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Granite => hidden / heads,
+                    Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Granite | Arch::SmolLM3 => {
+                        hidden / heads
+                    }
                 },
                 |c| c.0,
             ),
             vocab_size: hf.vocab_size.0,
-            rope_theta: rope_theta.unwrap_or(10000.0),
+            // SmolLM3Config's default_theta 2e6, the others' 10000.
+            rope_theta: rope_theta.unwrap_or(match arch {
+                Arch::SmolLM3 => 2e6,
+                _ => 10000.0,
+            }),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(false),
+            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(arch == Arch::SmolLM3),
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
-                    Arch::Qwen3 | Arch::Qwen2 => 32768,
+                    Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
                     Arch::Mistral => 4096 * 32,
                     Arch::Llama | Arch::Granite => 2048,
                 },
@@ -625,9 +674,11 @@ impl ModelConfig {
             qk_norm: arch == Arch::Qwen3,
             bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
             eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
+            pad_token_id: hf.pad_token_id.filter(|v| !v.is_null()),
             quantization,
             scales,
             sliding_window,
+            no_rope_layers,
             rope_scaling,
         };
         cfg.validate()?;
@@ -719,6 +770,36 @@ impl ModelConfig {
             mlp: Mlp::SwiGlu,
             norms: Norms::Pre,
         }
+    }
+
+    /// What layer `i` has of its own: RoPE or none, its attention window.
+    pub fn layer_class(&self, i: usize) -> LayerClass {
+        LayerClass {
+            rope: !self.no_rope_layers.contains(&i),
+            window: self.sliding_window,
+        }
+    }
+
+    /// The model's distinct layer classes, in the order layers first have
+    /// them.
+    pub fn layer_classes(&self) -> Vec<LayerClass> {
+        let mut out: Vec<LayerClass> = vec![];
+        for i in 0..self.num_hidden_layers {
+            let c = self.layer_class(i);
+            if !out.contains(&c) {
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// Layer `i`'s class's position in [`ModelConfig::layer_classes`].
+    pub fn class_index(&self, i: usize) -> usize {
+        let c = self.layer_class(i);
+        self.layer_classes()
+            .iter()
+            .position(|k| *k == c)
+            .unwrap_or(0)
     }
 
     /// The sizes the layers' parts are made of.
@@ -873,8 +954,41 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("'gemma3_text'") && e.contains("qwen3, qwen2, llama, mistral, granite"),
+            e.contains("'gemma3_text'")
+                && e.contains("qwen3, qwen2, llama, mistral, granite, smollm3"),
             "{e}"
+        );
+
+        // SmolLM3: its per-layer flags, or transformers' default of every
+        // fourth layer without RoPE (and SmolLM3Config's θ of 2e6).
+        let smol = llama
+            .replace("llama\"", "smollm3\"")
+            .replace("LlamaForCausalLM", "SmolLM3ForCausalLM");
+        let c = ModelConfig::from_json(&smol.replace(", \"rope_theta\": 1000000", "")).unwrap();
+        assert_eq!((c.arch, c.rope_theta), (Arch::SmolLM3, 2e6));
+        assert_eq!(c.no_rope_layers, (3..28).step_by(4).collect::<Vec<_>>());
+        assert_eq!(c.layer_classes().len(), 2);
+        assert!(c.layer_class(2).rope && !c.layer_class(3).rope);
+        assert_eq!(c.class_index(7), 1);
+        let flags = |f: &str| {
+            smol.replace(
+                "\"rope_scaling\": null",
+                &format!("\"no_rope_layers\": {f}"),
+            )
+        };
+        let ones = format!("[{}0]", "1, ".repeat(27));
+        assert_eq!(
+            ModelConfig::from_json(&flags(&ones))
+                .unwrap()
+                .no_rope_layers,
+            [27]
+        );
+        let e = ModelConfig::from_json(&flags("[1, 0]")).unwrap_err();
+        assert!(format!("{e:#}").contains("each of the 28 layers"), "{e:#}");
+        let e = ModelConfig::from_json(&flags(&ones).replace("smollm3\"", "llama\"")).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("\"no_rope_layers\" is SmolLM3's"),
+            "{e:#}"
         );
     }
 

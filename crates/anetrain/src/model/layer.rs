@@ -371,3 +371,29 @@ impl LayerSpec {
         (host, mixer + mlp)
     }
 }
+
+/// What may differ between one model's layers besides their weights: the
+/// attention's positions and reach (SmolLM3 leaves RoPE out of every
+/// fourth layer, `no_rope_layers`; Mistral's layers see a window of keys).
+/// Layers of one class run the same programs with the same constants
+/// (`ModelConfig::layer_class`, `KernelOptions::for_layer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerClass {
+    /// Rotary positions on queries and keys; `false`: none (NoPE). A NoPE
+    /// layer's RoPE tables are cos = 1, sin = 0, which makes the rotation
+    /// exactly the identity (x·1 + r·0 = x in f32 and fp16), so its
+    /// programs are its siblings' with other tables.
+    pub rope: bool,
+    /// A query sees itself and the `W − 1` keys before it
+    /// (`kernels::visible_keys`); `None`, every earlier key.
+    pub window: Option<usize>,
+}
+
+impl Default for LayerClass {
+    fn default() -> LayerClass {
+        LayerClass {
+            rope: true,
+            window: None,
+        }
+    }
+}

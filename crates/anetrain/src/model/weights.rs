@@ -534,6 +534,7 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         },
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
         "use_cache": true,
     });
     let family = match c.arch {
@@ -544,6 +545,12 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
             "logits_scaling": c.scales.logits,
         }),
         Arch::Mistral => serde_json::json!({ "sliding_window": c.sliding_window }),
+        Arch::SmolLM3 => serde_json::json!({
+            "no_rope_layers": (0..c.num_hidden_layers)
+                .map(|i| u8::from(c.layer_class(i).rope))
+                .collect::<Vec<u8>>(),
+            "use_sliding_window": false,
+        }),
         Arch::Llama | Arch::Qwen3 | Arch::Qwen2 => serde_json::json!({}),
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {

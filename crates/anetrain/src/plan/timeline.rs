@@ -512,7 +512,7 @@ pub fn predict(
         Some(_) => plan.used().filter(|k| k.kind.is_head()).count(),
         None => 0,
     };
-    let programs = plan.programs() - head_programs;
+    let programs = plan.programs_for(&cfg.layer_classes()) - head_programs;
     Predicted {
         family: rates.family.name().to_string(),
         step_ms,

@@ -114,9 +114,11 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         // llama2.c models use the Llama SentencePiece ids.
         bos_token_id: Some(1.into()),
         eos_token_id: Some(2.into()),
+        pad_token_id: None,
         quantization: None,
         scales: Default::default(),
         sliding_window: None,
+        no_rope_layers: vec![],
         rope_scaling: Default::default(),
     };
     cfg.validate().map_err(|e| e.to_string())?;

@@ -248,6 +248,16 @@ pub fn export(
             model.cfg.rope_scaling.hf_keys()["rope_type"]
         );
     }
+    let c = &model.cfg;
+    let every_fourth: Vec<usize> = (3..c.num_hidden_layers).step_by(4).collect();
+    if c.arch == Arch::SmolLM3 && c.no_rope_layers != every_fourth {
+        // llama.cpp's smollm3 leaves RoPE out of every fourth layer, a
+        // step it does not read from the file (`n_no_rope_layer_step`).
+        bail!(
+            "GGUF export of a SmolLM3 model whose layers without RoPE are {:?}: llama.cpp leaves RoPE out of every fourth layer only",
+            c.no_rope_layers
+        );
+    }
     model.check_finite("export")?;
     let mut meta = model_metadata(model, ty, name);
     meta.extend(tokenizer_metadata(tok, model, gen)?);
@@ -311,6 +321,7 @@ fn arch_name(arch: Arch) -> &'static str {
         Arch::Qwen3 => "qwen3",
         Arch::Qwen2 => "qwen2",
         Arch::Granite => "granite",
+        Arch::SmolLM3 => "smollm3",
     }
 }
 
@@ -319,7 +330,7 @@ fn arch_name(arch: Arch) -> &'static str {
 /// converter's `LlamaModel.permute`, which Mistral and Granite inherit).
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
-        Arch::Llama | Arch::Mistral | Arch::Granite => true,
+        Arch::Llama | Arch::Mistral | Arch::Granite | Arch::SmolLM3 => true,
         Arch::Qwen3 | Arch::Qwen2 => false,
     }
 }

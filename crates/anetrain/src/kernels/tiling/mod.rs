@@ -580,6 +580,19 @@ impl Plan {
         self.used().map(|k| k.keys.len().max(1)).sum()
     }
 
+    /// [`Plan::programs`] for a model whose layers are of `classes`: a
+    /// class without RoPE compiles its own sdpa_forward programs, whose
+    /// keys' RoPE tables are constants (`LayerClass::rope`). (Every family
+    /// read gives its layers one window, so masks add none.)
+    pub fn programs_for(&self, classes: &[crate::model::layer::LayerClass]) -> usize {
+        let ropes = [true, false]
+            .iter()
+            .filter(|&&r| classes.iter().any(|c| c.rope == r))
+            .count();
+        let forward = self.of(KernelKind::SdpaForward).keys.len().max(1);
+        self.programs() + ropes.saturating_sub(1) * forward
+    }
+
     /// Device evaluations per layer for one forward and backward pass.
     pub fn evaluations_per_layer(&self) -> usize {
         self.work_per_layer(false).1
