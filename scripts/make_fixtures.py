@@ -9,8 +9,9 @@ positions, shorter than the fixture's sequence), Granite (every multiplier away
 from 1), Qwen2 (biases on q, k and v) and Llama 3 (Llama 3.1's RoPE
 scaling, every branch of it in use), Qwen3 with YaRN (its ramp
 between the correction dimensions inside the head, attention factor from
-mscale) and SmolLM3 (four layers, the fourth without RoPE, as
-llama.cpp's smollm3 also places them) — it writes:
+mscale), SmolLM3 (four layers, the fourth without RoPE, as
+llama.cpp's smollm3 also places them) and Ministral (a window of 5 on its
+first layer, none on its second) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -34,10 +35,10 @@ from safetensors.torch import save_file
 from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-    SmolLM3Config, SmolLM3ForCausalLM,
+    SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -91,6 +92,15 @@ def build(kind):
             attn_implementation="eager",
         )
         return LlamaForCausalLM(cfg)
+    if kind == "ministral":
+        cfg = MinistralConfig(
+            vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=12, rope_theta=1e6,
+            rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=64,
+            attn_implementation="eager",
+        )
+        return MinistralForCausalLM(cfg)
     if kind == "smollm3":
         cfg = SmolLM3Config(
             vocab_size=104, hidden_size=48, intermediate_size=64, num_hidden_layers=4,

@@ -50,6 +50,7 @@ fn config(
         scales: Default::default(),
         sliding_window: None,
         no_rope_layers: vec![],
+        full_attention_layers: vec![],
         rope_scaling: Default::default(),
     }
 }

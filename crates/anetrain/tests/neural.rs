@@ -46,9 +46,17 @@ fn ane_sim_logits_match_transformers_in_fp16() {
         }
         // 12 kernels (ten per layer, the head's two) compiled once for the
         // padded length 32; SmolLM3's layers without RoPE one more
-        // sdpa_forward (its RoPE tables are the program's constants).
-        let nope = usize::from(!model.cfg.no_rope_layers.is_empty());
-        assert_eq!(ane::Device::compiles(&eng.runner.device), 12 + nope);
+        // sdpa_forward (its RoPE tables are the program's constants),
+        // Ministral's layer without a window one more sdpa_forward and
+        // sdpa_backward1 (the mask is theirs).
+        let more = match kind {
+            "smollm3" => 1,
+            "ministral" => 2,
+            _ => 0,
+        };
+        assert_eq!(ane::Device::compiles(&eng.runner.device), 12 + more);
+        let plan = eng.runner.plan().unwrap();
+        assert_eq!(plan.programs_for(&model.cfg.layer_classes()), 12 + more);
     }
 }
 
@@ -266,10 +274,17 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
             plan.attention_backward,
             anetrain::kernels::tiling::AttentionBackward::Fused
         );
-        // (SmolLM3's layers without RoPE: one more sdpa_forward.)
-        let nope = usize::from(!model.cfg.no_rope_layers.is_empty());
-        assert_eq!(ane::Device::compiles(&eng.runner.device), 11 + nope);
-        assert_eq!(plan.programs_for(&model.cfg.layer_classes()), 11 + nope);
+        // (SmolLM3's layers without RoPE: one more sdpa_forward;
+        // Ministral's without a window one more sdpa_forward and fused
+        // backward, the kernels holding the mask.)
+        let compiled = ane::Device::compiles(&eng.runner.device);
+        assert_eq!(compiled, plan.programs_for(&model.cfg.layer_classes()));
+        let more = match kind {
+            "smollm3" => 1,
+            "ministral" => 2,
+            _ => 0,
+        };
+        assert_eq!(compiled, 11 + more);
 
         let rows = vec![(0..20).map(|i| (i * 37 % 90) as u32).collect::<Vec<u32>>()];
         let mut cpu = Engine::cpu(&model);

@@ -84,6 +84,7 @@ fn gqa() -> ModelConfig {
         scales: Default::default(),
         sliding_window: None,
         no_rope_layers: vec![],
+        full_attention_layers: vec![],
         rope_scaling: Default::default(),
     }
 }

@@ -10,7 +10,15 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 6] = ["qwen3", "llama", "mistral", "granite", "qwen2", "smollm3"];
+const FAMILIES: [&str; 7] = [
+    "qwen3",
+    "llama",
+    "mistral",
+    "granite",
+    "qwen2",
+    "smollm3",
+    "ministral",
+];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
 /// is larger), in a pattern a model can learn a little of in 20 steps.

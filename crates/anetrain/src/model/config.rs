@@ -23,16 +23,19 @@ pub enum Arch {
     Granite,
     /// Llama's layer; some layers have no RoPE (`no_rope_layers`).
     SmolLM3,
+    /// Mistral's layer; `layer_types` says which layers see the window.
+    Ministral,
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 6] = [
+pub const FAMILIES: [(Arch, &str, &str); 7] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
     (Arch::Mistral, "mistral", "MistralForCausalLM"),
     (Arch::Granite, "granite", "GraniteForCausalLM"),
     (Arch::SmolLM3, "smollm3", "SmolLM3ForCausalLM"),
+    (Arch::Ministral, "ministral", "MinistralForCausalLM"),
 ];
 
 impl Arch {
@@ -126,6 +129,10 @@ pub struct ModelConfig {
     /// `window − 1` keys before it (`kernels::visible_keys`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sliding_window: Option<usize>,
+    /// The layers that attend to every earlier key despite the window
+    /// (Ministral's `"full_attention"` entries of `layer_types`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub full_attention_layers: Vec<usize>,
     /// The layers without rotary positions (SmolLM3's NoPE layers, the
     /// zeros of its `no_rope_layers`), in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -181,8 +188,11 @@ struct HfConfig {
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
     pad_token_id: Option<serde_json::Value>,
-    /// Mistral's window (null: none).
+    /// Mistral's window (null: none; absent: 4096, transformers' default).
     sliding_window: Option<Count>,
+    /// Ministral's per-layer attention: `"sliding_attention"` or
+    /// `"full_attention"`.
+    layer_types: Option<Vec<String>>,
     /// SmolLM3's per-layer RoPE flags (1: RoPE, 0: none), or the
     /// interval its default puts a NoPE layer at.
     no_rope_layers: Option<Vec<u8>>,
@@ -417,6 +427,7 @@ impl ModelConfig {
             scales: Scales::default(),
             sliding_window: None,
             no_rope_layers: vec![],
+            full_attention_layers: vec![],
             rope_scaling: RopeScaling::Default,
         };
         Some(match name {
@@ -441,6 +452,7 @@ impl ModelConfig {
                 scales: Scales::default(),
                 sliding_window: None,
                 no_rope_layers: vec![],
+                full_attention_layers: vec![],
                 rope_scaling: RopeScaling::Default,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
@@ -467,6 +479,7 @@ impl ModelConfig {
                 scales: Scales::default(),
                 sliding_window: None,
                 no_rope_layers: vec![],
+                full_attention_layers: vec![],
                 rope_scaling: RopeScaling::Default,
             },
             _ => return None,
@@ -529,6 +542,7 @@ impl ModelConfig {
             bail!("expected a JSON object");
         }
         let quantization = crate::model::quant::Quantization::from_config(&v)?;
+        let window_given = v.get("sliding_window").is_some();
         let hf: HfConfig = serde_path_to_error::deserialize(v).map_err(|e| {
             let inner = e.inner().to_string();
             match inner.strip_prefix("missing field `") {
@@ -597,7 +611,9 @@ impl ModelConfig {
             bail!("\"{k}\" is Granite's; a {model_type} model has none (is model_type right?)");
         }
         let sliding_window = match (arch, hf.sliding_window) {
-            (Arch::Mistral, w) => w.map(|c| c.0),
+            // MistralConfig's and MinistralConfig's default when absent.
+            (Arch::Mistral | Arch::Ministral, None) if !window_given => Some(4096),
+            (Arch::Mistral | Arch::Ministral, w) => w.map(|c| c.0),
             (_, None) => None,
             // Qwen's configs carry a window their layers use only with
             // use_sliding_window, refused above.
@@ -629,6 +645,30 @@ impl ModelConfig {
                 "\"no_rope_layers\" is SmolLM3's; a {model_type} model has none (is model_type right?)"
             ),
         };
+        // Only Ministral's layers read `layer_types` (the other families'
+        // configs carry one their attention ignores).
+        let full_attention_layers = match (arch, hf.layer_types, sliding_window) {
+            (Arch::Ministral, Some(types), Some(_)) => {
+                if types.len() != layers {
+                    bail!(
+                        "\"layer_types\" must name the attention of each of the {layers} layers (it has {})",
+                        types.len()
+                    );
+                }
+                let mut full = vec![];
+                for (i, t) in types.iter().enumerate() {
+                    match t.as_str() {
+                        "sliding_attention" => {}
+                        "full_attention" => full.push(i),
+                        other => bail!(
+                            "\"layer_types\"[{i}] is '{other}'; a ministral layer is sliding_attention or full_attention"
+                        ),
+                    }
+                }
+                full
+            }
+            _ => vec![],
+        };
         // transformers' defaults where a key is absent.
         let cfg = ModelConfig {
             arch,
@@ -639,7 +679,7 @@ impl ModelConfig {
             num_key_value_heads: hf.num_key_value_heads.map_or(
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
-                    Arch::Mistral => 8,
+                    Arch::Mistral | Arch::Ministral => 8,
                     Arch::SmolLM3 => 4,
                     Arch::Llama | Arch::Granite => heads,
                 },
@@ -649,9 +689,12 @@ impl ModelConfig {
             head_dim: hf.head_dim.map_or(
                 match arch {
                     Arch::Qwen3 => 128,
-                    Arch::Llama | Arch::Qwen2 | Arch::Mistral | Arch::Granite | Arch::SmolLM3 => {
-                        hidden / heads
-                    }
+                    Arch::Llama
+                    | Arch::Qwen2
+                    | Arch::Mistral
+                    | Arch::Ministral
+                    | Arch::Granite
+                    | Arch::SmolLM3 => hidden / heads,
                 },
                 |c| c.0,
             ),
@@ -666,7 +709,7 @@ impl ModelConfig {
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
-                    Arch::Mistral => 4096 * 32,
+                    Arch::Mistral | Arch::Ministral => 4096 * 32,
                     Arch::Llama | Arch::Granite => 2048,
                 },
                 |c| c.0,
@@ -678,6 +721,7 @@ impl ModelConfig {
             quantization,
             scales,
             sliding_window,
+            full_attention_layers,
             no_rope_layers,
             rope_scaling,
         };
@@ -776,7 +820,9 @@ impl ModelConfig {
     pub fn layer_class(&self, i: usize) -> LayerClass {
         LayerClass {
             rope: !self.no_rope_layers.contains(&i),
-            window: self.sliding_window,
+            window: self
+                .sliding_window
+                .filter(|_| !self.full_attention_layers.contains(&i)),
         }
     }
 
@@ -931,6 +977,33 @@ mod tests {
         assert_eq!((c.arch, c.sliding_window), (Arch::Mistral, Some(64)));
         let e = ModelConfig::from_json(&mistral.replace(": 64", ": 0")).unwrap_err();
         assert!(format!("{e:#}").contains("at least 1"), "{e:#}");
+        // Absent, transformers' 4096; null, none.
+        let c = ModelConfig::from_json(&llama.replace("llama\"", "mistral\"")).unwrap();
+        assert_eq!(c.sliding_window, Some(4096));
+        let c = ModelConfig::from_json(&mistral.replace(": 64", ": null")).unwrap();
+        assert_eq!(c.layer_class(0).window, None);
+
+        // Ministral: its layer_types say which layers see the window.
+        let types = |t: &str| {
+            let all = vec![format!("\"{t}\""); 28].join(", ");
+            mistral
+                .replace("mistral\"", "ministral\"")
+                .replace("64", &format!("64, \"layer_types\": [{all}]"))
+        };
+        let both =
+            types("sliding_attention").replacen("\"sliding_attention\"", "\"full_attention\"", 1);
+        let c = ModelConfig::from_json(&both).unwrap();
+        assert_eq!(
+            (c.arch, c.full_attention_layers.clone()),
+            (Arch::Ministral, vec![0])
+        );
+        assert_eq!(
+            (c.layer_class(0).window, c.layer_class(1).window),
+            (None, Some(64))
+        );
+        assert_eq!(c.layer_classes().len(), 2);
+        let e = ModelConfig::from_json(&types("chunked_attention")).unwrap_err();
+        assert!(format!("{e:#}").contains("'chunked_attention'"), "{e:#}");
 
         let qwen2 = QWEN3
             .replace("qwen3\"", "qwen2\"")
@@ -955,7 +1028,7 @@ mod tests {
         .to_string();
         assert!(
             e.contains("'gemma3_text'")
-                && e.contains("qwen3, qwen2, llama, mistral, granite, smollm3"),
+                && e.contains("qwen3, qwen2, llama, mistral, granite, smollm3, ministral"),
             "{e}"
         );
 

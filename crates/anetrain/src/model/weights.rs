@@ -545,6 +545,15 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
             "logits_scaling": c.scales.logits,
         }),
         Arch::Mistral => serde_json::json!({ "sliding_window": c.sliding_window }),
+        Arch::Ministral => serde_json::json!({
+            "sliding_window": c.sliding_window,
+            "layer_types": (0..c.num_hidden_layers)
+                .map(|i| match c.layer_class(i).window {
+                    Some(_) => "sliding_attention",
+                    None => "full_attention",
+                })
+                .collect::<Vec<_>>(),
+        }),
         Arch::SmolLM3 => serde_json::json!({
             "no_rope_layers": (0..c.num_hidden_layers)
                 .map(|i| u8::from(c.layer_class(i).rope))

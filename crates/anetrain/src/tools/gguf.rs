@@ -316,8 +316,8 @@ pub fn export(
 /// The architecture's name in GGUF.
 fn arch_name(arch: Arch) -> &'static str {
     match arch {
-        // llama.cpp's converter writes Mistral as `llama`.
-        Arch::Llama | Arch::Mistral => "llama",
+        // llama.cpp's converter writes Mistral (Ministral) as `llama`.
+        Arch::Llama | Arch::Mistral | Arch::Ministral => "llama",
         Arch::Qwen3 => "qwen3",
         Arch::Qwen2 => "qwen2",
         Arch::Granite => "granite",
@@ -330,7 +330,7 @@ fn arch_name(arch: Arch) -> &'static str {
 /// converter's `LlamaModel.permute`, which Mistral and Granite inherit).
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
-        Arch::Llama | Arch::Mistral | Arch::Granite | Arch::SmolLM3 => true,
+        Arch::Llama | Arch::Mistral | Arch::Ministral | Arch::Granite | Arch::SmolLM3 => true,
         Arch::Qwen3 | Arch::Qwen2 => false,
     }
 }

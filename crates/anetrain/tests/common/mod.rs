@@ -85,6 +85,14 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
 /// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 8] = [
-    "qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3",
+pub const FAMILIES: [&str; 9] = [
+    "qwen3",
+    "llama",
+    "mistral",
+    "granite",
+    "qwen2",
+    "llama3",
+    "yarn",
+    "smollm3",
+    "ministral",
 ];

@@ -581,16 +581,35 @@ impl Plan {
     }
 
     /// [`Plan::programs`] for a model whose layers are of `classes`: a
-    /// class without RoPE compiles its own sdpa_forward programs, whose
-    /// keys' RoPE tables are constants (`LayerClass::rope`). (Every family
-    /// read gives its layers one window, so masks add none.)
+    /// program holding a constant that differs between classes is
+    /// compiled once per distinct value (`NeuralKernels` compiles one per
+    /// distinct text). sdpa_forward holds its keys' RoPE tables
+    /// ([`LayerClass::rope`](crate::model::layer::LayerClass)); the
+    /// attention kernels hold their causal mask, and with it the window,
+    /// unless their queries come in blocks (then the mask is an input).
     pub fn programs_for(&self, classes: &[crate::model::layer::LayerClass]) -> usize {
-        let ropes = [true, false]
-            .iter()
-            .filter(|&&r| classes.iter().any(|c| c.rope == r))
-            .count();
-        let forward = self.of(KernelKind::SdpaForward).keys.len().max(1);
-        self.programs() + ropes.saturating_sub(1) * forward
+        use KernelKind::*;
+        let per_program = |k: &KernelTiles, p: &KernelTiles| {
+            let rope = k.kind == SdpaForward;
+            let attends = matches!(k.kind, SdpaForward | SdpaBackward1 | SdpaBackward);
+            let mask = attends && !p.shape.query_block();
+            let mut variants = vec![];
+            for c in classes {
+                let v = (rope.then_some(c.rope), mask.then_some(c.window));
+                if !variants.contains(&v) {
+                    variants.push(v);
+                }
+            }
+            variants.len().max(1)
+        };
+        self.used()
+            .map(|k| {
+                k.programs()
+                    .iter()
+                    .map(|p| per_program(k, p))
+                    .sum::<usize>()
+            })
+            .sum()
     }
 
     /// Device evaluations per layer for one forward and backward pass.
