@@ -19,7 +19,7 @@ here (llama.cpp leaves RoPE out of every fourth layer), in f16 and q8_0:
 * renders the chat records of testdata/chat/renders.json that use the
   Qwen3 template with llama-cpp-python's formatter from the template
   embedded in the file, against the renders transformers produced (which
-  anetrain's own renderer reproduces byte for byte, tests/chat.rs).
+  anetrain's own renderer reproduces byte for byte, tests/library/chat.rs).
 
 Needs Python with `gguf`, `llama-cpp-python` and `numpy` from PyPI, and a
 release build (cargo build --release). Run by hand:

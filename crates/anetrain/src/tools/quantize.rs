@@ -5,7 +5,7 @@
 //! head) as packed words, scales and biases; norms and narrower matrices
 //! as they are; `config.json` with `quantization` and
 //! `quantization_config`. The words, scales and biases equal mlx-lm's for
-//! the same weights (`tests/quantized.rs`), so mlx-lm loads the result and
+//! the same weights (`tests/library/quantized.rs`), so mlx-lm loads the result and
 //! so does anetrain, as a LoRA base.
 //!
 //! The source is read memory-mapped, one tensor at a time; each tensor's

@@ -3,7 +3,7 @@
 //! generation print what `--backend ane-sim` prints, and at exit nothing
 //! is leaked, nothing is locked and no call broke the references' pattern.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;

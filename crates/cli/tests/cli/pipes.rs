@@ -2,7 +2,7 @@
 //! goes to (`| head`, `| tee` killed, a closed terminal) and saves; a
 //! printing command whose reader closes ends quietly, as Unix tools do.
 
-mod common;
+use crate::common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::Stdio;

@@ -1,13 +1,13 @@
 //! `anetrain mil run` / `mil check` end to end, including every bad-input
 //! class: each must exit non-zero with one short error line and no panic.
 
-mod common;
+use crate::common;
 
 use common::{bin, fails};
 
 use std::path::{Path, PathBuf};
 
-const SMALL: &str = include_str!("../../mil/tests/data/small.mil");
+const SMALL: &str = include_str!("../../../mil/tests/data/small.mil");
 
 fn write_input(dir: &Path, name: &str, shape: &[usize]) -> PathBuf {
     let n: usize = shape.iter().product();

@@ -3,7 +3,7 @@
 //! simulated M1 tracks the CPU engine, on `tiny` and on a model whose
 //! residual stream carries values above the M1's 4094 width-slice clamp.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -3,7 +3,7 @@
 //! the run directory is a PEFT adapter that `eval`/`generate --adapter` and
 //! `merge` read, and bad LoRA flags fail with one line.
 
-mod common;
+use crate::common;
 
 use common::{bin, records, run};
 

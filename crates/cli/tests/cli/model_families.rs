@@ -4,7 +4,7 @@
 //! engine step by step, a saved model keeps its family, and a family not
 //! read is refused in one line that names those that are.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -6,7 +6,7 @@
 //! streamed buffers changing nothing; SFT then DPO on a toy task; and
 //! one-line errors for bad pairs and flags.
 
-mod common;
+use crate::common;
 
 use common::{bin, fails, records, resume_runs, run, tmp};
 

@@ -2,7 +2,7 @@
 //! LoRA training on chat records on both engines, exact resume, and the
 //! one-line errors for bad records. Fixtures: `scripts/make_chat_fixtures.py`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! runs leaving directories behind, resume mismatches, command-line
 //! mistakes, a wrong file given to `convert`.
 
-mod common;
+use crate::common;
 
 use common::{bin, fails, tmp};
 

@@ -1,7 +1,7 @@
 //! `anetrain kernels check` and `kernels dump` end to end: every kernel of
 //! Qwen3-0.6B passes its check, and a dumped program runs with `mil run`.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

@@ -5,7 +5,7 @@
 //! within fp16 tolerance of its CPU twin under every family, outliers
 //! above the 4094 clamp included.
 
-mod common;
+use crate::common;
 
 use ane::family::Family;
 use ane::SimDevice;

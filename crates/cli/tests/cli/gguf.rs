@@ -4,7 +4,7 @@
 //! values rounded, q8_0 blocks dequantise to within half a block scale,
 //! llama q/k rows are in adjacent-pair RoPE order; and the one-line errors.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -2,7 +2,7 @@
 //! `transformers` fixtures (fp16: within 3e-2 relative), gradients against
 //! the CPU engine, weight staging, and padding of odd sequence lengths.
 
-mod common;
+use crate::common;
 
 use common::{fixture, rel};
 

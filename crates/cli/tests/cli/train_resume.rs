@@ -2,7 +2,7 @@
 //! generator, and resumed runs — after a clean stop or a SIGKILL at an
 //! arbitrary moment — end bit-identical to an uninterrupted run.
 
-mod common;
+use crate::common;
 
 use common::bin;
 

@@ -3,7 +3,7 @@
 //! adapter (`--init-adapter`), and `merge` keeps the base's dtype and
 //! never writes over files unasked.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -1,7 +1,7 @@
 //! Every bad-input class ends in exit status 1 with one `error:` line on
 //! stderr naming the problem — no panic, no backtrace, nothing half-written.
 
-mod common;
+use crate::common;
 
 use common::{bin, fails};
 

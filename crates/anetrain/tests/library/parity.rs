@@ -3,7 +3,7 @@
 //! parameter gradient (1e-4 of its largest entry), one AdamW step (1e-6
 //! absolute), and loading errors.
 
-mod common;
+use crate::common;
 
 use common::{fixture, max_abs, max_diff, tokens};
 

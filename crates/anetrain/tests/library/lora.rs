@@ -4,7 +4,7 @@
 //! largest entry), one AdamW step on the adapters (1e-6 absolute); the same
 //! through the simulated Neural Engine in fp16 (3e-2); save/load and merge.
 
-mod common;
+use crate::common;
 
 use common::{fixture, floats, max_abs, max_diff, tokens};
 

@@ -2,7 +2,7 @@
 //! mlx-lm's `convert -q` writes (testdata/mlx, `scripts/make_mlx_fixtures.py`),
 //! LoRA on them on both engines, and what is refused.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

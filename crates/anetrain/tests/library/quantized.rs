@@ -5,7 +5,7 @@
 //! for bit, the logits track mlx-lm's model, and quantizing the source
 //! weights gives the very words, scales and biases mlx-lm wrote.
 
-mod common;
+use crate::common;
 
 use std::path::PathBuf;
 

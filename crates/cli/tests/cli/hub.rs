@@ -4,7 +4,7 @@
 //! server gone, `HF_HUB_OFFLINE=1`, errors, and a download cut short that
 //! resumes.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};

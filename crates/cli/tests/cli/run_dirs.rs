@@ -2,7 +2,7 @@
 //! never both report success, and runs under default names never share a
 //! directory.
 
-mod common;
+use crate::common;
 
 use std::process::Stdio;
 

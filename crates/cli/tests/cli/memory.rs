@@ -4,7 +4,7 @@
 //! `--max-memory` is refused in one line before anything is written; and
 //! `kernels plan` shows the plan.
 
-mod common;
+use crate::common;
 
 use common::{bin, records, tmp};
 

@@ -3,7 +3,7 @@
 //! list, `do_sample`, `temperature`, `top_p`, `top_k`), overridden by the
 //! flags; an `eos_token` the vocabulary lacks is refused in one line.
 
-mod common;
+use crate::common;
 
 use common::{bin, fails, run, tmp};
 
