@@ -10,8 +10,10 @@ from 1), Qwen2 (biases on q, k and v) and Llama 3 (Llama 3.1's RoPE
 scaling, every branch of it in use), Qwen3 with YaRN (its ramp
 between the correction dimensions inside the head, attention factor from
 mscale), SmolLM3 (four layers, the fourth without RoPE, as
-llama.cpp's smollm3 also places them) and Ministral (a window of 5 on its
-first layer, none on its second) — it writes:
+llama.cpp's smollm3 also places them), Ministral (a window of 5 on its
+first layer, none on its second) and Gemma 3 (windowed layers of 4
+positions with their own RoPE base around a full one, a query scalar apart
+from head_dim) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -36,9 +38,11 @@ from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
+    Gemma3ForCausalLM, Gemma3TextConfig,
 )
 
-KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral"]
+KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral",
+         "gemma3"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -92,6 +96,17 @@ def build(kind):
             attn_implementation="eager",
         )
         return LlamaForCausalLM(cfg)
+    if kind == "gemma3":
+        cfg = Gemma3TextConfig(
+            vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=64,
+            pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
+        )
+        return Gemma3ForCausalLM(cfg)
     if kind == "ministral":
         cfg = MinistralConfig(
             vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -176,8 +191,10 @@ def main():
             for name, p in model.named_parameters():
                 if name.endswith(".bias"):
                     p.copy_(0.1 * torch.randn_like(p))
-                elif p.dim() == 1:  # norm weights away from 1
-                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+                elif p.dim() == 1:  # norm weights away from their resting value
+                    # (Gemma's norms scale by 1 + w: theirs rests at 0)
+                    rest = 0.0 if kind == "gemma3" else 1.0
+                    p.copy_(rest + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.08 * torch.randn_like(p))
         out = os.path.join(out_root, kind)

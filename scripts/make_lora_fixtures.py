@@ -45,6 +45,8 @@ TARGETS = {
     # q and k across the NoPE layer: their gradients pass no rotation there.
     "smollm3": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]),
     "ministral": dict(r=2, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]),
+    "gemma3": dict(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
 }
 KINDS = list(TARGETS)
 

@@ -84,8 +84,12 @@ impl<'a> Decoder<'a> {
             .map(|v| m_e * v)
             .collect();
         let one = Shape::new(c, 1);
+        // A sublayer's output normed where the layer norms it (Gemma).
+        let post = |out: Vec<f32>, norm: Option<usize>| match norm {
+            Some(v) => rms_norm(&out, w(v), d, 1, eps),
+            None => out,
+        };
         for (i, l) in m.layers.iter().enumerate() {
-            let Norms::Pre = spec.norms;
             let xn = rms_norm(&x, w(l.mixer_norm), d, 1, eps);
             let o = match spec.mixer {
                 Mixer::Attention { .. } => {
@@ -93,10 +97,22 @@ impl<'a> Decoder<'a> {
                     cached_attention(m, l, &engine.opts.for_layer(c, i), *pos, &xn, cache)
                 }
             };
+            let o = post(o, l.post_norms[0]);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
             let x2n = rms_norm(&x, w(l.mlp_norm), d, 1, eps);
             let masks = dropout_masks(m, i, 1, None);
-            x = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, &x)?.1;
+            x = match spec.norms {
+                Norms::Pre => {
+                    engine
+                        .mlp_forward(&spec, m, i, &one, &masks, &x2n, Some(&x))?
+                        .1
+                }
+                Norms::Sandwich => {
+                    let out = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, None)?.1;
+                    let mo = post(out, l.post_norms[1]);
+                    x.iter().zip(&mo).map(|(a, b)| a + alpha * b).collect()
+                }
+            };
         }
         let mut xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
         super::scale_head_input(c, &mut xf);

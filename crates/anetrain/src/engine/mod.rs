@@ -9,8 +9,9 @@
 //! sit side by side. Today's parts, forward (α is the residual scale, 1
 //! for HF models):
 //!   pre-norm:       xn = rmsnorm(x)·w₁;  x2 = x + α·mixer(xn);  x2n = rmsnorm(x2)·w₂;  x' = x2 + α·mlp(x2n)
+//!   sandwich:       x2 = x + rmsnorm(mixer(xn))·v₁;  x' = x2 + rmsnorm(mlp(x2n))·v₂
 //!   attention:      attn, q, k, v = sdpa_forward(xn);  mixer = Wo·attn
-//!   SwiGLU:         mlp = W_down(silu(W_gate x2n)·W_up x2n)
+//!   SwiGLU, GeGLU:  mlp = W_down(act(W_gate x2n)·W_up x2n),  act = silu or gelu (tanh form)
 //! and backward runs the same list in reverse, each piece beside its maths.
 
 pub mod generate;
@@ -79,9 +80,13 @@ struct LayerActs {
     x: Vec<f32>,
     xn: Vec<f32>,
     mixer: MixerActs,
+    /// The mixer's output before the norm after it (empty without one).
+    mixer_out: Vec<f32>,
     x2: Vec<f32>,
     x2n: Vec<f32>,
     mlp: MlpActs,
+    /// The MLP's output before the norm after it (empty without one).
+    mlp_out: Vec<f32>,
     /// LoRA dropout masks per projection, when training with dropout.
     masks: Dropout,
 }
@@ -102,8 +107,8 @@ enum MixerActs {
 
 /// What an MLP's backward needs from its forward.
 enum MlpActs {
-    /// `h1 = W_gate·x`, `h3 = W_up·x`, `gate = silu(h1)·h3`.
-    SwiGlu { h1: Kept, h3: Kept, gate: Kept },
+    /// `h1 = W_gate·x`, `h3 = W_up·x`, `gate = act(h1)·h3` (SwiGLU, GeGLU).
+    Glu { h1: Kept, h3: Kept, gate: Kept },
 }
 
 /// What a forward pass keeps of one layer for the backward.
@@ -395,20 +400,42 @@ impl<R: KernelRunner> Engine<R> {
         let alpha = self.opts.residual_scale as f32;
         let (l, spec) = (&model.layers[i], self.opts.layer);
         let w = |id: usize| model.params[id].data.as_slice();
-        let Norms::Pre = spec.norms;
+        // A sublayer's output as the residual adds it: normed (α is 1 for
+        // every family that norms there, Gemma), or as is (kept: nothing).
+        let post = |out: Vec<f32>, norm: Option<usize>| match norm {
+            Some(v) => (maths::rms_norm(&out, w(v), d, seq, eps), out),
+            None => (out, vec![]),
+        };
         let xn = maths::rms_norm(&x, w(l.mixer_norm), d, seq, eps);
         let (mixer, o) = self.mixer_forward(&spec, model, i, shape, &masks, &xn)?;
+        let (o, mixer_out) = post(o, l.post_norms[0]);
         let mut x2 = x.clone();
         add_scaled(&mut x2, &o, alpha);
         let x2n = maths::rms_norm(&x2, w(l.mlp_norm), d, seq, eps);
-        let (mlp, x_next) = self.mlp_forward(&spec, model, i, shape, &masks, &x2n, &x2)?;
+        let (mlp, x_next, mlp_out) = match spec.norms {
+            // The kernel adds the residual.
+            Norms::Pre => {
+                let (mlp, x_next) =
+                    self.mlp_forward(&spec, model, i, shape, &masks, &x2n, Some(&x2))?;
+                (mlp, x_next, vec![])
+            }
+            Norms::Sandwich => {
+                let (mlp, out) = self.mlp_forward(&spec, model, i, shape, &masks, &x2n, None)?;
+                let (m, mlp_out) = post(out, l.post_norms[1]);
+                let mut x_next = x2.clone();
+                add_scaled(&mut x_next, &m, alpha);
+                (mlp, x_next, mlp_out)
+            }
+        };
         let acts = LayerActs {
             x,
             xn,
             mixer,
+            mixer_out,
             x2,
             x2n,
             mlp,
+            mlp_out,
             masks,
         };
         Ok((acts, x_next))
@@ -463,7 +490,8 @@ impl<R: KernelRunner> Engine<R> {
     }
 
     /// The MLP over the normed input `x2n`: what its backward needs, and
-    /// the layer's output `x2 + α·mlp(x2n)` (its kernel adds the residual).
+    /// `x2 + α·mlp(x2n)` (its kernel adds the residual `x2`), or without a
+    /// residual the MLP's output.
     #[allow(clippy::too_many_arguments)]
     fn mlp_forward(
         &mut self,
@@ -473,10 +501,10 @@ impl<R: KernelRunner> Engine<R> {
         shape: &Shape,
         masks: &Dropout,
         x2n: &[f32],
-        x2: &[f32],
+        x2: Option<&[f32]>,
     ) -> Result<(MlpActs, Vec<f32>)> {
         match spec.mlp {
-            Mlp::SwiGlu => {
+            Mlp::SwiGlu | Mlp::GeGlu => {
                 let f = self.runner.run::<kernels::FfnForward>(
                     model,
                     i,
@@ -484,7 +512,7 @@ impl<R: KernelRunner> Engine<R> {
                     masks,
                     &kernels::ffn_forward::Acts { x2norm: x2n, x2 },
                 )?;
-                let acts = MlpActs::SwiGlu {
+                let acts = MlpActs::Glu {
                     h1: Kept::new(f.h1),
                     h3: Kept::new(f.h3),
                     gate: Kept::new(f.gate),
@@ -618,11 +646,24 @@ impl<R: KernelRunner> Engine<R> {
         queue: &GradQueue<'q>,
     ) -> Result<()> {
         let (a, spec) = (c.acts, self.opts.layer);
-        let Norms::Pre = spec.norms;
-        let dx2n = self.mlp_backward(&spec, c, dx, grads, queue)?;
+        // The gradient of a sublayer's output: through the norm after it,
+        // where there is one.
+        let through_post = |dx: &[f32],
+                            out: &[f32],
+                            norm: Option<usize>,
+                            grads: &mut Grads,
+                            scratch: &mut Vec<f32>| {
+            match norm {
+                Some(v) => std::borrow::Cow::Owned(c.norm_backward(out, v, dx, grads, scratch)),
+                None => std::borrow::Cow::Owned(dx.to_vec()),
+            }
+        };
+        let dmlp = through_post(dx, &a.mlp_out, c.ids.post_norms[1], grads, scratch);
+        let dx2n = self.mlp_backward(&spec, c, &dmlp, grads, queue)?;
         let dnorm = c.norm_backward(&a.x2, c.ids.mlp_norm, &dx2n, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
-        let dxn = self.mixer_backward(&spec, c, rope, dx, grads, scratch, queue)?;
+        let dmix = through_post(dx, &a.mixer_out, c.ids.post_norms[0], grads, scratch);
+        let dxn = self.mixer_backward(&spec, c, rope, &dmix, grads, scratch, queue)?;
         let dnorm = c.norm_backward(&a.x, c.ids.mixer_norm, &dxn, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
         Ok(())
@@ -644,7 +685,7 @@ impl<R: KernelRunner> Engine<R> {
     ) -> Result<Vec<f32>> {
         let alpha = self.opts.residual_scale as f32;
         match (spec.mlp, &c.acts.mlp) {
-            (Mlp::SwiGlu, MlpActs::SwiGlu { h1, h3, gate }) => {
+            (mlp @ (Mlp::SwiGlu | Mlp::GeGlu), MlpActs::Glu { h1, h3, gate }) => {
                 let dffn: Arc<Vec<f32>> = Arc::new(dx.iter().map(|v| alpha * v).collect());
                 let dy = dffn.clone();
                 queue.push(grads, move |g| {
@@ -652,7 +693,10 @@ impl<R: KernelRunner> Engine<R> {
                 });
                 let acts = kernels::ffn_backward_w2::Acts { dffn: &dffn };
                 let dgate = self.run::<kernels::FfnBackwardW2>(c, &acts)?.dgate;
-                let (dh1, dh3) = maths::swiglu_backward(&h1.get(), &h3.get(), &dgate);
+                let (dh1, dh3) = match mlp {
+                    Mlp::SwiGlu => maths::swiglu_backward(&h1.get(), &h3.get(), &dgate),
+                    Mlp::GeGlu => maths::geglu_backward(&h1.get(), &h3.get(), &dgate),
+                };
                 let (dh1, dh3) = (Arc::new(dh1), Arc::new(dh3));
                 let (dy1, dy3) = (dh1.clone(), dh3.clone());
                 queue.push(grads, move |g| {

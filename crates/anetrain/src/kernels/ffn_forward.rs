@@ -1,18 +1,23 @@
-//! `ffn_forward`: the SwiGLU feed-forward block and its residual,
+//! `ffn_forward`: the gated feed-forward block and its residual,
 //!
-//!   h1 = W1·x2n,  h3 = W3·x2n,  gate = silu(h1)·h3,  x' = x2 + α·W2·gate
+//!   h1 = W1·x2n,  h3 = W3·x2n,  gate = act(h1)·h3,  x' = x2 + α·W2·gate
 //!
-//! (+ LoRA on each projection); h1, h3 and gate are kept for the backward.
+//! (+ LoRA on each projection); act is silu (SwiGLU) or GELU's tanh form
+//! (GeGLU, as x·σ(2β(x + κx³))); h1, h3 and gate are kept for the
+//! backward. A layer that norms the MLP's output before the residual
+//! (`Norms::Sandwich`) has no x2: the program returns W2·gate.
 
 use super::prelude::*;
 
-use super::maths::{add_adapter, swiglu_forward, w_x};
+use super::maths::{add_adapter, geglu_forward, swiglu_forward, w_x, GELU_2BETA, GELU_KAPPA};
+use crate::model::layer::Mlp;
 
 pub struct FfnForward;
 
 activations! {
-    /// The normed input and the residual stream, each `[D, S]`.
-    Acts { x2norm: Port::X2norm, x2: Port::X2 }
+    /// The normed input and the residual stream, each `[D, S]` (no
+    /// residual where a norm follows the MLP).
+    Acts { x2norm: Port::X2norm; optional x2: Port::X2 }
 }
 
 outputs! {
@@ -35,11 +40,13 @@ impl Kernel for FfnForward {
     type Acts<'a> = Acts<'a>;
     type Out = Out;
 
-    fn layout(b: &mut LayoutBuilder, s: &Shape, _: &KernelOptions) {
+    fn layout(b: &mut LayoutBuilder, s: &Shape, o: &KernelOptions) {
         let (d, h, seq) = (s.dim, s.hidden, s.seq);
-        b.columns(Port::X2norm, d, seq, Activation)
-            .columns(Port::X2, d, seq, Activation)
-            .columns(Port::Weight(Projection::Gate), d, h, Transposed)
+        b.columns(Port::X2norm, d, seq, Activation);
+        if !o.layer.norms.after() {
+            b.columns(Port::X2, d, seq, Activation);
+        }
+        b.columns(Port::Weight(Projection::Gate), d, h, Transposed)
             .columns(Port::Weight(Projection::Up), d, h, Transposed)
             .columns(Port::Weight(Projection::Down), d, h, AsIs)
             .output(Port::XNext, d)
@@ -56,10 +63,28 @@ impl Kernel for FfnForward {
         let h3m = g.with_adapter(h3m, &xt, Projection::Up, Product::Forward, o)?;
         let h1 = g.rows_to_channels("h1", &h1m)?;
         let h3 = g.rows_to_channels("h3", &h3m)?;
-        // silu(h1)·h3 with silu = h1·sigmoid(h1)
-        let sig = g.b.sigmoid("sig", &h1)?;
-        let silu = g.b.mul("silu", &h1, &sig)?;
-        let gate = g.b.mul("gate", &silu, &h3)?;
+        let act = match o.layer.mlp {
+            // silu(h1) = h1·σ(h1)
+            Mlp::SwiGlu => {
+                let sig = g.b.sigmoid("sig", &h1)?;
+                g.b.mul("silu", &h1, &sig)?
+            }
+            // gelu(h1) = h1·σ(2β·h1·(1 + κ·h1²)): the device has no gelu
+            // (Orion: "No gelu"), its sigmoid is SwiGLU's.
+            Mlp::GeGlu => {
+                let sq = g.b.mul("h1_sq", &h1, &h1)?;
+                let k = g.scalar("gelu_kappa", GELU_KAPPA as f64)?;
+                let one = g.scalar("gelu_one", 1.0)?;
+                let beta = g.scalar("gelu_2beta", GELU_2BETA as f64)?;
+                let ksq = g.b.mul("gelu_ksq", &sq, &k)?;
+                let poly = g.b.add("gelu_poly", &ksq, &one)?;
+                let inner = g.b.mul("gelu_inner", &h1, &poly)?;
+                let z = g.b.mul("gelu_z", &inner, &beta)?;
+                let sig = g.b.sigmoid("gelu_sig", &z)?;
+                g.b.mul("gelu", &h1, &sig)?
+            }
+        };
+        let gate = g.b.mul("gate", &act, &h3)?;
         let hid = s.hidden;
         let g2 = g.reshape("gate_2d", &gate, &[1, 1, hid, s.seq])?;
         let gt = g.transpose("gate_t", &g2, &[0, 1, 3, 2])?;
@@ -71,7 +96,6 @@ impl Kernel for FfnForward {
         let fm = g.matmul("ffn_mm", &gt, &w22, false, true)?;
         let fm = g.with_adapter(fm, &gt, Projection::Down, Product::ForwardRows, o)?;
         let ffn = g.rows_to_channels("ffn", &fm)?;
-        let x2 = g.region(Port::X2)?;
         // α and the pre-scale's inverse in one product.
         let alpha = o.residual_scale * undo.unwrap_or(1.0);
         let branch = if alpha == 1.0 {
@@ -80,7 +104,13 @@ impl Kernel for FfnForward {
             let a = g.scalar("res_alpha", alpha)?;
             g.b.mul("ffn_scaled", &ffn, &a)?
         };
-        let x_next = g.b.add("x_next", &x2, &branch)?;
+        let x_next = match o.layer.norms.after() {
+            false => {
+                let x2 = g.region(Port::X2)?;
+                g.b.add("x_next", &x2, &branch)?
+            }
+            true => branch,
+        };
         Ok(vec![x_next, h1, h3, gate])
     }
 
@@ -92,7 +122,13 @@ impl Kernel for FfnForward {
         let mut h3 = w_x(w.projection(Projection::Up), x, hid, d, seq);
         add_adapter(&mut h3, w, o, s, Projection::Up, x, Product::Forward);
         let mut gate = vec![0f32; h1.len()];
-        swiglu_forward(&h1, &h3, &mut gate);
+        match o.layer.mlp {
+            Mlp::SwiGlu => swiglu_forward(&h1, &h3, &mut gate),
+            Mlp::GeGlu => {
+                let (b, k) = (o.constant(GELU_2BETA as f64), o.constant(GELU_KAPPA as f64));
+                geglu_forward(&h1, &h3, &mut gate, b, k)
+            }
+        }
         let mut ffn = w_x(w.projection(Projection::Down), &gate, d, hid, seq);
         add_adapter(
             &mut ffn,
@@ -104,11 +140,14 @@ impl Kernel for FfnForward {
             Product::ForwardRows,
         );
         let alpha = o.constant(o.residual_scale);
-        let x_next =
-            a.x2.iter()
+        let x_next = match a.x2 {
+            Some(x2) => x2
+                .iter()
                 .zip(&ffn)
                 .map(|(&x2, &f)| x2 + alpha * f)
-                .collect();
+                .collect(),
+            None => ffn.iter().map(|&f| alpha * f).collect(),
+        };
         Out {
             x_next,
             h1,

@@ -207,6 +207,53 @@ vectorized! {
     }
 }
 
+/// GELU's tanh form (PyTorch's `gelu(approximate="tanh")`, Gemma's
+/// `gelu_pytorch_tanh`) as a sigmoid, which it is exactly:
+///   gelu(x) = ½x(1 + tanh(u)) = x·σ(2u),  u = √(2/π)·(x + 0.044715·x³)
+/// computed as ffn_forward's program does, z = 2u = x·(κx² + 1)·2β.
+pub const GELU_2BETA: f32 =
+    (2.0 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2) as f32;
+pub const GELU_KAPPA: f32 = 0.044_715;
+
+vectorized! {
+    /// `gate = gelu(h1)·h3` (see [`GELU_2BETA`]), with the constants
+    /// `(2β, κ)` given (a program's are fp16: `KernelOptions::constant`).
+    pub fn geglu_forward(h1: &[f32], h3: &[f32], gate: &mut [f32], two_beta: f32, kappa: f32) {
+        let n = h1.len();
+        let (h3, gate) = (&h3[..n], &mut gate[..n]);
+        for i in 0..n {
+            let x = h1[i];
+            let z = x * (x * x * kappa + 1.0) * two_beta;
+            gate[i] = x * (1.0 / (1.0 + exp(-z))) * h3[i];
+        }
+    }
+}
+
+/// `dh1, dh3` of `gate = gelu(h1)·h3` from `dgate`:
+///   dh3 = dgate·gelu(h1),  dh1 = dgate·h3·(s + x·s(1 − s)·2β(1 + 3κx²)),  s = σ(z)
+pub fn geglu_backward(h1: &[f32], h3: &[f32], dgate: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut dh1 = vec![0f32; h1.len()];
+    let mut dh3 = vec![0f32; h1.len()];
+    geglu_backward_into(h1, h3, dgate, &mut dh1, &mut dh3);
+    (dh1, dh3)
+}
+
+vectorized! {
+    /// [`geglu_backward`] into given buffers.
+    fn geglu_backward_into(h1: &[f32], h3: &[f32], dgate: &[f32], dh1: &mut [f32], dh3: &mut [f32]) {
+        let n = h1.len();
+        let (h3, dgate, dh1, dh3) = (&h3[..n], &dgate[..n], &mut dh1[..n], &mut dh3[..n]);
+        for i in 0..n {
+            let x = h1[i];
+            let z = x * (x * x * GELU_KAPPA + 1.0) * GELU_2BETA;
+            let sg = 1.0 / (1.0 + exp(-z));
+            let dz = GELU_2BETA * (1.0 + 3.0 * GELU_KAPPA * x * x);
+            dh1[i] = dgate[i] * h3[i] * (sg + x * sg * (1.0 - sg) * dz);
+            dh3[i] = dgate[i] * x * sg;
+        }
+    }
+}
+
 /// Applies RoPE to `x [heads·HD, S]` (sign −1 applies the inverse rotation,
 /// which is RoPE's backward). `cos`, `sin` are `[S, HD]`.
 pub fn apply_rope(

@@ -185,7 +185,9 @@ impl KernelKind {
             | QBackward | KvBackward => {
                 matches!(layer.mixer, Mixer::Attention { .. })
             }
-            FfnForward | FfnBackwardW2 | FfnBackwardW13 => layer.mlp == Mlp::SwiGlu,
+            FfnForward | FfnBackwardW2 | FfnBackwardW13 => {
+                matches!(layer.mlp, Mlp::SwiGlu | Mlp::GeGlu)
+            }
             HeadForward | HeadBackward => false,
         }
     }
@@ -219,6 +221,9 @@ pub struct KernelOptions {
     pub rope_theta: f64,
     /// RoPE's frequency scaling (the checkpoint's `rope_type`).
     pub rope_scaling: RopeScaling,
+    /// The base of a [`LayerClass::local_rope`] layer's RoPE (Gemma's
+    /// `rope_local_base_freq`), unscaled.
+    pub local_rope_theta: Option<f64>,
     /// The layer the kernels compute parts of: which kernels a layer runs
     /// ([`KernelKind::serves`]) and what they compute (QK-norm inside
     /// sdpa_forward).
@@ -382,6 +387,7 @@ impl KernelOptions {
             rope: Rope::HalfSplit,
             rope_theta: cfg.rope_theta,
             rope_scaling: cfg.rope_scaling,
+            local_rope_theta: cfg.local_rope_theta,
             layer: cfg.layer(),
             eps: cfg.rms_norm_eps,
             residual_scale: cfg.scales.residual,
@@ -483,6 +489,7 @@ impl KernelOptions {
             rope: Rope::Interleaved,
             rope_theta: 10000.0,
             rope_scaling: RopeScaling::Default,
+            local_rope_theta: None,
             layer: LayerSpec {
                 mixer: Mixer::Attention {
                     qk_norm: false,
@@ -649,15 +656,29 @@ impl KernelOptions {
     /// sin = 0 (see [`LayerClass::rope`]).
     pub fn exact_rope_tables(&self, seq: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         match self.class.rope {
-            true => rope_tables(seq, hd, self.rope_theta, self.rope_scaling, self.rope),
+            true => {
+                let (theta, scaling) = self.class_rope();
+                rope_tables(seq, hd, theta, scaling, self.rope)
+            }
             false => (vec![1.0; seq * hd], vec![0.0; seq * hd]),
+        }
+    }
+
+    /// The RoPE base and scaling of the class in force.
+    fn class_rope(&self) -> (f64, RopeScaling) {
+        match (self.class.local_rope, self.local_rope_theta) {
+            (true, Some(local)) => (local, RopeScaling::Default),
+            _ => (self.rope_theta, self.rope_scaling),
         }
     }
 
     /// One position's RoPE row (`cos, sin [HD]`) of [`KernelOptions::exact_rope_tables`].
     pub fn rope_row(&self, pos: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         match self.class.rope {
-            true => rope_row(pos, hd, self.rope_theta, self.rope_scaling, self.rope),
+            true => {
+                let (theta, scaling) = self.class_rope();
+                rope_row(pos, hd, theta, scaling, self.rope)
+            }
             false => (vec![1.0; hd], vec![0.0; hd]),
         }
     }

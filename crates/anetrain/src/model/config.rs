@@ -25,10 +25,14 @@ pub enum Arch {
     SmolLM3,
     /// Mistral's layer; `layer_types` says which layers see the window.
     Ministral,
+    /// Gemma 3's text model: norms before and after each sublayer (scaling
+    /// by `1 + w`), GeGLU, QK-norm, embeddings scaled by √D, windowed
+    /// layers with their own RoPE base between full ones.
+    Gemma3,
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 7] = [
+pub const FAMILIES: [(Arch, &str, &str); 8] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
@@ -36,6 +40,7 @@ pub const FAMILIES: [(Arch, &str, &str); 7] = [
     (Arch::Granite, "granite", "GraniteForCausalLM"),
     (Arch::SmolLM3, "smollm3", "SmolLM3ForCausalLM"),
     (Arch::Ministral, "ministral", "MinistralForCausalLM"),
+    (Arch::Gemma3, "gemma3_text", "Gemma3ForCausalLM"),
 ];
 
 impl Arch {
@@ -133,6 +138,10 @@ pub struct ModelConfig {
     /// (Ministral's `"full_attention"` entries of `layer_types`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub full_attention_layers: Vec<usize>,
+    /// The windowed layers' own RoPE base, unscaled (Gemma's
+    /// `rope_local_base_freq`); `None`, every layer's is `rope_theta`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_rope_theta: Option<f64>,
     /// The layers without rotary positions (SmolLM3's NoPE layers, the
     /// zeros of its `no_rope_layers`), in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -197,6 +206,17 @@ struct HfConfig {
     /// interval its default puts a NoPE layer at.
     no_rope_layers: Option<Vec<u8>>,
     no_rope_layer_interval: Option<Count>,
+    /// Gemma's: the scores' scale is its inverse square root; the windowed
+    /// layers' RoPE base; the window's period when `layer_types` is
+    /// absent; its activation; soft-capping (null in Gemma 3).
+    query_pre_attn_scalar: Option<f64>,
+    rope_local_base_freq: Option<f64>,
+    sliding_window_pattern: Option<Count>,
+    hidden_activation: Option<String>,
+    hidden_act: Option<String>,
+    attn_logit_softcapping: Option<f64>,
+    final_logit_softcapping: Option<f64>,
+    use_bidirectional_attention: Option<bool>,
     /// Granite's multipliers.
     embedding_multiplier: Option<f64>,
     residual_multiplier: Option<f64>,
@@ -428,6 +448,7 @@ impl ModelConfig {
             sliding_window: None,
             no_rope_layers: vec![],
             full_attention_layers: vec![],
+            local_rope_theta: None,
             rope_scaling: RopeScaling::Default,
         };
         Some(match name {
@@ -453,6 +474,7 @@ impl ModelConfig {
                 sliding_window: None,
                 no_rope_layers: vec![],
                 full_attention_layers: vec![],
+                local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
@@ -480,6 +502,7 @@ impl ModelConfig {
                 sliding_window: None,
                 no_rope_layers: vec![],
                 full_attention_layers: vec![],
+                local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
             },
             _ => return None,
@@ -565,9 +588,31 @@ impl ModelConfig {
         }
         let mut rope_theta = hf.rope_theta;
         let mut rope_scaling = RopeScaling::Default;
+        let mut local_rope_theta = hf.rope_local_base_freq;
         if let Some(p) = hf.rope_parameters {
-            rope_scaling = RopeScaling::from_hf(&p.scaling)?;
-            rope_theta = p.rope_theta.or(rope_theta);
+            match (arch, p.scaling.get("full_attention")) {
+                // Gemma 3's, per layer type (transformers 5).
+                (Arch::Gemma3, Some(full)) => {
+                    let part =
+                        |v: Option<&serde_json::Value>| -> Result<(Option<f64>, RopeScaling)> {
+                            let mut m = v.and_then(|v| v.as_object()).cloned().unwrap_or_default();
+                            let theta = m.remove("rope_theta").and_then(|t| t.as_f64());
+                            Ok((theta, RopeScaling::from_hf(&m)?))
+                        };
+                    let (theta, scaling) = part(Some(full))?;
+                    rope_theta = theta.or(rope_theta);
+                    rope_scaling = scaling;
+                    let (theta, local) = part(p.scaling.get("sliding_attention"))?;
+                    if !local.is_default() {
+                        bail!("\"rope_parameters\".sliding_attention: a scaled RoPE on the windowed layers is not supported");
+                    }
+                    local_rope_theta = theta.or(local_rope_theta);
+                }
+                _ => {
+                    rope_scaling = RopeScaling::from_hf(&p.scaling)?;
+                    rope_theta = p.rope_theta.or(rope_theta);
+                }
+            }
         }
         match hf.rope_scaling {
             Some(serde_json::Value::Object(s)) if rope_scaling.is_default() => {
@@ -586,6 +631,41 @@ impl ModelConfig {
             if v == Some(true) {
                 bail!("\"{k}\": true is not supported (bias-free projections only)");
             }
+        }
+        // Gemma's keys, and what Gemma 3 leaves out (Gemma 2's soft-capping).
+        let gemma = [
+            ("query_pre_attn_scalar", hf.query_pre_attn_scalar.is_some()),
+            ("rope_local_base_freq", hf.rope_local_base_freq.is_some()),
+            (
+                "sliding_window_pattern",
+                hf.sliding_window_pattern.is_some(),
+            ),
+        ];
+        if arch != Arch::Gemma3 {
+            if let Some((k, _)) = gemma.iter().find(|(_, given)| *given) {
+                bail!("\"{k}\" is Gemma's; a {model_type} model has none (is model_type right?)");
+            }
+        }
+        for (k, v) in [
+            ("attn_logit_softcapping", hf.attn_logit_softcapping),
+            ("final_logit_softcapping", hf.final_logit_softcapping),
+        ] {
+            if let Some(v) = v {
+                bail!("\"{k}\": {v} (tanh soft-capping, Gemma 2's) is not supported yet");
+            }
+        }
+        if hf.use_bidirectional_attention == Some(true) {
+            bail!("\"use_bidirectional_attention\": true is not supported (causal attention only)");
+        }
+        let activation = hf.hidden_activation.or(hf.hidden_act);
+        let wanted = match arch {
+            Arch::Gemma3 => "gelu_pytorch_tanh",
+            _ => "silu",
+        };
+        if let Some(a) = activation.filter(|a| a != wanted) {
+            bail!(
+                "the MLP's activation '{a}' is not supported (a {model_type} model's is {wanted})"
+            );
         }
         // Each family's own keys; elsewhere refused by name.
         let multipliers = [
@@ -610,10 +690,22 @@ impl ModelConfig {
         } else if let Some((k, _)) = multipliers.iter().find(|(_, v)| v.is_some()) {
             bail!("\"{k}\" is Granite's; a {model_type} model has none (is model_type right?)");
         }
+        if arch == Arch::Gemma3 {
+            // Gemma3TextScaledWordEmbedding multiplies by √D as an f32
+            // tensor; the scores scale by query_pre_attn_scalar^-½.
+            let scalar = hf.query_pre_attn_scalar.unwrap_or(256.0);
+            if !(scalar.is_finite() && scalar > 0.0) {
+                bail!("\"query_pre_attn_scalar\" must be a positive number");
+            }
+            scales.embedding = (hidden as f64).sqrt() as f32 as f64;
+            scales.attention = Some(scalar.powf(-0.5));
+            local_rope_theta = local_rope_theta.or(Some(10000.0));
+        }
         let sliding_window = match (arch, hf.sliding_window) {
-            // MistralConfig's and MinistralConfig's default when absent.
-            (Arch::Mistral | Arch::Ministral, None) if !window_given => Some(4096),
-            (Arch::Mistral | Arch::Ministral, w) => w.map(|c| c.0),
+            // MistralConfig's, MinistralConfig's and Gemma3TextConfig's
+            // default when absent.
+            (Arch::Mistral | Arch::Ministral | Arch::Gemma3, None) if !window_given => Some(4096),
+            (Arch::Mistral | Arch::Ministral | Arch::Gemma3, w) => w.map(|c| c.0),
             (_, None) => None,
             // Qwen's configs carry a window their layers use only with
             // use_sliding_window, refused above.
@@ -648,7 +740,12 @@ impl ModelConfig {
         // Only Ministral's layers read `layer_types` (the other families'
         // configs carry one their attention ignores).
         let full_attention_layers = match (arch, hf.layer_types, sliding_window) {
-            (Arch::Ministral, Some(types), Some(_)) => {
+            // Gemma3TextConfig's default: every sixth layer (the pattern's) full.
+            (Arch::Gemma3, None, Some(_)) => {
+                let every = hf.sliding_window_pattern.map_or(6, |c| c.0).max(1);
+                (0..layers).filter(|i| (i + 1) % every == 0).collect()
+            }
+            (Arch::Ministral | Arch::Gemma3, Some(types), Some(_)) => {
                 if types.len() != layers {
                     bail!(
                         "\"layer_types\" must name the attention of each of the {layers} layers (it has {})",
@@ -661,7 +758,7 @@ impl ModelConfig {
                         "sliding_attention" => {}
                         "full_attention" => full.push(i),
                         other => bail!(
-                            "\"layer_types\"[{i}] is '{other}'; a ministral layer is sliding_attention or full_attention"
+                            "\"layer_types\"[{i}] is '{other}'; a {model_type} layer is sliding_attention or full_attention"
                         ),
                     }
                 }
@@ -680,7 +777,7 @@ impl ModelConfig {
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral | Arch::Ministral => 8,
-                    Arch::SmolLM3 => 4,
+                    Arch::SmolLM3 | Arch::Gemma3 => 4,
                     Arch::Llama | Arch::Granite => heads,
                 },
                 |c| c.0,
@@ -689,6 +786,7 @@ impl ModelConfig {
             head_dim: hf.head_dim.map_or(
                 match arch {
                     Arch::Qwen3 => 128,
+                    Arch::Gemma3 => 256,
                     Arch::Llama
                     | Arch::Qwen2
                     | Arch::Mistral
@@ -702,19 +800,22 @@ impl ModelConfig {
             // SmolLM3Config's default_theta 2e6, the others' 10000.
             rope_theta: rope_theta.unwrap_or(match arch {
                 Arch::SmolLM3 => 2e6,
+                Arch::Gemma3 => 1e6,
                 _ => 10000.0,
             }),
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
-            tie_word_embeddings: hf.tie_word_embeddings.unwrap_or(arch == Arch::SmolLM3),
+            tie_word_embeddings: hf
+                .tie_word_embeddings
+                .unwrap_or(matches!(arch, Arch::SmolLM3 | Arch::Gemma3)),
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
-                    Arch::Mistral | Arch::Ministral => 4096 * 32,
+                    Arch::Mistral | Arch::Ministral | Arch::Gemma3 => 4096 * 32,
                     Arch::Llama | Arch::Granite => 2048,
                 },
                 |c| c.0,
             ),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
             eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
             pad_token_id: hf.pad_token_id.filter(|v| !v.is_null()),
@@ -722,6 +823,7 @@ impl ModelConfig {
             scales,
             sliding_window,
             full_attention_layers,
+            local_rope_theta: local_rope_theta.filter(|_| arch == Arch::Gemma3),
             no_rope_layers,
             rope_scaling,
         };
@@ -811,8 +913,25 @@ impl ModelConfig {
                 qk_norm: self.qk_norm,
                 qkv_bias: self.arch == Arch::Qwen2,
             },
-            mlp: Mlp::SwiGlu,
-            norms: Norms::Pre,
+            mlp: match self.arch {
+                Arch::Gemma3 => Mlp::GeGlu,
+                _ => Mlp::SwiGlu,
+            },
+            norms: match self.arch {
+                Arch::Gemma3 => Norms::Sandwich,
+                _ => Norms::Pre,
+            },
+        }
+    }
+
+    /// What a stored RMSNorm weight lacks of the scale it applies: 1 for
+    /// Gemma (`x·(1 + w)`), 0 elsewhere. Weights are held as the scale
+    /// (`Model::fold_norm_offsets`) and stored as Hugging Face stores them
+    /// (`Model::hf_values`).
+    pub fn norm_offset(&self) -> f32 {
+        match self.arch {
+            Arch::Gemma3 => 1.0,
+            _ => 0.0,
         }
     }
 
@@ -823,6 +942,7 @@ impl ModelConfig {
             window: self
                 .sliding_window
                 .filter(|_| !self.full_attention_layers.contains(&i)),
+            local_rope: self.local_rope_theta.is_some() && !self.full_attention_layers.contains(&i),
         }
     }
 
@@ -1021,14 +1141,16 @@ mod tests {
 
         let e = ModelConfig::from_json(
             &QWEN3
-                .replace("qwen3\"", "gemma3_text\"")
-                .replace("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                .replace("qwen3\"", "olmo2\"")
+                .replace("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("'gemma3_text'")
-                && e.contains("qwen3, qwen2, llama, mistral, granite, smollm3, ministral"),
+            e.contains("'olmo2'")
+                && e.contains(
+                    "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text"
+                ),
             "{e}"
         );
 

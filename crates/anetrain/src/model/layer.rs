@@ -4,7 +4,8 @@
 //! the kernel set, the memory plan and the decoder read it, so a new
 //! architecture adds a part where it differs, not a branch in each.
 //!   pre-norm:  h = x + α·mixer(rmsnorm(x)·w₁),  x' = h + α·mlp(rmsnorm(h)·w₂)
-//!   mixer = attention(rope(qknorm(Wq·)), rope(qknorm(Wk·)), Wv·)·Wo,  mlp = W_down·(silu(W_gate·) ⊙ W_up·)
+//!   sandwich:  h = x + rmsnorm(mixer(rmsnorm(x)·w₁))·v₁,  x' = h + rmsnorm(mlp(rmsnorm(h)·w₂))·v₂
+//!   mixer = attention(rope(qknorm(Wq·)), rope(qknorm(Wk·)), Wv·)·Wo,  mlp = W_down·(act(W_gate·) ⊙ W_up·)
 
 use serde::Serialize;
 
@@ -30,6 +31,9 @@ pub struct LayerIds {
     /// The RMSNorm weights before the mixer and before the MLP.
     pub mixer_norm: usize,
     pub mlp_norm: usize,
+    /// The RMSNorm weights on the mixer's and the MLP's outputs, where
+    /// the layer has them ([`Norms::Sandwich`]).
+    pub post_norms: [Option<usize>; 2],
     /// The weight projections, by [`Projection::index`].
     pub projections: [usize; 7],
     /// The mixer's per-head query and key norms (QK-norm).
@@ -222,6 +226,9 @@ pub enum Mixer {
 pub enum Mlp {
     /// `down(silu(gate·x) ⊙ up·x)` (Llama's, Qwen's).
     SwiGlu,
+    /// `down(gelu(gate·x) ⊙ up·x)` with GELU's tanh form (Gemma's
+    /// `gelu_pytorch_tanh`).
+    GeGlu,
 }
 
 /// Where the layer's RMSNorms sit around its two sublayers.
@@ -231,6 +238,17 @@ pub enum Norms {
     /// One before each sublayer; the residual adds the sublayer's output
     /// (`input_layernorm`, `post_attention_layernorm`).
     Pre,
+    /// One before and one after each sublayer; the residual adds the
+    /// normed output (Gemma's `input_layernorm`, `post_attention_layernorm`,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    Sandwich,
+}
+
+impl Norms {
+    /// Whether a norm follows each sublayer's output.
+    pub fn after(self) -> bool {
+        self == Norms::Sandwich
+    }
 }
 
 /// The two sublayers, in the order a layer runs them.
@@ -245,6 +263,8 @@ pub enum Sublayer {
 pub enum Role {
     /// The RMSNorm weight before a sublayer (`[D]`).
     Norm(Sublayer),
+    /// The RMSNorm weight on a sublayer's output (`[D]`).
+    PostNorm(Sublayer),
     /// A weight projection (what LoRA adapts, what kernels multiply by).
     Projection(Projection),
     /// The per-head RMSNorm weights of queries and keys (`[HD]`).
@@ -288,24 +308,29 @@ impl LayerSpec {
     pub fn params(&self, dims: &LayerDims) -> Vec<LayerParam> {
         let mut out = Vec::new();
         for sub in [Sublayer::Mixer, Sublayer::Mlp] {
-            match self.norms {
-                Norms::Pre => out.push(self.norm(dims, sub)),
-            }
+            out.push(self.norm(dims, Role::Norm(sub)));
             match sub {
                 Sublayer::Mixer => out.extend(self.mixer_params(dims)),
                 Sublayer::Mlp => out.extend(self.mlp_params(dims)),
+            }
+            if self.norms.after() {
+                out.push(self.norm(dims, Role::PostNorm(sub)));
             }
         }
         out
     }
 
-    fn norm(&self, dims: &LayerDims, sub: Sublayer) -> LayerParam {
-        let name = match (self.norms, sub) {
-            (Norms::Pre, Sublayer::Mixer) => "input_layernorm.weight",
-            (Norms::Pre, Sublayer::Mlp) => "post_attention_layernorm.weight",
+    fn norm(&self, dims: &LayerDims, role: Role) -> LayerParam {
+        use Sublayer::*;
+        let name = match (self.norms, role) {
+            (_, Role::Norm(Mixer)) => "input_layernorm.weight",
+            (Norms::Pre, Role::Norm(Mlp)) => "post_attention_layernorm.weight",
+            (Norms::Sandwich, Role::Norm(Mlp)) => "pre_feedforward_layernorm.weight",
+            (_, Role::PostNorm(Mixer)) => "post_attention_layernorm.weight",
+            (_, _) => "post_feedforward_layernorm.weight",
         };
         LayerParam {
-            role: Role::Norm(sub),
+            role,
             name,
             shape: vec![dims.hidden],
             decay: false,
@@ -341,7 +366,7 @@ impl LayerSpec {
 
     fn mlp_params(&self, dims: &LayerDims) -> Vec<LayerParam> {
         match self.mlp {
-            Mlp::SwiGlu => [Projection::Gate, Projection::Up, Projection::Down]
+            Mlp::SwiGlu | Mlp::GeGlu => [Projection::Gate, Projection::Up, Projection::Down]
                 .map(|p| dims.matrix(p))
                 .to_vec(),
         }
@@ -353,9 +378,11 @@ impl LayerSpec {
     /// made them). The engine's `LayerActs` holds exactly these.
     pub fn kept_per_position(&self, dims: &LayerDims) -> (usize, usize) {
         let (d, q, kv, h) = (dims.hidden, dims.q, dims.kv, dims.intermediate);
-        // Each sublayer's input and its normed input.
+        // Each sublayer's input and its normed input (and, normed
+        // after, its output).
         let host = match self.norms {
             Norms::Pre => 4 * d,
+            Norms::Sandwich => 6 * d,
         };
         let mixer = match self.mixer {
             // attn, q_rope, k_rope, v (+ q and k before RoPE, for QK-norm's backward)
@@ -365,8 +392,8 @@ impl LayerSpec {
             }
         };
         let mlp = match self.mlp {
-            // h1 = gate·x, h3 = up·x, silu(h1)·h3
-            Mlp::SwiGlu => 3 * h,
+            // h1 = gate·x, h3 = up·x, act(h1)·h3
+            Mlp::SwiGlu | Mlp::GeGlu => 3 * h,
         };
         (host, mixer + mlp)
     }
@@ -387,6 +414,9 @@ pub struct LayerClass {
     /// A query sees itself and the `W − 1` keys before it
     /// (`kernels::visible_keys`); `None`, every earlier key.
     pub window: Option<usize>,
+    /// RoPE of the model's local base, unscaled (Gemma's windowed layers:
+    /// `ModelConfig::local_rope_theta`), not of `rope_theta`.
+    pub local_rope: bool,
 }
 
 impl Default for LayerClass {
@@ -394,6 +424,7 @@ impl Default for LayerClass {
         LayerClass {
             rope: true,
             window: None,
+            local_rope: false,
         }
     }
 }

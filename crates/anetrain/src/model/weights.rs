@@ -66,6 +66,7 @@ fn layout(cfg: &ModelConfig) -> Model {
         let mut ids = LayerIds {
             mixer_norm: 0,
             mlp_norm: 0,
+            post_norms: [None; 2],
             projections: [0; 7],
             q_norm: None,
             k_norm: None,
@@ -76,6 +77,7 @@ fn layout(cfg: &ModelConfig) -> Model {
             match p.role {
                 Role::Norm(Sublayer::Mixer) => ids.mixer_norm = id,
                 Role::Norm(Sublayer::Mlp) => ids.mlp_norm = id,
+                Role::PostNorm(sub) => ids.post_norms[sub as usize] = Some(id),
                 Role::Projection(t) => ids.projections[t.index()] = id,
                 Role::QNorm => ids.q_norm = Some(id),
                 Role::KNorm => ids.k_norm = Some(id),
@@ -119,6 +121,47 @@ impl Model {
             };
         }
         Ok(m)
+    }
+
+    /// Every RMSNorm weight: the layers' (before and after their
+    /// sublayers, QK-norm's) and the final norm.
+    pub fn norm_ids(&self) -> Vec<usize> {
+        let mut out: Vec<usize> = self
+            .layers
+            .iter()
+            .flat_map(|l| {
+                [Some(l.mixer_norm), Some(l.mlp_norm), l.q_norm, l.k_norm]
+                    .into_iter()
+                    .chain(l.post_norms)
+                    .flatten()
+            })
+            .collect();
+        out.push(self.final_norm);
+        out
+    }
+
+    /// Parameter `id`'s values as Hugging Face stores them: a Gemma norm
+    /// weight is held as the scale `1 + w` it applies
+    /// ([`ModelConfig::norm_offset`]) and stored as `w`.
+    pub fn hf_values(&self, id: usize) -> std::borrow::Cow<'_, [f32]> {
+        let offset = self.cfg.norm_offset();
+        let p = &self.params[id];
+        match offset != 0.0 && self.norm_ids().contains(&id) {
+            true => p.data.iter().map(|v| v - offset).collect::<Vec<_>>().into(),
+            false => p.values(),
+        }
+    }
+
+    /// Reads parameter values stored as Hugging Face stores them (see
+    /// [`Model::hf_values`]): each norm weight becomes the scale it
+    /// applies.
+    pub fn fold_norm_offsets(&mut self) {
+        let offset = self.cfg.norm_offset();
+        if offset != 0.0 {
+            for id in self.norm_ids() {
+                self.params[id].data.iter_mut().for_each(|v| *v += offset);
+            }
+        }
     }
 
     /// The LM head's parameter index: its own, or the tied embedding's.
@@ -272,6 +315,7 @@ impl Model {
                 ),
             }
         }
+        m.fold_norm_offsets();
         Ok(m)
     }
 
@@ -321,10 +365,12 @@ impl Model {
 
     /// [`Model::safetensors_bytes`] with the weights stored as `dtype`.
     fn safetensors_bytes_as(&self, dtype: StoredDtype) -> Result<Vec<u8>> {
+        let values: Vec<_> = (0..self.params.len()).map(|i| self.hf_values(i)).collect();
         let tensors: Vec<(&str, &[usize], &[f32])> = self
             .params
             .iter()
-            .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+            .zip(&values)
+            .map(|(p, v)| (p.name.as_str(), p.shape.as_slice(), &v[..]))
             .collect();
         tensor_file::encode_as(&tensors, &[("format", "pt")], dtype)
     }
@@ -537,6 +583,12 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         "pad_token_id": c.pad_token_id,
         "use_cache": true,
     });
+    let layer_types: Vec<&str> = (0..c.num_hidden_layers)
+        .map(|i| match c.layer_class(i).window {
+            Some(_) => "sliding_attention",
+            None => "full_attention",
+        })
+        .collect();
     let family = match c.arch {
         Arch::Granite => serde_json::json!({
             "embedding_multiplier": c.scales.embedding,
@@ -547,12 +599,7 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         Arch::Mistral => serde_json::json!({ "sliding_window": c.sliding_window }),
         Arch::Ministral => serde_json::json!({
             "sliding_window": c.sliding_window,
-            "layer_types": (0..c.num_hidden_layers)
-                .map(|i| match c.layer_class(i).window {
-                    Some(_) => "sliding_attention",
-                    None => "full_attention",
-                })
-                .collect::<Vec<_>>(),
+            "layer_types": layer_types,
         }),
         Arch::SmolLM3 => serde_json::json!({
             "no_rope_layers": (0..c.num_hidden_layers)
@@ -560,6 +607,30 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
                 .collect::<Vec<u8>>(),
             "use_sliding_window": false,
         }),
+        Arch::Gemma3 => {
+            let scalar = c.score_scale().powi(-2);
+            serde_json::json!({
+                "sliding_window": c.sliding_window,
+                "layer_types": layer_types,
+                // An integer where it is one (Gemma3TextConfig types it int).
+                "query_pre_attn_scalar": match (scalar - scalar.round()).abs() < 1e-9 {
+                    true => serde_json::json!(scalar.round() as i64),
+                    false => serde_json::json!(scalar),
+                },
+                "rope_local_base_freq": c.local_rope_theta,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "hidden_act": "gelu_pytorch_tanh",
+                "attn_logit_softcapping": null,
+                "final_logit_softcapping": null,
+                "rope_parameters": {
+                    "full_attention": rope_parameters(c),
+                    "sliding_attention": {
+                        "rope_type": "default",
+                        "rope_theta": c.local_rope_theta,
+                    },
+                },
+            })
+        }
         Arch::Llama | Arch::Qwen3 | Arch::Qwen2 => serde_json::json!({}),
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {

@@ -375,7 +375,11 @@ pub fn predict(
     // `layer_forward`): the norm, the mixer, the residual and the norm,
     // the MLP.
     let spec = cfg.layer();
-    let Norms::Pre = spec.norms;
+    // A norm after each sublayer: one more pass over its output each way.
+    let post = match spec.norms {
+        Norms::Pre => 0.0,
+        Norms::Sandwich => 3.0 * d * s,
+    };
     let mut forward = Clock::default();
     forward.add(&p.host_passes(2.0 * d * s), 1.0);
     match spec.mixer {
@@ -384,10 +388,11 @@ pub fn predict(
             forward.add(&p.run(WoForward), 1.0);
         }
     }
-    forward.add(&p.host_passes(5.0 * d * s), 1.0);
+    forward.add(&p.host_passes(5.0 * d * s + post), 1.0);
     match spec.mlp {
-        Mlp::SwiGlu => forward.add(&p.run(FfnForward), 1.0),
+        Mlp::SwiGlu | Mlp::GeGlu => forward.add(&p.run(FfnForward), 1.0),
     }
+    forward.add(&p.host_passes(post), 1.0);
 
     // One layer's backward (engine `layer_backward`: the MLP's, its norm's,
     // the mixer's, its norm's): each group of weight gradients queued on
@@ -405,8 +410,8 @@ pub fn predict(
     };
     let mut layer = Queued::default();
     match spec.mlp {
-        Mlp::SwiGlu => {
-            layer.then(&p.host_passes(d * s));
+        Mlp::SwiGlu | Mlp::GeGlu => {
+            layer.then(&p.host_passes(d * s + post));
             layer.job(job(&[Projection::Down]));
             layer.then(&p.run(FfnBackwardW2));
             layer.then(&p.host_passes(5.0 * h * s));
@@ -414,7 +419,7 @@ pub fn predict(
             layer.then(&p.run(FfnBackwardW13));
         }
     }
-    layer.then(&p.host_passes(6.0 * d * s));
+    layer.then(&p.host_passes(6.0 * d * s + post));
     match spec.mixer {
         Mixer::Attention { .. } => {
             layer.job(job(&[Projection::O]));

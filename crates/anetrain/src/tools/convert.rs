@@ -120,6 +120,7 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         sliding_window: None,
         no_rope_layers: vec![],
         full_attention_layers: vec![],
+        local_rope_theta: None,
         rope_scaling: Default::default(),
     };
     cfg.validate().map_err(|e| e.to_string())?;

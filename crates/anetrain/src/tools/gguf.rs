@@ -249,6 +249,9 @@ pub fn export(
         );
     }
     let c = &model.cfg;
+    if c.arch == Arch::Gemma3 {
+        bail!("GGUF export of a Gemma 3 model is not built yet; the model directory itself loads in transformers");
+    }
     let every_fourth: Vec<usize> = (3..c.num_hidden_layers).step_by(4).collect();
     if c.arch == Arch::SmolLM3 && c.no_rope_layers != every_fourth {
         // llama.cpp's smollm3 leaves RoPE out of every fourth layer, a
@@ -322,6 +325,7 @@ fn arch_name(arch: Arch) -> &'static str {
         Arch::Qwen2 => "qwen2",
         Arch::Granite => "granite",
         Arch::SmolLM3 => "smollm3",
+        Arch::Gemma3 => "gemma3",
     }
 }
 
@@ -331,7 +335,7 @@ fn arch_name(arch: Arch) -> &'static str {
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
         Arch::Llama | Arch::Mistral | Arch::Ministral | Arch::Granite | Arch::SmolLM3 => true,
-        Arch::Qwen3 | Arch::Qwen2 => false,
+        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma3 => false,
     }
 }
 

@@ -121,8 +121,8 @@ pub fn quantize_dir(
         // The float tensors (scales, biases, norms: a few percent of the
         // words' bytes) wait in memory for the words to be written.
         let mut later: Vec<Vec<u8>> = Vec::new();
-        for p in &m.params {
-            let mut values = p.values().into_owned();
+        for (i, p) in m.params.iter().enumerate() {
+            let mut values = m.hf_values(i).into_owned();
             if let Some(st) = &p.stored {
                 st.release();
             }

@@ -227,6 +227,17 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
                 serde_json::to_string_pretty(&lora.peft_config(&adapter_base(state)))?.as_bytes(),
             )?;
         }
+        // The checkpoint holds the weights as training does (a resume is
+        // bit-exact); a model whose norm weights are stored without the
+        // offset they apply (Gemma's) is written out as Hugging Face
+        // stores it instead of linked.
+        None if model.cfg.norm_offset() != 0.0 => {
+            write_atomic(&out.join("model.safetensors"), &model.safetensors_bytes()?)?;
+            write_atomic(
+                &out.join("config.json"),
+                crate::model::hf_config_json(&model.cfg, crate::model::StoredDtype::F32).as_bytes(),
+            )?;
+        }
         None => {
             publish(out, &dir.join(&state.model_file), "model.safetensors")?;
             write_atomic(

@@ -42,6 +42,7 @@ fn gqa() -> ModelConfig {
         sliding_window: None,
         no_rope_layers: vec![],
         full_attention_layers: vec![],
+        local_rope_theta: None,
         rope_scaling: Default::default(),
     }
 }

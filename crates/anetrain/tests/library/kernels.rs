@@ -51,6 +51,7 @@ fn config(
         sliding_window: None,
         no_rope_layers: vec![],
         full_attention_layers: vec![],
+        local_rope_theta: None,
         rope_scaling: Default::default(),
     }
 }
@@ -86,6 +87,34 @@ fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
                     s.ratio()
                 );
             }
+        }
+    }
+}
+
+/// Gemma 3's parts — GeGLU, the MLP's output without the residual (a norm
+/// follows it), QK-norm, the score scale — in both of its layer classes
+/// (windowed with the local RoPE base, full with the global one), each
+/// program against its twin.
+#[test]
+fn gemma_kernels_match_their_cpu_twins() {
+    let mut cfg = config(48, 96, 4, 2, 16, true);
+    cfg.arch = Arch::Gemma3;
+    cfg.sliding_window = Some(5);
+    cfg.full_attention_layers = vec![1];
+    cfg.local_rope_theta = Some(1e4);
+    cfg.scales.attention = Some(24f64.powf(-0.5));
+    let base = KernelOptions::hf(&cfg);
+    assert_eq!(cfg.layer_classes().len(), 2);
+    for layer in [0, 1] {
+        let o = base.for_layer(&cfg, layer);
+        let s = Shape::new(&cfg, 16);
+        for kind in KernelKind::ALL {
+            let r = check_kernel(kind, &s, &o, 11).unwrap();
+            eprintln!(
+                "gemma {kind:?} layer {layer}: fp32 {:.1e} fp16 {:.1e}",
+                r.fp32_rel, r.fp16_rel
+            );
+            assert!(r.passed(), "{kind:?} layer {layer}: {r:?}");
         }
     }
 }

@@ -47,11 +47,12 @@ fn ane_sim_logits_match_transformers_in_fp16() {
         // 12 kernels (ten per layer, the head's two) compiled once for the
         // padded length 32; SmolLM3's layers without RoPE one more
         // sdpa_forward (its RoPE tables are the program's constants),
-        // Ministral's layer without a window one more sdpa_forward and
-        // sdpa_backward1 (the mask is theirs).
+        // Ministral's layer without a window (Gemma's full layer, its
+        // RoPE base too) one more sdpa_forward and sdpa_backward1 (the
+        // mask is theirs).
         let more = match kind {
             "smollm3" => 1,
-            "ministral" => 2,
+            "ministral" | "gemma3" => 2,
             _ => 0,
         };
         assert_eq!(ane::Device::compiles(&eng.runner.device), 12 + more);
@@ -281,7 +282,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         assert_eq!(compiled, plan.programs_for(&model.cfg.layer_classes()));
         let more = match kind {
             "smollm3" => 1,
-            "ministral" => 2,
+            "ministral" | "gemma3" => 2,
             _ => 0,
         };
         assert_eq!(compiled, 11 + more);

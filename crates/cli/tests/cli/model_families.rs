@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 7] = [
+const FAMILIES: [&str; 8] = [
     "qwen3",
     "llama",
     "mistral",
@@ -18,6 +18,7 @@ const FAMILIES: [&str; 7] = [
     "qwen2",
     "smollm3",
     "ministral",
+    "gemma3",
 ];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
@@ -99,7 +100,11 @@ fn every_family_trains_on_the_simulated_device_as_on_the_cpu() {
         let config: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap())
                 .unwrap();
-        assert_eq!(config["model_type"], kind);
+        let fixture_config: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(&format!("{kind}/model/config.json"))).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(config["model_type"], fixture_config["model_type"]);
         let o = bin()
             .args(["eval", "--model", saved.to_str().unwrap()])
             .args([
@@ -115,18 +120,18 @@ fn every_family_trains_on_the_simulated_device_as_on_the_cpu() {
 #[test]
 fn a_family_not_read_is_refused_naming_those_that_are() {
     let d = tmp();
-    let dir = d.path().join("gemma");
+    let dir = d.path().join("olmo2");
     std::fs::create_dir(&dir).unwrap();
     let config = std::fs::read_to_string(fixture("llama/model/config.json"))
         .unwrap()
-        .replace("\"llama\"", "\"gemma3_text\"")
-        .replace("LlamaForCausalLM", "Gemma3ForCausalLM");
+        .replace("\"llama\"", "\"olmo2\"")
+        .replace("LlamaForCausalLM", "Olmo2ForCausalLM");
     std::fs::write(dir.join("config.json"), config).unwrap();
     fails(
         &["eval", "--model", dir.to_str().unwrap()],
         &[
-            "gemma3_text",
-            "qwen3, qwen2, llama, mistral, granite, smollm3",
+            "olmo2",
+            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text",
         ],
     );
 }

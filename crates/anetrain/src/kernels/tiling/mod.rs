@@ -584,7 +584,8 @@ impl Plan {
     /// program holding a constant that differs between classes is
     /// compiled once per distinct value (`NeuralKernels` compiles one per
     /// distinct text). sdpa_forward holds its keys' RoPE tables
-    /// ([`LayerClass::rope`](crate::model::layer::LayerClass)); the
+    /// ([`LayerClass::rope`](crate::model::layer::LayerClass), its base);
+    /// the
     /// attention kernels hold their causal mask, and with it the window,
     /// unless their queries come in blocks (then the mask is an input).
     pub fn programs_for(&self, classes: &[crate::model::layer::LayerClass]) -> usize {
@@ -595,7 +596,10 @@ impl Plan {
             let mask = attends && !p.shape.query_block();
             let mut variants = vec![];
             for c in classes {
-                let v = (rope.then_some(c.rope), mask.then_some(c.window));
+                let v = (
+                    rope.then_some((c.rope, c.local_rope)),
+                    mask.then_some(c.window),
+                );
                 if !variants.contains(&v) {
                     variants.push(v);
                 }

@@ -85,7 +85,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
 /// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 9] = [
+pub const FAMILIES: [&str; 10] = [
     "qwen3",
     "llama",
     "mistral",
@@ -95,4 +95,5 @@ pub const FAMILIES: [&str; 9] = [
     "yarn",
     "smollm3",
     "ministral",
+    "gemma3",
 ];
