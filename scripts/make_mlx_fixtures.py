@@ -2,7 +2,7 @@
 """MLX-quantized fixtures: testdata/mlx/.
 
 Quantizes the small Qwen3 model of testdata/chat/model (tied head, f32)
-and small random Llama, Qwen2, Mistral, Granite and SmolLM3 models made here (bf16:
+and small random Llama, Qwen2, Mistral, Granite, SmolLM3 and Gemma 3 models made here (bf16:
 testdata/mlx/<family>-source) with mlx-lm's `convert` (mlx's CPU backend on
 Linux, `pip install "mlx[cpu]" mlx-lm`) in several widths, group sizes and
 dtypes, one of them with mlx-lm's mixed 3/6-bit recipe (per-module entries
@@ -45,6 +45,7 @@ QWEN2 = os.path.join(OUT, "qwen2-source")
 MISTRAL = os.path.join(OUT, "mistral-source")
 GRANITE = os.path.join(OUT, "granite-source")
 SMOLLM3 = os.path.join(OUT, "smollm3-source")
+GEMMA3 = os.path.join(OUT, "gemma3-source")
 # name: (source, bits, group size, dtype, recipe). The Qwen3 source ties
 # its head to the embedding; the Llama one (bf16, made here) does not.
 VARIANTS = {
@@ -62,9 +63,10 @@ VARIANTS = {
     "mistral-q4-g32-bf16": (MISTRAL, 4, 32, "bfloat16", None),
     "granite-q4-g64-bf16": (GRANITE, 4, 64, "bfloat16", None),
     "smollm3-q4-g64-bf16": (SMOLLM3, 4, 64, "bfloat16", None),
+    "gemma3-q4-g64-bf16": (GEMMA3, 4, 64, "bfloat16", None),
 }
 SOURCES = [("llama", LLAMA), ("qwen2", QWEN2), ("mistral", MISTRAL), ("granite", GRANITE),
-           ("smollm3", SMOLLM3)]
+           ("smollm3", SMOLLM3), ("gemma3", GEMMA3)]
 
 
 def make_source(kind, path):
@@ -99,6 +101,20 @@ def make_source(kind, path):
         # fourth; two layers keep the bf16 comparison's bound).
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(
             tie_word_embeddings=True, pad_token_id=0, no_rope_layer_interval=2, **common))
+    elif kind == "gemma3":
+        # A windowed layer (8 positions, shorter than TOKENS, its own RoPE
+        # base) then a full one: mlx-lm reads the pattern, transformers
+        # the layer types.
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+            head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            tie_word_embeddings=True, pad_token_id=0, **common))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.dim() == 1:  # norms away from their resting 0
+                    p.copy_(0.2 * torch.randn_like(p))
     else:
         model = tf.GraniteForCausalLM(tf.GraniteConfig(
             tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,
@@ -112,7 +128,13 @@ def make_source(kind, path):
     # `rope_parameters`; mlx-lm's Granite needs it.
     config_path = os.path.join(path, "config.json")
     config = json.load(open(config_path))
-    config["rope_theta"] = config["rope_parameters"]["rope_theta"]
+    rope = config["rope_parameters"]
+    if "full_attention" in rope:  # Gemma's, per layer type
+        config["rope_theta"] = rope["full_attention"]["rope_theta"]
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        config["sliding_window_pattern"] = 2
+    else:
+        config["rope_theta"] = rope["rope_theta"]
     json.dump(config, open(config_path, "w"), indent=2)
     # mlx-lm loads a tokenizer with any model: the Qwen3 model's (same
     # vocabulary size).
