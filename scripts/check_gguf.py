@@ -5,8 +5,9 @@ For a small Qwen3 model with a LoRA adapter (testdata/chat/model plus an
 adapter trained here), for a llama2.c checkpoint converted by `anetrain
 convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
 tokenizer written here), for small Qwen2, Mistral and Granite models
-(testdata/mlx/<family>-source) and a small random four-layer SmolLM3 made
-here (llama.cpp leaves RoPE out of every fourth layer), in f16 and q8_0:
+(testdata/mlx/<family>-source), a small random four-layer SmolLM3 and a
+six-layer Gemma 3 made here (llama.cpp leaves RoPE out of every fourth
+SmolLM3 layer and makes every sixth Gemma 3 layer full), in f16 and q8_0:
 
 * reads the file with the `gguf` package (tensor count, architecture,
   tokenizer model);
@@ -95,6 +96,31 @@ def smollm3_source(path):
     return path
 
 
+def gemma3_source(path):
+    """A small random Gemma 3 of six layers (five windowed of 8 positions,
+    then a full one; query_pre_attn_scalar = head_dim, as llama.cpp
+    assumes), bf16, norms away from their resting 0, with the chat model's
+    tokenizer."""
+    import shutil
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
+        vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, initializer_range=0.1, tie_word_embeddings=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(CHAT_MODEL, f), path)
+    return path
+
+
 def anetrain_logits(model, adapter, tokens, tmp):
     t = os.path.join(tmp, "t.npy")
     out = os.path.join(tmp, "l.npy")
@@ -175,6 +201,9 @@ def main():
             cases.append((family, source, None, [[1, 20, 30, 40, 50], [5, 6, 7], [100, 3, 200, 17]]))
         smollm3 = smollm3_source(os.path.join(tmp, "smollm3"))
         cases.append(("smollm3", smollm3, None, [[1, 20, 30, 40, 50, 60, 70], [5, 6, 7], [100, 3, 200, 17]]))
+        gemma3 = gemma3_source(os.path.join(tmp, "gemma3"))
+        # Longer than the window: the windowed layers' masks bite.
+        cases.append(("gemma3", gemma3, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
         only = sys.argv[1:]
         for label, model, adapter_dir, prompts in cases:
             if only and label.split()[0] not in only:

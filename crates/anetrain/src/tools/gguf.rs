@@ -250,7 +250,19 @@ pub fn export(
     }
     let c = &model.cfg;
     if c.arch == Arch::Gemma3 {
-        bail!("GGUF export of a Gemma 3 model is not built yet; the model directory itself loads in transformers");
+        // llama.cpp's gemma3 fixes what the file does not carry: a full
+        // layer every sixth, the windowed layers' RoPE base 10000, scores
+        // scaled by 1/√head_dim (models other than the 27B).
+        let sixth: Vec<usize> = (5..c.num_hidden_layers).step_by(6).collect();
+        let scalar = c.score_scale().powi(-2);
+        if c.full_attention_layers != sixth
+            || c.local_rope_theta != Some(10000.0)
+            || (scalar - c.head_dim as f64).abs() > 1e-6 * scalar
+        {
+            bail!(
+                "GGUF export of this Gemma 3 model: llama.cpp's gemma3 assumes a full-attention layer every sixth, a windowed RoPE base of 10000 and query_pre_attn_scalar = head_dim, and this model differs"
+            );
+        }
     }
     let every_fourth: Vec<usize> = (3..c.num_hidden_layers).step_by(4).collect();
     if c.arch == Arch::SmolLM3 && c.no_rope_layers != every_fourth {
@@ -375,6 +387,13 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
             MetaValue::F32(c.rms_norm_eps as f32),
         ),
     ];
+    if c.arch == Arch::Gemma3 {
+        // llama.cpp's Gemma3Model keys (the norms are written as the
+        // scale 1 + w they apply, as its converter adds 1).
+        if let Some(w) = c.sliding_window {
+            meta.push((format!("{a}.attention.sliding_window"), u(w)));
+        }
+    }
     if c.arch == Arch::Granite {
         // llama.cpp's GraniteModel keys.
         meta.extend([
@@ -386,6 +405,18 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
     }
     meta
 }
+
+/// GGUF names of a Gemma layer's norms where they differ from
+/// [`LAYER_TENSORS`] (Gemma's `post_attention_layernorm` follows the
+/// attention; its MLP's norms are `pre_`/`post_feedforward_layernorm`).
+const GEMMA_NORMS: [(&str, &str); 3] = [
+    (
+        "post_attention_layernorm.weight",
+        "post_attention_norm.weight",
+    ),
+    ("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+    ("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
+];
 
 /// GGUF names of a layer's tensors, by the Hugging Face suffix.
 const LAYER_TENSORS: [(&str, &str); 14] = [
@@ -405,8 +436,8 @@ const LAYER_TENSORS: [(&str, &str); 14] = [
     ("mlp.down_proj.weight", "ffn_down.weight"),
 ];
 
-/// The GGUF name of a Hugging Face tensor name.
-pub fn gguf_name(hf: &str) -> Option<String> {
+/// The GGUF name of a Hugging Face tensor name in a model of `arch`.
+pub fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     match hf {
         "model.embed_tokens.weight" => return Some("token_embd.weight".into()),
         "model.norm.weight" => return Some("output_norm.weight".into()),
@@ -416,7 +447,14 @@ pub fn gguf_name(hf: &str) -> Option<String> {
     let rest = hf.strip_prefix("model.layers.")?;
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
-    let (_, g) = LAYER_TENSORS.iter().find(|(h, _)| *h == suffix)?;
+    let gemma = match arch {
+        Arch::Gemma3 => &GEMMA_NORMS[..],
+        _ => &[],
+    };
+    let (_, g) = gemma
+        .iter()
+        .chain(&LAYER_TENSORS)
+        .find(|(h, _)| *h == suffix)?;
     Some(format!("blk.{layer}.{g}"))
 }
 
@@ -424,7 +462,7 @@ fn tensor_plan(model: &Model, ty: ExportType) -> Result<Vec<TensorPlan<'_>>> {
     let c = &model.cfg;
     let mut plan = Vec::with_capacity(model.params.len());
     for p in &model.params {
-        let name = gguf_name(&p.name)
+        let name = gguf_name(&p.name, c.arch)
             .with_context(|| format!("no GGUF name for the tensor '{}'", p.name))?;
         let mut values = std::borrow::Cow::Borrowed(p.data.as_slice());
         // llama.cpp's `llama` rotates adjacent pairs: permute the q and k
@@ -741,17 +779,35 @@ mod tests {
     #[test]
     fn hugging_face_names_map_to_llama_cpp_names() {
         assert_eq!(
-            gguf_name("model.embed_tokens.weight").unwrap(),
+            gguf_name("model.embed_tokens.weight", Arch::Qwen3).unwrap(),
             "token_embd.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.11.self_attn.k_norm.weight").unwrap(),
+            gguf_name("model.layers.11.self_attn.k_norm.weight", Arch::Qwen3).unwrap(),
             "blk.11.attn_k_norm.weight"
         );
         assert_eq!(
-            gguf_name("model.layers.0.mlp.down_proj.weight").unwrap(),
+            gguf_name("model.layers.0.mlp.down_proj.weight", Arch::Qwen3).unwrap(),
             "blk.0.ffn_down.weight"
         );
-        assert_eq!(gguf_name("model.layers.x.mlp.down_proj.weight"), None);
+        assert_eq!(
+            gguf_name("model.layers.x.mlp.down_proj.weight", Arch::Qwen3),
+            None
+        );
+        // Gemma's norm after the attention, and its MLP's two.
+        let gemma = |n: &str| gguf_name(&format!("model.layers.2.{n}.weight"), Arch::Gemma3);
+        assert_eq!(
+            [
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm"
+            ]
+            .map(|n| gemma(n).unwrap()),
+            [
+                "blk.2.post_attention_norm.weight",
+                "blk.2.ffn_norm.weight",
+                "blk.2.post_ffw_norm.weight"
+            ]
+        );
     }
 }
