@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Writes a randomly initialised bf16 checkpoint of a Hugging Face config of
 a family anetrain reads, the way `transformers` saves one (model.safetensors, bf16,
-tensors in name order), for memory measurements of models too large to
-keep in the repository (Qwen3-4B is 8 GB):
+tensors in name order), for memory and speed measurements of models too
+large to keep in the repository (Qwen3-4B is 8 GB):
 
     python3 scripts/random_bf16_checkpoint.py testdata/configs/qwen3-4b.json /tmp/qwen3-4b
 
 Tensors are written one block at a time, so the script needs little memory
-whatever the model's size. Matrices and biases are N(0, 0.02), norm weights 1. Needs
+whatever the model's size. Matrices and biases are N(0, 0.02), norm weights 1 (Gemma's: 1 + 1). Needs
 numpy. Copies the config to OUT/config.json.
 """
 import json
@@ -23,7 +23,8 @@ def tensors(cfg):
     d, h, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim", d // heads)
-    qk_norm = cfg.get("model_type") == "qwen3"
+    qk_norm = cfg.get("model_type") in ("qwen3", "gemma3_text")
+    gemma = cfg.get("model_type") == "gemma3_text"
     out = [("model.embed_tokens.weight", [v, d])]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -40,6 +41,9 @@ def tensors(cfg):
         ]
         if qk_norm:
             out += [(p + "self_attn.q_norm.weight", [hd]), (p + "self_attn.k_norm.weight", [hd])]
+        if gemma:  # norms after each sublayer, and before the MLP by its own name
+            out += [(p + "pre_feedforward_layernorm.weight", [d]),
+                    (p + "post_feedforward_layernorm.weight", [d])]
         if cfg.get("model_type") == "qwen2":  # q, k and v biases
             out += [(p + "self_attn.q_proj.bias", [heads * hd]),
                     (p + "self_attn.k_proj.bias", [kv * hd]),
