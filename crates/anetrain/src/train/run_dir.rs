@@ -126,8 +126,21 @@ fn remove_created(dir: &Path, top: &Path) {
 pub const LOCK_FILE: &str = ".lock";
 
 /// An exclusive lock on a run directory, held until dropped (or the
-/// process ends): a second run into the same directory is refused.
-pub(super) struct RunLock(#[allow(dead_code)] std::fs::File);
+/// process ends): a second run into the same directory is refused. A run
+/// that ends removes the file (still holding the lock as it does), so a
+/// finished run directory holds only the run; one killed leaves it
+/// unlocked, with its pid.
+pub(super) struct RunLock {
+    #[allow(dead_code)]
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
 
 impl RunLock {
     pub(super) fn acquire(dir: &Path) -> Result<RunLock> {
@@ -145,7 +158,7 @@ impl RunLock {
                 f.set_len(0)
                     .and_then(|()| writeln!(f, "{}", std::process::id()))
                     .with_context(|| format!("cannot write '{}'", path.display()))?;
-                Ok(RunLock(f))
+                Ok(RunLock { file: f, path })
             }
             Err(std::fs::TryLockError::WouldBlock) => {
                 let mut pid = String::new();
