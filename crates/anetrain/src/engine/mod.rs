@@ -646,23 +646,11 @@ impl<R: KernelRunner> Engine<R> {
         queue: &GradQueue<'q>,
     ) -> Result<()> {
         let (a, spec) = (c.acts, self.opts.layer);
-        // The gradient of a sublayer's output: through the norm after it,
-        // where there is one.
-        let through_post = |dx: &[f32],
-                            out: &[f32],
-                            norm: Option<usize>,
-                            grads: &mut Grads,
-                            scratch: &mut Vec<f32>| {
-            match norm {
-                Some(v) => std::borrow::Cow::Owned(c.norm_backward(out, v, dx, grads, scratch)),
-                None => std::borrow::Cow::Owned(dx.to_vec()),
-            }
-        };
-        let dmlp = through_post(dx, &a.mlp_out, c.ids.post_norms[1], grads, scratch);
+        let dmlp = c.through_post_norm(dx, &a.mlp_out, c.ids.post_norms[1], grads, scratch);
         let dx2n = self.mlp_backward(&spec, c, &dmlp, grads, queue)?;
         let dnorm = c.norm_backward(&a.x2, c.ids.mlp_norm, &dx2n, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
-        let dmix = through_post(dx, &a.mixer_out, c.ids.post_norms[0], grads, scratch);
+        let dmix = c.through_post_norm(dx, &a.mixer_out, c.ids.post_norms[0], grads, scratch);
         let dxn = self.mixer_backward(&spec, c, rope, &dmix, grads, scratch, queue)?;
         let dnorm = c.norm_backward(&a.x, c.ids.mixer_norm, &dxn, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
@@ -834,6 +822,23 @@ impl LayerCtx<'_> {
 
     /// Backward of `rmsnorm(x)·w` (w = parameter `norm`) for `dy`; the
     /// weight's gradient accumulates into `grads`.
+    /// The gradient of a sublayer's output `out` from `dx`, the gradient
+    /// after the residual add: through the norm after the sublayer where
+    /// it has one (Gemma), else `dx` itself (no copy).
+    fn through_post_norm<'d>(
+        &self,
+        dx: &'d [f32],
+        out: &[f32],
+        norm: Option<usize>,
+        grads: &mut Grads,
+        scratch: &mut Vec<f32>,
+    ) -> std::borrow::Cow<'d, [f32]> {
+        match norm {
+            Some(v) => self.norm_backward(out, v, dx, grads, scratch).into(),
+            None => dx.into(),
+        }
+    }
+
     fn norm_backward(
         &self,
         x: &[f32],
