@@ -70,7 +70,8 @@ impl Kernel for FfnForward {
                 g.b.mul("silu", &h1, &sig)?
             }
             // gelu(h1) = h1·σ(2β·h1·(1 + κ·h1²)): the device has no gelu
-            // (Orion: "No gelu"), its sigmoid is SwiGLU's.
+            // (Orion issue #10: "No gelu"; digested in the ANE runtime
+            // notes, "Ops"), its sigmoid is SwiGLU's.
             Mlp::GeGlu => {
                 let sq = g.b.mul("h1_sq", &h1, &h1)?;
                 let k = g.scalar("gelu_kappa", GELU_KAPPA as f64)?;
