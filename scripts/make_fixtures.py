@@ -11,9 +11,12 @@ scaling, every branch of it in use), Qwen3 with YaRN (its ramp
 between the correction dimensions inside the head, attention factor from
 mscale), SmolLM3 (four layers, the fourth without RoPE, as
 llama.cpp's smollm3 also places them), Ministral (a window of 5 on its
-first layer, none on its second) and Gemma 3 (windowed layers of 4
+first layer, none on its second), Gemma 3 (windowed layers of 4
 positions with their own RoPE base around a full one, a query scalar apart
-from head_dim) — it writes:
+from head_dim) and Phi-3 (fused qkv_proj and gate_up_proj, RoPE on 12 of
+16 dimensions a head, LongRoPE with an original context of 8 positions —
+the fixture's 12 use the long factors, greedy decoding crosses from the
+short to the long — and a window of 5) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -38,11 +41,11 @@ from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
-    Gemma3ForCausalLM, Gemma3TextConfig,
+    Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM,
 )
 
 KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral",
-         "gemma3"]
+         "gemma3", "phi3"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -107,6 +110,17 @@ def build(kind):
             pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
         )
         return Gemma3ForCausalLM(cfg)
+    if kind == "phi3":
+        cfg = Phi3Config(
+            vocab_size=100, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+            max_position_embeddings=64, original_max_position_embeddings=8,
+            partial_rotary_factor=0.75, sliding_window=5,
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0, 2.6, 3.1],
+                          "long_factor": [1.1, 2.0, 3.5, 5.0, 7.5, 9.0]},
+            pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
+        )
+        return Phi3ForCausalLM(cfg)
     if kind == "ministral":
         cfg = MinistralConfig(
             vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=2,

@@ -27,6 +27,8 @@ pub struct Decoder<'a> {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
     pos: usize,
+    /// The tokens fed so far (replayed when LongRoPE's frequencies change).
+    tokens: Vec<u32>,
 }
 
 impl<'a> Decoder<'a> {
@@ -43,6 +45,7 @@ impl<'a> Decoder<'a> {
             keys: vec![vec![]; n],
             values: vec![vec![]; n],
             pos: 0,
+            tokens: vec![],
         }
     }
 
@@ -50,24 +53,45 @@ impl<'a> Decoder<'a> {
         self.pos
     }
 
-    /// Feeds one token; returns the next-token logits `[V]`.
+    /// Feeds one token; returns the next-token logits `[V]`: those of a
+    /// full forward over every token fed. Where RoPE's frequencies follow
+    /// the length (LongRoPE), the sequence that passes the switch is
+    /// computed again with the new ones, as transformers' Phi-3 does
+    /// (`Phi3ForCausalLM.prepare_inputs_for_generation` drops its cache
+    /// there).
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let vocab = self.model.cfg.vocab_size;
+        if token as usize >= vocab {
+            bail!("token id {token} is outside the vocabulary ({vocab} ids)");
+        }
+        self.tokens.push(token);
+        let len = self.tokens.len();
+        if self.model.cfg.rope_scaling.switches_after() == Some(len - 1) && len > 1 {
+            self.keys
+                .iter_mut()
+                .chain(&mut self.values)
+                .for_each(Vec::clear);
+            self.pos = 0;
+            for i in 0..len - 1 {
+                self.advance(self.tokens[i], len)?;
+            }
+        }
+        self.advance(token, len)
+    }
+
+    /// Runs `token` at the next position of a sequence of `len` positions.
+    fn advance(&mut self, token: u32, len: usize) -> Result<Vec<f32>> {
         let Decoder {
             model,
             engine,
             keys,
             values,
             pos,
+            ..
         } = self;
         let m: &Model = model;
         let c = &m.cfg;
         let d = c.hidden_size;
-        if token as usize >= c.vocab_size {
-            bail!(
-                "token id {token} is outside the vocabulary ({} ids)",
-                c.vocab_size
-            );
-        }
         if *pos >= c.max_position_embeddings {
             bail!(
                 "reached the model's max_position_embeddings ({})",
@@ -94,7 +118,8 @@ impl<'a> Decoder<'a> {
             let o = match spec.mixer {
                 Mixer::Attention { .. } => {
                     let cache = (&mut keys[i], &mut values[i]);
-                    cached_attention(m, l, &engine.opts.for_layer(c, i), *pos, &xn, cache)
+                    let opts = &engine.opts.for_layer(c, i);
+                    cached_attention(m, l, opts, (*pos, len), &xn, cache)
                 }
             };
             let o = post(o, l.post_norms[0]);
@@ -121,15 +146,15 @@ impl<'a> Decoder<'a> {
     }
 }
 
-/// The attention mixer at position `pos`: the new position's query, key
-/// and value (QK-norm, RoPE) from its normed input `xn`, its key and value
-/// appended to the layer's cache, and its attention over every cached
-/// position; `Wo` times that.
+/// The attention mixer at position `pos` of `len`: the new position's
+/// query, key and value (QK-norm, RoPE) from its normed input `xn`, its
+/// key and value appended to the layer's cache, and its attention over
+/// every cached position; `Wo` times that.
 fn cached_attention(
     m: &Model,
     l: &LayerIds,
     opts: &KernelOptions,
-    pos: usize,
+    (pos, len): (usize, usize),
     xn: &[f32],
     (ks, vs): (&mut Vec<f32>, &mut Vec<f32>),
 ) -> Vec<f32> {
@@ -138,7 +163,7 @@ fn cached_attention(
     let eps = c.rms_norm_eps as f32;
     let w = |i: usize| m.params[i].data.as_slice();
     let proj = |t: Projection| w(t.base(l));
-    let (cos, sin) = opts.rope_row(pos, hd);
+    let (cos, sin) = opts.rope_row(pos, len, hd);
     let project = |t: Projection, rows: usize| {
         let mut y = w_x(proj(t), xn, rows, d, 1);
         if let Some(b) = l.biases[t.index()] {

@@ -174,13 +174,24 @@ fn projection_grad(
     let r = lora.cfg.rank;
     let s = lora.cfg.scale() as f32;
     let x = &maths::masked(x, mask)[..];
-    let (a, b) = (&lora.params[ids.a].data, &lora.params[ids.b].data);
+    let Some((a, b)) = lora.adapter(layer, t) else {
+        return;
+    };
     let mut bt_dy = maths::wt_x(b, dy, out, r, seq);
     bt_dy.iter_mut().for_each(|v| *v *= s);
     let mut ax = maths::w_x(a, x, r, inp, seq);
     ax.iter_mut().for_each(|v| *v *= s);
+    // A fused module's A gathers every part's gradient (the first
+    // product overwrites, the others add); its B's rows are each part's
+    // own, written into a buffer zeroed at the step's first write.
     weight_grad(grads.product_target(ids.a), &bt_dy, x, r, inp, seq);
-    weight_grad(grads.product_target(ids.b), dy, &ax, out, r, seq);
+    match ids.whole_b(out) {
+        true => weight_grad(grads.product_target(ids.b), dy, &ax, out, r, seq),
+        false => {
+            let rows = &mut grads.accumulator(ids.b)[ids.b_rows.0 * r..ids.b_rows.1 * r];
+            weight_grad((rows, true), dy, &ax, out, r, seq);
+        }
+    }
 }
 
 /// Dropout masks for every adapted target of `layer` (keep with
@@ -200,8 +211,11 @@ fn dropout_masks(model: &Model, layer: usize, seq: usize, key: Option<u64>) -> D
             continue;
         }
         let inp = model.params[t.base(&model.layers[layer])].shape[1];
+        // The parts of a fused module share its input and so its mask (PEFT
+        // drops out the fused module's input once).
+        let first = model.cfg.fused_of(t).map_or(t, |f| f.parts[0]);
         let mut rng = Rng::new(
-            key ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (t.index() as u64) << 56,
+            key ^ (layer as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ (first.index() as u64) << 56,
         );
         masks[t.index()] = Some(
             (0..inp * seq)
@@ -622,10 +636,16 @@ impl<R: KernelRunner> Engine<R> {
         if model.lora.is_some() {
             return Ok(()); // the embedding is frozen
         }
-        // x[c, s] = m_e·E[token_s, c]
+        // x[c, s] = m_e·E[token_s, c]; the padding token's row takes no
+        // gradient from the lookup (torch's `nn.Embedding(padding_idx)`,
+        // which every family's embedding is built with).
         let m_e = cfg.scales.embedding as f32;
+        let pad = cfg.padding_idx();
         let de = grads.accumulator(model.embed);
         for (s, &t) in fwd.tokens.iter().enumerate() {
+            if Some(t) == pad {
+                continue;
+            }
             for c in 0..d {
                 de[t as usize * d + c] += m_e * dx[c * seq + s];
             }

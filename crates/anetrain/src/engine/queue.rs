@@ -63,11 +63,17 @@ pub(super) fn projection_grad_ids(model: &Model, layer: usize) -> Vec<usize> {
             .iter()
             .map(|t| t.base(&model.layers[layer]))
             .collect(),
-        Some(l) => l.slots[layer]
-            .iter()
-            .flatten()
-            .flat_map(|ids| [ids.a, ids.b])
-            .collect(),
+        Some(l) => {
+            // A fused module's parts share A and B: each id once.
+            let mut ids: Vec<usize> = l.slots[layer]
+                .iter()
+                .flatten()
+                .flat_map(|ids| [ids.a, ids.b])
+                .collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids
+        }
     }
 }
 

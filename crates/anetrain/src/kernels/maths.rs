@@ -266,7 +266,6 @@ pub fn apply_rope(
     sign: f32,
 ) -> Vec<f32> {
     let mut y = vec![0f32; x.len()];
-    let half = hd / 2;
     // The tables transposed to [HD, S], so the loop below reads them
     // contiguously (and vectorises) instead of striding by HD.
     let transposed = |t: &[f32]| -> Vec<f32> {
@@ -280,12 +279,7 @@ pub fn apply_rope(
         .for_each(|(yh, xh)| {
             for d in 0..hd {
                 // partner row and the sign of its term in rotate(x)
-                let (p, rs) = match rope {
-                    Rope::HalfSplit if d < half => (d + half, -1.0),
-                    Rope::HalfSplit => (d - half, 1.0),
-                    Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
-                    Rope::Interleaved => (d - 1, 1.0),
-                };
+                let (p, rs) = rope.partner(d, hd);
                 let (xr, xp) = (&xh[d * seq..][..seq], &xh[p * seq..][..seq]);
                 let (c, sn) = (&cos[d * seq..][..seq], &sin[d * seq..][..seq]);
                 let out = &mut yh[d * seq..][..seq];

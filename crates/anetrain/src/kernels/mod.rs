@@ -208,10 +208,43 @@ impl KernelKind {
 /// RoPE pairing convention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Rope {
-    /// Hugging Face `rotate_half`: dimension i pairs with i + HD/2.
-    HalfSplit,
+    /// Hugging Face `rotate_half` over a head's first `rotary` dimensions
+    /// (all of them but with Phi's `partial_rotary_factor`): dimension
+    /// i < rotary/2 pairs with i + rotary/2, the rest pass through.
+    HalfSplit { rotary: usize },
     /// The seed's (and llama2.c's) adjacent pairs (2i, 2i+1).
     Interleaved,
+}
+
+impl Rope {
+    /// Hugging Face's half-split RoPE over whole heads of `hd`.
+    pub fn whole(hd: usize) -> Rope {
+        Rope::HalfSplit { rotary: hd }
+    }
+
+    /// The dimensions of a head of `hd` that rotate (the first ones).
+    pub fn rotated(self, hd: usize) -> usize {
+        match self {
+            Rope::HalfSplit { rotary } => rotary.min(hd),
+            Rope::Interleaved => hd,
+        }
+    }
+
+    /// Dimension `d`'s partner in `rotate(x)` and the sign its term takes:
+    /// `rotate(x)[d] = sign·x[partner]`. Half-split:
+    /// `rotate(x) = concat(−x[r/2..r], x[..r/2])` over the `r` rotated
+    /// dimensions; interleaved, pairs `(x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)`; a
+    /// dimension passed through is its own partner with sign 0.
+    pub fn partner(self, d: usize, hd: usize) -> (usize, f32) {
+        let half = self.rotated(hd) / 2;
+        match self {
+            Rope::HalfSplit { .. } if d < half => (d + half, -1.0),
+            Rope::HalfSplit { .. } if d < 2 * half => (d - half, 1.0),
+            Rope::HalfSplit { .. } => (d, 0.0),
+            Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
+            Rope::Interleaved => (d - 1, 1.0),
+        }
+    }
 }
 
 /// Everything besides the shapes that changes what a kernel computes.
@@ -384,9 +417,11 @@ impl KernelOptions {
             .ok()
             .and_then(|p| p.family.zip(p.timing.clone()));
         KernelOptions {
-            rope: Rope::HalfSplit,
+            rope: Rope::HalfSplit {
+                rotary: cfg.rotary_dim(),
+            },
             rope_theta: cfg.rope_theta,
-            rope_scaling: cfg.rope_scaling,
+            rope_scaling: cfg.rope_scaling.clone(),
             local_rope_theta: cfg.local_rope_theta,
             layer: cfg.layer(),
             eps: cfg.rms_norm_eps,
@@ -658,7 +693,7 @@ impl KernelOptions {
         match self.class.rope {
             true => {
                 let (theta, scaling) = self.class_rope();
-                rope_tables(seq, hd, theta, scaling, self.rope)
+                rope_tables(seq, hd, theta, &scaling, self.rope)
             }
             false => (vec![1.0; seq * hd], vec![0.0; seq * hd]),
         }
@@ -668,16 +703,17 @@ impl KernelOptions {
     fn class_rope(&self) -> (f64, RopeScaling) {
         match (self.class.local_rope, self.local_rope_theta) {
             (true, Some(local)) => (local, RopeScaling::Default),
-            _ => (self.rope_theta, self.rope_scaling),
+            _ => (self.rope_theta, self.rope_scaling.clone()),
         }
     }
 
-    /// One position's RoPE row (`cos, sin [HD]`) of [`KernelOptions::exact_rope_tables`].
-    pub fn rope_row(&self, pos: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
+    /// One position's RoPE row (`cos, sin [HD]`) of
+    /// [`KernelOptions::exact_rope_tables`] of `len` positions.
+    pub fn rope_row(&self, pos: usize, len: usize, hd: usize) -> (Vec<f32>, Vec<f32>) {
         match self.class.rope {
             true => {
                 let (theta, scaling) = self.class_rope();
-                rope_row(pos, hd, theta, scaling, self.rope)
+                rope_row(pos, len, hd, theta, &scaling, self.rope)
             }
             false => (vec![1.0; hd], vec![0.0; hd]),
         }

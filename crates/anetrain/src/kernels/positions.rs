@@ -37,31 +37,26 @@ pub fn mask_row(row: &mut [f32], i: usize, window: Option<usize>) {
 }
 
 /// RoPE's rotation as `heads` copies of a signed permutation `R [HD, HD]`
-/// with `x·R = rotate(x)` for a row `x [HD]`: half-split,
-/// `rotate(x) = concat(−x[HD/2..], x[..HD/2])`; interleaved, pairs
-/// `(x₂ᵢ, x₂ᵢ₊₁) → (−x₂ᵢ₊₁, x₂ᵢ)`.
+/// with `x·R = rotate(x)` for a row `x [HD]` (see [`Rope::partner`]); a
+/// dimension RoPE passes through has an empty column (its sine is 0).
 pub fn rope_rotation(heads: usize, hd: usize, rope: Rope) -> Vec<f32> {
     let mut r = vec![0f32; hd * hd];
-    let half = hd / 2;
     for j in 0..hd {
         // output column j takes sign · x[i]
-        let (i, sign) = match rope {
-            Rope::HalfSplit if j < half => (j + half, -1.0),
-            Rope::HalfSplit => (j - half, 1.0),
-            Rope::Interleaved if j % 2 == 0 => (j + 1, -1.0),
-            Rope::Interleaved => (j - 1, 1.0),
-        };
+        let (i, sign) = rope.partner(j, hd);
         r[i * hd + j] = sign;
     }
     r.repeat(heads)
 }
 
-/// RoPE's `HD/2` inverse frequencies for half-split (Hugging Face) RoPE,
-/// in f32 step by step as `transformers`' `modeling_rope_utils` computes
-/// them: `1 / θ^(2i/HD)`, then the checkpoint's scaling.
-pub fn inv_freqs(hd: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
+/// RoPE's `dim/2` inverse frequencies for half-split (Hugging Face) RoPE
+/// over `dim` rotated dimensions, in f32 step by step as `transformers`'
+/// `modeling_rope_utils` computes them: `1 / θ^(2i/dim)`, then the
+/// checkpoint's scaling. `positions` is the length of the forward they
+/// serve (its last position + 1): LongRoPE's factors depend on it.
+pub fn inv_freqs(hd: usize, theta: f64, scaling: &RopeScaling, positions: usize) -> Vec<f32> {
     let plain = (0..hd / 2).map(|i| 1.0f32 / (theta as f32).powf((2 * i) as f32 / hd as f32));
-    match scaling {
+    match *scaling {
         RopeScaling::Default => plain.collect(),
         RopeScaling::Linear { factor } => plain.map(|f| f / factor as f32).collect(),
         // _compute_llama3_parameters: wavelengths past low_freq_wavelen
@@ -125,12 +120,32 @@ pub fn inv_freqs(hd: usize, theta: f64, scaling: RopeScaling) -> Vec<f32> {
                 })
                 .collect()
         }
+        // _compute_longrope_parameters: 1 / (factor_i · θ^(2i/dim)), the
+        // long factors once the forward passes the original context.
+        RopeScaling::Longrope {
+            ref short_factor,
+            ref long_factor,
+            original_max_position_embeddings,
+            ..
+        } => {
+            let factors = match positions > original_max_position_embeddings {
+                true => long_factor,
+                false => short_factor,
+            };
+            (0..hd / 2)
+                .map(|i| {
+                    let shape = (2 * i) as f32 / hd as f32;
+                    1.0 / (factors[i] as f32 * (theta as f32).powf(shape))
+                })
+                .collect()
+        }
     }
 }
 
 /// RoPE tables `cos, sin [S, HD]` for positions 0..S.
 ///
-/// Half-split (Hugging Face): column c uses frequency index `c mod HD/2`;
+/// Half-split (Hugging Face): column c < rotary uses frequency index
+/// `c mod rotary/2`, a column past the rotated ones cos 1 and sin 0;
 /// inverse frequencies ([`inv_freqs`]) and angles are computed in f32
 /// exactly as `transformers` does. Interleaved (seed): columns 2i and 2i+1
 /// share index i.
@@ -138,10 +153,10 @@ pub fn rope_tables(
     seq: usize,
     hd: usize,
     theta: f64,
-    scaling: RopeScaling,
+    scaling: &RopeScaling,
     rope: Rope,
 ) -> (Vec<f32>, Vec<f32>) {
-    let freqs = inv_freqs(hd, theta, scaling);
+    let freqs = inv_freqs(rope.rotated(hd), theta, scaling, seq);
     let mut cos = Vec::with_capacity(seq * hd);
     let mut sin = Vec::with_capacity(seq * hd);
     for p in 0..seq {
@@ -152,19 +167,22 @@ pub fn rope_tables(
     (cos, sin)
 }
 
-/// One position's RoPE row (`cos, sin [HD]`), see [`rope_tables`].
+/// One position's RoPE row (`cos, sin [HD]`), see [`rope_tables`], in a
+/// sequence of `len` positions (LongRoPE's factors depend on it).
 pub fn rope_row(
     pos: usize,
+    len: usize,
     hd: usize,
     theta: f64,
-    scaling: RopeScaling,
+    scaling: &RopeScaling,
     rope: Rope,
 ) -> (Vec<f32>, Vec<f32>) {
-    let freqs = inv_freqs(hd, theta, scaling);
+    let freqs = inv_freqs(rope.rotated(hd), theta, scaling, len);
     row(pos, hd, theta, &freqs, scaling.attention_factor(), rope)
 }
 
-/// One row; `factor` multiplies cos and sin (YaRN's attention factor).
+/// One row; `factor` multiplies the rotated columns' cos and sin (YaRN's
+/// and LongRoPE's attention factor).
 fn row(
     pos: usize,
     hd: usize,
@@ -173,13 +191,13 @@ fn row(
     factor: f64,
     rope: Rope,
 ) -> (Vec<f32>, Vec<f32>) {
-    let half = hd / 2;
-    let mut cos = vec![0f32; hd];
+    let rotated = rope.rotated(hd);
+    let mut cos = vec![1f32; hd];
     let mut sin = vec![0f32; hd];
-    for c in 0..hd {
+    for c in 0..rotated {
         let angle = match rope {
             // transformers: angle = p·inv_freq in f32
-            Rope::HalfSplit => pos as f32 * freqs[c % half],
+            Rope::HalfSplit { .. } => pos as f32 * freqs[c % (rotated / 2)],
             // the seed: angle = p / powf(θ, 2i/HD) in f32
             Rope::Interleaved => pos as f32 / (theta as f32).powf((2 * (c / 2)) as f32 / hd as f32),
         };

@@ -404,16 +404,28 @@ impl<'a> Gen<'a> {
         let (h, s, hd) = (x.dims()[1], x.dims()[2], x.dims()[3]);
         let neg = self.scalar("neg1", -1.0)?;
         let rot = match rope {
-            Rope::HalfSplit => {
-                // rotate_half(x) = concat(-x[..., HD/2:], x[..., :HD/2])
-                let half = (hd / 2) as i64;
+            Rope::HalfSplit { .. } => {
+                // rotate_half over the r rotated dimensions:
+                // concat(-x[..., r/2:r], x[..., :r/2], x[..., r:]), the
+                // dimensions passed through kept (their sine is 0).
+                let r = rope.rotated(hd);
+                let half = (r / 2) as i64;
                 let size = self.ints("size", &[1, h as i64, s as i64, half])?;
                 let b0 = self.ints("begin", &[0, 0, 0, 0])?;
                 let b1 = self.ints("begin", &[0, 0, 0, half])?;
                 let x1 = self.b.slice_by_size(&format!("{out}_x1"), x, &b0, &size)?;
                 let x2 = self.b.slice_by_size(&format!("{out}_x2"), x, &b1, &size)?;
                 let nx2 = self.b.mul(&format!("{out}_nx2"), &x2, &neg)?;
-                self.concat(&format!("{out}_rot"), &[&nx2, &x1], 3)?
+                match r < hd {
+                    false => self.concat(&format!("{out}_rot"), &[&nx2, &x1], 3)?,
+                    true => {
+                        let rest = (hd - r) as i64;
+                        let size = self.ints("size", &[1, h as i64, s as i64, rest])?;
+                        let b2 = self.ints("begin", &[0, 0, 0, r as i64])?;
+                        let x3 = self.b.slice_by_size(&format!("{out}_x3"), x, &b2, &size)?;
+                        self.concat(&format!("{out}_rot"), &[&nx2, &x1, &x3], 3)?
+                    }
+                }
             }
             Rope::Interleaved => {
                 // pairs (2i, 2i+1) → (-x[2i+1], x[2i])

@@ -7,7 +7,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
-use crate::model::layer::{LayerClass, LayerDims, LayerSpec, Mixer, Mlp, Norms};
+use crate::model::layer::{
+    Fused, LayerClass, LayerDims, LayerSpec, Mixer, Mlp, Norms, Projection, PHI3_FUSED,
+};
 
 /// Architecture family: decides the layer's parts, the config's defaults
 /// and the names written to config.json.
@@ -29,10 +31,15 @@ pub enum Arch {
     /// by `1 + w`), GeGLU, QK-norm, embeddings scaled by √D, windowed
     /// layers with their own RoPE base between full ones.
     Gemma3,
+    /// Phi-3 and Phi-4-mini: Llama's layer with q, k, v stored as one
+    /// `qkv_proj` and gate, up as one `gate_up_proj` (split on load, fused
+    /// on save), RoPE on part of each head (`partial_rotary_factor`),
+    /// `longrope` scaling, and on some checkpoints a window.
+    Phi3,
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 8] = [
+pub const FAMILIES: [(Arch, &str, &str); 9] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
@@ -41,6 +48,7 @@ pub const FAMILIES: [(Arch, &str, &str); 8] = [
     (Arch::SmolLM3, "smollm3", "SmolLM3ForCausalLM"),
     (Arch::Ministral, "ministral", "MinistralForCausalLM"),
     (Arch::Gemma3, "gemma3_text", "Gemma3ForCausalLM"),
+    (Arch::Phi3, "phi3", "Phi3ForCausalLM"),
 ];
 
 impl Arch {
@@ -149,6 +157,10 @@ pub struct ModelConfig {
     /// How RoPE's frequencies are scaled (Llama 3.1/3.2's `llama3`).
     #[serde(default, skip_serializing_if = "RopeScaling::is_default")]
     pub rope_scaling: RopeScaling,
+    /// The dimensions RoPE rotates when not all of a head's: the first
+    /// `partial_rotary_factor·head_dim` (Phi's), the rest passed through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary: Option<usize>,
 }
 
 /// Names accepted by `--model` besides a directory.
@@ -222,6 +234,12 @@ struct HfConfig {
     residual_multiplier: Option<f64>,
     attention_multiplier: Option<f64>,
     logits_scaling: Option<f64>,
+    /// Phi-3's: the context RoPE was trained at (beside `rope_scaling`),
+    /// the share of each head RoPE rotates, and its dropouts.
+    original_max_position_embeddings: Option<Count>,
+    partial_rotary_factor: Option<f64>,
+    resid_pdrop: Option<f64>,
+    embd_pdrop: Option<f64>,
 }
 
 /// transformers 5's `rope_parameters`: θ, and the scaling's own keys.
@@ -235,7 +253,7 @@ struct RopeParameters {
 /// How a checkpoint scales RoPE's inverse frequencies (transformers'
 /// `rope_type`, in `rope_scaling` or transformers 5's `rope_parameters`;
 /// `kernels::inv_freqs` computes them as `modeling_rope_utils` does).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "rope_type", rename_all = "snake_case")]
 pub enum RopeScaling {
     /// θ^(−2i/HD).
@@ -264,6 +282,18 @@ pub enum RopeScaling {
         attention_factor: f64,
         truncate: bool,
     },
+    /// LongRoPE (Phi-3's 128k checkpoints, Phi-4-mini): θ's frequency i
+    /// divided by `short_factor[i]` while a sequence stays within
+    /// `original_max_position_embeddings`, by `long_factor[i]` past it
+    /// (transformers decides per forward, by its last position); cos and
+    /// sin scaled by `attention_factor` (√(1 + ln s / ln original) for
+    /// s = max / original, when not given).
+    Longrope {
+        short_factor: Vec<f64>,
+        long_factor: Vec<f64>,
+        original_max_position_embeddings: usize,
+        attention_factor: f64,
+    },
 }
 
 /// YaRN's `mscale` (the paper's Eq. 21; transformers' `yarn_get_mscale`).
@@ -281,6 +311,9 @@ impl RopeScaling {
         match self {
             RopeScaling::Yarn {
                 attention_factor, ..
+            }
+            | RopeScaling::Longrope {
+                attention_factor, ..
             } => *attention_factor,
             _ => 1.0,
         }
@@ -290,10 +323,28 @@ impl RopeScaling {
         *self == RopeScaling::Default
     }
 
+    /// The sequence length past which the frequencies change (LongRoPE's
+    /// original context); `None` when they never do.
+    pub fn switches_after(&self) -> Option<usize> {
+        match self {
+            RopeScaling::Longrope {
+                original_max_position_embeddings,
+                ..
+            } => Some(*original_max_position_embeddings),
+            _ => None,
+        }
+    }
+
     /// The scaling a config's `rope_scaling` or `rope_parameters` object
     /// describes (its `rope_type`, or the older `type`); a type not built
-    /// is refused by name.
-    fn from_hf(v: &serde_json::Map<String, serde_json::Value>) -> Result<RopeScaling> {
+    /// is refused by name. `max_positions` and `original` are the config's
+    /// own `max_position_embeddings` and `original_max_position_embeddings`
+    /// (Phi-3 keeps the latter beside the scaling's keys).
+    fn from_hf(
+        v: &serde_json::Map<String, serde_json::Value>,
+        max_positions: Option<usize>,
+        original: Option<usize>,
+    ) -> Result<RopeScaling> {
         let kind = v
             .get("rope_type")
             .or_else(|| v.get("type"))
@@ -341,8 +392,46 @@ impl RopeScaling {
                     truncate: v.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
                 }
             }
+            // Phi3Config reads the older "su" and "yarn" names of its own
+            // scaling as longrope.
+            "longrope" | "su" => {
+                let factors = |k: &str| -> Result<Vec<f64>> {
+                    v.get(k)
+                        .and_then(|f| f.as_array())
+                        .and_then(|f| f.iter().map(|x| x.as_f64()).collect::<Option<Vec<f64>>>())
+                        .filter(|f| f.iter().all(|x| x.is_finite() && *x > 0.0))
+                        .with_context(|| {
+                            format!("rope_type \"longrope\" needs \"{k}\", a list of positive numbers")
+                        })
+                };
+                let (short_factor, long_factor) = (factors("short_factor")?, factors("long_factor")?);
+                if short_factor.len() != long_factor.len() {
+                    bail!("rope_type \"longrope\": short_factor and long_factor differ in length");
+                }
+                let original = match v.get("original_max_position_embeddings") {
+                    Some(_) => num("original_max_position_embeddings")? as usize,
+                    None => original.context(
+                        "rope_type \"longrope\" needs \"original_max_position_embeddings\"",
+                    )?,
+                };
+                let factor = match v.get("factor") {
+                    Some(_) => num("factor")?,
+                    None => max_positions.unwrap_or(original) as f64 / original as f64,
+                };
+                let attention_factor = match v.get("attention_factor").and_then(|x| x.as_f64()) {
+                    Some(a) => a,
+                    None if factor <= 1.0 => 1.0,
+                    None => (1.0 + factor.ln() / (original as f64).ln()).sqrt(),
+                };
+                RopeScaling::Longrope {
+                    short_factor,
+                    long_factor,
+                    original_max_position_embeddings: original,
+                    attention_factor,
+                }
+            }
             other => bail!(
-                "rope_type \"{other}\" is not built yet; anetrain reads RoPE of type default, linear, llama3 and yarn"
+                "rope_type \"{other}\" is not built yet; anetrain reads RoPE of type default, linear, llama3, yarn and longrope"
             ),
         };
         Ok(scaling)
@@ -450,6 +539,7 @@ impl ModelConfig {
             full_attention_layers: vec![],
             local_rope_theta: None,
             rope_scaling: RopeScaling::Default,
+            partial_rotary: None,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -476,6 +566,7 @@ impl ModelConfig {
                 full_attention_layers: vec![],
                 local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
+                partial_rotary: None,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -504,6 +595,7 @@ impl ModelConfig {
                 full_attention_layers: vec![],
                 local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
+                partial_rotary: None,
             },
             _ => return None,
         })
@@ -588,6 +680,9 @@ impl ModelConfig {
         }
         let mut rope_theta = hf.rope_theta;
         let mut rope_scaling = RopeScaling::Default;
+        let mut rotary_factor = hf.partial_rotary_factor;
+        let max_positions = hf.max_position_embeddings.as_ref().map(|c| c.0);
+        let original = hf.original_max_position_embeddings.as_ref().map(|c| c.0);
         let mut local_rope_theta = hf.rope_local_base_freq;
         if let Some(p) = hf.rope_parameters {
             match (arch, p.scaling.get("full_attention")) {
@@ -597,7 +692,7 @@ impl ModelConfig {
                         |v: Option<&serde_json::Value>| -> Result<(Option<f64>, RopeScaling)> {
                             let mut m = v.and_then(|v| v.as_object()).cloned().unwrap_or_default();
                             let theta = m.remove("rope_theta").and_then(|t| t.as_f64());
-                            Ok((theta, RopeScaling::from_hf(&m)?))
+                            Ok((theta, RopeScaling::from_hf(&m, max_positions, original)?))
                         };
                     let (theta, scaling) = part(Some(full))?;
                     rope_theta = theta.or(rope_theta);
@@ -609,14 +704,16 @@ impl ModelConfig {
                     local_rope_theta = theta.or(local_rope_theta);
                 }
                 _ => {
-                    rope_scaling = RopeScaling::from_hf(&p.scaling)?;
+                    rope_scaling = RopeScaling::from_hf(&p.scaling, max_positions, original)?;
                     rope_theta = p.rope_theta.or(rope_theta);
+                    let factor = p.scaling.get("partial_rotary_factor");
+                    rotary_factor = factor.and_then(|f| f.as_f64()).or(rotary_factor);
                 }
             }
         }
         match hf.rope_scaling {
             Some(serde_json::Value::Object(s)) if rope_scaling.is_default() => {
-                rope_scaling = RopeScaling::from_hf(&s)?;
+                rope_scaling = RopeScaling::from_hf(&s, max_positions, original)?;
             }
             Some(serde_json::Value::Object(_)) | Some(serde_json::Value::Null) | None => {}
             Some(s) => bail!("\"rope_scaling\" must be an object or null (got {s})"),
@@ -701,11 +798,58 @@ impl ModelConfig {
             scales.attention = Some(scalar.powf(-0.5));
             local_rope_theta = local_rope_theta.or(Some(10000.0));
         }
+        // RoPE on the first `factor·head_dim` dimensions of each head.
+        let head_dim = hf.head_dim.as_ref().map_or(
+            match arch {
+                Arch::Qwen3 => 128,
+                Arch::Gemma3 => 256,
+                _ => hidden / heads,
+            },
+            |c| c.0,
+        );
+        let partial_rotary = match rotary_factor.filter(|f| *f != 1.0) {
+            None => None,
+            Some(f) if arch != Arch::Phi3 => bail!(
+                "\"partial_rotary_factor\": {f} is Phi-3's; a {model_type} model rotates whole heads (is model_type right?)"
+            ),
+            Some(f) if !(f.is_finite() && f > 0.0 && f < 1.0) => {
+                bail!("\"partial_rotary_factor\" must be in (0, 1] (got {f})")
+            }
+            // transformers: int(head_dim · factor).
+            Some(f) => match (head_dim as f64 * f) as usize {
+                d if d == 0 || d % 2 == 1 => bail!(
+                    "\"partial_rotary_factor\" {f} rotates {d} of {head_dim} dimensions a head; RoPE needs an even, non-zero count"
+                ),
+                d => Some(d),
+            },
+        };
+        if let RopeScaling::Longrope { short_factor, .. } = &rope_scaling {
+            let pairs = partial_rotary.unwrap_or(head_dim) / 2;
+            if short_factor.len() != pairs {
+                bail!(
+                    "rope_type \"longrope\": short_factor and long_factor must hold {pairs} numbers, one per rotated pair (got {})",
+                    short_factor.len()
+                );
+            }
+        }
+        for (k, v) in [
+            ("resid_pdrop", hf.resid_pdrop),
+            ("embd_pdrop", hf.embd_pdrop),
+        ] {
+            if let Some(p) = v.filter(|p| *p != 0.0) {
+                bail!("\"{k}\": {p} (dropout on the residual stream) is not built; set it to 0.0 to fine-tune this checkpoint");
+            }
+        }
         let sliding_window = match (arch, hf.sliding_window) {
             // MistralConfig's, MinistralConfig's and Gemma3TextConfig's
             // default when absent.
             (Arch::Mistral | Arch::Ministral | Arch::Gemma3, None) if !window_given => Some(4096),
             (Arch::Mistral | Arch::Ministral | Arch::Gemma3, w) => w.map(|c| c.0),
+            // Phi3Config's window applies to every layer when given; one at
+            // least as long as the context is none.
+            (Arch::Phi3, w) => w
+                .map(|c| c.0)
+                .filter(|&w| w < max_positions.unwrap_or(4096)),
             (_, None) => None,
             // Qwen's configs carry a window their layers use only with
             // use_sliding_window, refused above.
@@ -778,24 +922,12 @@ impl ModelConfig {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral | Arch::Ministral => 8,
                     Arch::SmolLM3 | Arch::Gemma3 => 4,
-                    Arch::Llama | Arch::Granite => heads,
+                    Arch::Llama | Arch::Granite | Arch::Phi3 => heads,
                 },
                 |c| c.0,
             ),
-            // Qwen3Config 128, the others hidden/heads.
-            head_dim: hf.head_dim.map_or(
-                match arch {
-                    Arch::Qwen3 => 128,
-                    Arch::Gemma3 => 256,
-                    Arch::Llama
-                    | Arch::Qwen2
-                    | Arch::Mistral
-                    | Arch::Ministral
-                    | Arch::Granite
-                    | Arch::SmolLM3 => hidden / heads,
-                },
-                |c| c.0,
-            ),
+            // Qwen3Config 128, Gemma's 256, the others hidden/heads.
+            head_dim,
             vocab_size: hf.vocab_size.0,
             // SmolLM3Config's default_theta 2e6, the others' 10000.
             rope_theta: rope_theta.unwrap_or(match arch {
@@ -812,6 +944,7 @@ impl ModelConfig {
                     Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
                     Arch::Mistral | Arch::Ministral | Arch::Gemma3 => 4096 * 32,
                     Arch::Llama | Arch::Granite => 2048,
+                    Arch::Phi3 => 4096,
                 },
                 |c| c.0,
             ),
@@ -826,6 +959,7 @@ impl ModelConfig {
             local_rope_theta: local_rope_theta.filter(|_| arch == Arch::Gemma3),
             no_rope_layers,
             rope_scaling,
+            partial_rotary,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -889,6 +1023,21 @@ impl ModelConfig {
             .unwrap_or(1.0 / (self.head_dim as f64).sqrt())
     }
 
+    /// The padding token: transformers builds every family's embedding as
+    /// `nn.Embedding(…, padding_idx=pad_token_id)`, whose row for it
+    /// takes no gradient from the lookup.
+    pub fn padding_idx(&self) -> Option<u32> {
+        let id = self.pad_token_id.as_ref()?.as_u64()?;
+        u32::try_from(id)
+            .ok()
+            .filter(|&i| (i as usize) < self.vocab_size)
+    }
+
+    /// The dimensions of a head RoPE rotates (the first ones).
+    pub fn rotary_dim(&self) -> usize {
+        self.partial_rotary.unwrap_or(self.head_dim)
+    }
+
     pub fn q_dim(&self) -> usize {
         self.num_attention_heads * self.head_dim
     }
@@ -922,6 +1071,27 @@ impl ModelConfig {
                 _ => Norms::Pre,
             },
         }
+    }
+
+    /// The projections the family stores as one matrix (Phi-3's).
+    pub fn fused(&self) -> &'static [Fused] {
+        match self.arch {
+            Arch::Phi3 => &PHI3_FUSED,
+            _ => &[],
+        }
+    }
+
+    /// The fused matrix projection `t` is stored in, if any.
+    pub fn fused_of(&self, t: Projection) -> Option<&'static Fused> {
+        self.fused().iter().find(|f| f.parts.contains(&t))
+    }
+
+    /// Whether Hugging Face stores the weights otherwise than training
+    /// holds them (Gemma's norm weights without their offset, Phi's fused
+    /// projections): such a model is written through
+    /// `Model::safetensors_bytes`, never as its checkpoint's file.
+    pub fn stored_otherwise(&self) -> bool {
+        self.norm_offset() != 0.0 || !self.fused().is_empty()
     }
 
     /// What a stored RMSNorm weight lacks of the scale it applies: 1 for

@@ -88,6 +88,34 @@ const PROJECTION_BIAS_NAMES: [&str; 7] = [
 ];
 const PROJECTION_BIAS_REGIONS: [&str; 7] = ["bq", "bk", "bv", "bo", "b1", "b3", "b2"];
 
+/// Projections a family stores (and PEFT adapts) as one matrix, their
+/// rows stacked in order: Phi-3's `qkv_proj` and `gate_up_proj`. Training
+/// holds the parts apart; loading splits the stored matrix by rows and
+/// saving stacks the parts again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fused {
+    /// The Hugging Face module name (`qkv_proj`).
+    pub module: &'static str,
+    /// The module path inside a decoder layer (`self_attn.qkv_proj`).
+    pub path: &'static str,
+    pub parts: &'static [Projection],
+}
+
+/// Phi-3's fused projections (transformers `Phi3Attention.qkv_proj`,
+/// `Phi3MLP.gate_up_proj`: gate's rows before up's).
+pub const PHI3_FUSED: [Fused; 2] = [
+    Fused {
+        module: "qkv_proj",
+        path: "self_attn.qkv_proj",
+        parts: &[Projection::Q, Projection::K, Projection::V],
+    },
+    Fused {
+        module: "gate_up_proj",
+        path: "mlp.gate_up_proj",
+        parts: &[Projection::Gate, Projection::Up],
+    },
+];
+
 impl Projection {
     /// `(out, in)` of the projection's weight for a model dimension `dim`,
     /// an FFN of `hidden`, and query and key/value widths `q` and `kv`: the

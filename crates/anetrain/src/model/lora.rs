@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use crate::model::config::ModelConfig;
 use crate::model::params::{Param, Projection};
 use crate::model::tensor_file;
+use crate::util::choice::Choice;
 use crate::util::fsutil::{write_atomic, write_atomic_with};
 use crate::util::rng::Rng;
 
@@ -134,10 +135,24 @@ impl AdapterBase {
     }
 }
 
+///
+/// A projection stored fused with others (Phi-3's q, k, v in `qkv_proj`)
+/// is adapted as PEFT adapts the fused module: one A shared by the parts
+/// (its gradient the sum of theirs), one B whose rows `b_rows` are this
+/// part's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AdapterIds {
     pub a: usize,
     pub b: usize,
+    /// The rows of B this projection's output takes.
+    pub b_rows: (usize, usize),
+}
+
+impl AdapterIds {
+    /// Whether this projection has B to itself.
+    pub fn whole_b(&self, out: usize) -> bool {
+        self.b_rows == (0, out)
+    }
 }
 
 /// The adapters of a model.
@@ -149,6 +164,9 @@ pub struct Lora {
     pub params: Vec<Param>,
     /// `[layer][Projection::index]`.
     pub slots: Vec<[Option<AdapterIds>; 7]>,
+    /// The modules adapted, as PEFT and mlx-lm name them (`(module,
+    /// path)`: `("q_proj", "self_attn.q_proj")`, or a fused module).
+    pub modules: Vec<(&'static str, &'static str)>,
     /// Bumped whenever the adapters change (devices restage only them).
     pub version: u64,
 }
@@ -170,11 +188,71 @@ fn peft_from_mlx(name: &str) -> String {
     format!("base_model.model.{peft}")
 }
 
-fn peft_key(i: usize, t: Projection, ab: &str) -> String {
-    format!(
-        "base_model.model.model.layers.{i}.{}.lora_{ab}.weight",
-        t.path()
-    )
+/// PEFT's key for layer `i`, module path `path` (`self_attn.q_proj`),
+/// matrix `ab` ("A" or "B").
+fn peft_key(i: usize, path: &str, ab: &str) -> String {
+    format!("base_model.model.model.layers.{i}.{path}.lora_{ab}.weight")
+}
+
+/// The modules an adapter on `targets` adapts, as PEFT and mlx-lm name
+/// them: each projection's, but one fused module for the projections the
+/// family stores as one (`(module, path)`, e.g. `("qkv_proj",
+/// "self_attn.qkv_proj")`). A fused module's parts are adapted all
+/// together or not at all.
+fn adapted_modules(
+    model: &ModelConfig,
+    targets: &[Projection],
+) -> Result<Vec<(&'static str, &'static str)>> {
+    let mut out = Vec::new();
+    for &t in targets {
+        let m = match model.fused_of(t) {
+            None => (t.module(), t.path()),
+            Some(f) => {
+                if let Some(missing) = f.parts.iter().find(|p| !targets.contains(p)) {
+                    let parts: Vec<&str> = f.parts.iter().map(|p| p.name()).collect();
+                    bail!(
+                        "a {} model stores {} as one {}: adapt all of them or none (--lora-targets lacks {})",
+                        model.arch.model_type(),
+                        parts.join(", "),
+                        f.module,
+                        missing.name()
+                    );
+                }
+                (f.module, f.path)
+            }
+        };
+        if !out.contains(&m) {
+            out.push(m);
+        }
+    }
+    Ok(out)
+}
+
+/// The projections module `name` (`q_proj`, or a fused `qkv_proj`) of a
+/// `model` stands for.
+fn module_targets(model: &ModelConfig, name: &str) -> Option<Vec<Projection>> {
+    if let Some(f) = model
+        .fused()
+        .iter()
+        .find(|f| f.module == name || f.path == name)
+    {
+        return Some(f.parts.to_vec());
+    }
+    let t = Projection::ALL
+        .into_iter()
+        .find(|t| t.module() == name || t.path() == name)?;
+    // A part of a fused matrix is not a module of the model.
+    model.fused_of(t).is_none().then(|| vec![t])
+}
+
+/// The module names `model` accepts as targets, for an error message.
+fn module_names(model: &ModelConfig) -> String {
+    adapted_modules(model, &Projection::ALL)
+        .unwrap_or_default()
+        .iter()
+        .map(|m| m.0)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Lora {
@@ -183,7 +261,7 @@ impl Lora {
     pub fn init(model: &ModelConfig, cfg: LoraConfig, seed: u64) -> Result<Lora> {
         cfg.validate()?;
         let mut rng = Rng::new(seed ^ 0x4c6f_5241);
-        let mut lora = Lora::layout(model, cfg);
+        let mut lora = Lora::layout(model, cfg)?;
         for p in &mut lora.params {
             let n = p.shape[0] * p.shape[1];
             p.data = if p.name.contains(".lora_A.") {
@@ -198,20 +276,30 @@ impl Lora {
         Ok(lora)
     }
 
-    /// Names and shapes, no data.
-    fn layout(model: &ModelConfig, mut cfg: LoraConfig) -> Lora {
+    /// Names and shapes, no data: per layer, an A and a B for each adapted
+    /// module (a fused module's shared by its parts, see [`AdapterIds`]).
+    fn layout(model: &ModelConfig, mut cfg: LoraConfig) -> Result<Lora> {
         cfg.targets.sort();
         cfg.targets.dedup();
+        let modules = adapted_modules(model, &cfg.targets)?;
         let r = cfg.rank;
         let mut params = Vec::new();
         let mut slots = Vec::new();
         for i in 0..model.num_hidden_layers {
-            let mut slot = [None; 7];
+            let mut slot: [Option<AdapterIds>; 7] = [None; 7];
             for &t in &cfg.targets {
-                let (out, inp) = t.shape(model);
+                if slot[t.index()].is_some() {
+                    continue; // a fused module's later part
+                }
+                let (path, parts) = match model.fused_of(t) {
+                    Some(f) => (f.path, f.parts.to_vec()),
+                    None => (t.path(), vec![t]),
+                };
+                let inp = t.shape(model).1;
+                let out: usize = parts.iter().map(|p| p.shape(model).0).sum();
                 let mut add = |ab: &str, shape: Vec<usize>| {
                     params.push(Param {
-                        name: peft_key(i, t, ab),
+                        name: peft_key(i, path, ab),
                         shape,
                         data: vec![],
                         stored: None,
@@ -221,31 +309,44 @@ impl Lora {
                 };
                 let a = add("A", vec![r, inp]);
                 let b = add("B", vec![out, r]);
-                slot[t.index()] = Some(AdapterIds { a, b });
+                let mut row = 0;
+                for p in parts {
+                    let rows = p.shape(model).0;
+                    slot[p.index()] = Some(AdapterIds {
+                        a,
+                        b,
+                        b_rows: (row, row + rows),
+                    });
+                    row += rows;
+                }
             }
             slots.push(slot);
         }
-        Lora {
+        Ok(Lora {
             cfg,
             params,
             slots,
+            modules,
             version: 0,
-        }
+        })
     }
 
     pub fn num_params(&self) -> usize {
         self.params.iter().map(|p| p.data.len()).sum()
     }
 
-    /// A and B of `layer`'s `target`, if adapted.
+    /// A and B of `layer`'s `target`, if adapted (B's rows of `target`
+    /// alone, where B is a fused module's).
     pub fn adapter(&self, layer: usize, t: Projection) -> Option<(&[f32], &[f32])> {
         let ids = self.slots[layer][t.index()]?;
-        Some((&self.params[ids.a].data, &self.params[ids.b].data))
+        let r = self.cfg.rank;
+        let b = &self.params[ids.b].data[ids.b_rows.0 * r..ids.b_rows.1 * r];
+        Some((&self.params[ids.a].data, b))
     }
 
     /// `adapter_config.json` as PEFT writes it.
     pub fn peft_config(&self, base: &AdapterBase) -> serde_json::Value {
-        let modules: Vec<&str> = self.cfg.targets.iter().map(|t| t.module()).collect();
+        let modules: Vec<&str> = self.modules.iter().map(|m| m.0).collect();
         serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -274,7 +375,7 @@ impl Lora {
                 "rank": self.cfg.rank,
                 "scale": self.cfg.scale(),
                 "dropout": self.cfg.dropout,
-                "keys": self.cfg.targets.iter().map(|t| t.path()).collect::<Vec<_>>(),
+                "keys": self.modules.iter().map(|m| m.1).collect::<Vec<_>>(),
             },
         })
     }
@@ -328,7 +429,7 @@ impl Lora {
         }
         match Lora::is_mlx(dir) {
             true => Lora::read_mlx_config(model, dir),
-            false => Lora::read_config(&dir.join("adapter_config.json")),
+            false => Lora::read_config(model, &dir.join("adapter_config.json")),
         }
     }
 
@@ -370,17 +471,17 @@ impl Lora {
                 .iter()
                 .filter_map(|v| v.as_str().map(str::to_string))
                 .collect(),
-            None => Projection::ALL
-                .iter()
-                .map(|t| t.path().to_string())
-                .collect(),
+            None => Lora::all_paths(model),
         };
         let mut targets = Vec::new();
         for k in &keys {
-            let t = Projection::ALL.iter().find(|t| t.path() == k).ok_or_else(|| {
-                bad(&format!("unsupported LoRA key '{k}' (supported: the seven projections, such as self_attn.q_proj)"))
+            let t = module_targets(model, k).ok_or_else(|| {
+                bad(&format!(
+                    "unsupported LoRA key '{k}' (supported: {})",
+                    Lora::all_paths(model).join(", ")
+                ))
             })?;
-            targets.push(*t);
+            targets.extend(t);
         }
         let cfg = LoraConfig {
             rank,
@@ -391,6 +492,16 @@ impl Lora {
         };
         cfg.validate().map_err(|e| bad(&e.to_string()))?;
         Ok(cfg)
+    }
+
+    /// The module paths of every projection `model` has (`self_attn.q_proj`,
+    /// or a fused `self_attn.qkv_proj`).
+    fn all_paths(model: &ModelConfig) -> Vec<String> {
+        adapted_modules(model, &Projection::ALL)
+            .unwrap_or_default()
+            .iter()
+            .map(|m| m.1.to_string())
+            .collect()
     }
 
     /// An adapter directory as mlx-lm writes it (`adapters.safetensors`,
@@ -446,8 +557,8 @@ impl Lora {
         write_atomic(&dir.join("adapter_config.json"), cfg.as_bytes())
     }
 
-    /// Reads PEFT's `adapter_config.json`.
-    pub fn read_config(path: &Path) -> Result<LoraConfig> {
+    /// Reads PEFT's `adapter_config.json` of an adapter on `model`.
+    pub fn read_config(model: &ModelConfig, path: &Path) -> Result<LoraConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read '{}'", path.display()))?;
         let bad = |what: &str| anyhow::anyhow!("'{}': {what}", path.display());
@@ -488,20 +599,23 @@ impl Lora {
         let dropout = j.lora_dropout.unwrap_or(0.0);
         let modules: Vec<String> = match j.target_modules {
             Some(TargetModules::List(list)) => list,
-            Some(TargetModules::One(s)) if s == "all-linear" => Projection::ALL
-                .iter()
-                .map(|t| t.module().to_string())
-                .collect(),
+            Some(TargetModules::One(s)) if s == "all-linear" => {
+                adapted_modules(model, &Projection::ALL)?
+                    .iter()
+                    .map(|m| m.0.to_string())
+                    .collect()
+            }
             _ => return Err(bad("'target_modules' must be a list of module names")),
         };
         let mut targets = Vec::new();
         for m in &modules {
-            let t = Projection::from_module(m).ok_or_else(|| {
+            let t = module_targets(model, m).ok_or_else(|| {
                 bad(&format!(
-                    "unsupported target module '{m}' (supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)"
+                    "unsupported target module '{m}' (supported: {})",
+                    module_names(model)
                 ))
             })?;
-            targets.push(t);
+            targets.extend(t);
         }
         let cfg = LoraConfig {
             rank,
@@ -523,7 +637,7 @@ impl Lora {
         if Lora::is_mlx(dir) {
             return Lora::load_mlx(model, dir);
         }
-        let cfg = Lora::read_config(&dir.join("adapter_config.json"))?;
+        let cfg = Lora::read_config(model, &dir.join("adapter_config.json"))?;
         let found = tensor_file::read(&file)?;
         Lora::from_tensors(model, cfg, found, &file.display().to_string())
     }
@@ -540,7 +654,7 @@ impl Lora {
             .into_iter()
             .map(|(k, t)| (k.replace(".default.weight", ".weight"), t))
             .collect();
-        let mut lora = Lora::layout(model, cfg);
+        let mut lora = Lora::layout(model, cfg)?;
         for p in &mut lora.params {
             let t = found.remove(&p.name).with_context(|| {
                 format!(

@@ -154,6 +154,34 @@ impl Stored {
         })
     }
 
+    /// Rows `rows` of this matrix of `cols` values a row, as a tensor of
+    /// its own over the same mapping (a fused projection's part): a
+    /// quantized matrix's words, scales and biases sliced alike.
+    pub fn rows(&self, rows: Range<usize>, cols: usize) -> Stored {
+        let n = rows.len() * cols;
+        match &self.affine {
+            None => Stored {
+                start: self.start + rows.start * cols * self.dtype.bytes(),
+                len: n,
+                affine: None,
+                ..self.clone()
+            },
+            Some(a) => {
+                let groups = a.cols / a.spec.group_size;
+                Stored {
+                    start: self.start + rows.start * a.spec.words(a.cols) * 4,
+                    len: n,
+                    affine: Some(Arc::new(Affine {
+                        scales: a.scales.rows(rows.clone(), groups),
+                        biases: a.biases.rows(rows, groups),
+                        ..(**a).clone()
+                    })),
+                    ..self.clone()
+                }
+            }
+        }
+    }
+
     /// Gives this tensor's pages back to the kernel: a file's are clean
     /// and read again from the file if touched.
     pub fn release(&self) {

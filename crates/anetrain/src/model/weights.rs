@@ -2,7 +2,9 @@
 //! Hugging Face model directories (`config.json` + safetensors, single file
 //! or sharded), and random initialisation.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
@@ -253,6 +255,7 @@ impl Model {
             }
         }
         fold_quantized(&mut found, cfg.quantization.as_ref())?;
+        split_fused(&mut found, &cfg)?;
         let mut m = layout(&cfg);
         let expected: BTreeSet<&str> = m.params.iter().map(|p| p.name.as_str()).collect();
         for name in found.keys() {
@@ -363,14 +366,64 @@ impl Model {
         self.safetensors_bytes_as(StoredDtype::F32)
     }
 
+    /// The tensors Hugging Face stores, in order: each parameter under its
+    /// name, but a family's fused projections as one (Phi-3's `qkv_proj`,
+    /// `gate_up_proj`: their parts' rows stacked).
+    pub fn hf_tensors(&self) -> Vec<HfTensor> {
+        let mut out = Vec::new();
+        for (id, p) in self.params.iter().enumerate() {
+            let fused = self.layers.iter().enumerate().find_map(|(i, l)| {
+                let f = Projection::ALL
+                    .into_iter()
+                    .find(|t| t.base(l) == id)
+                    .and_then(|t| self.cfg.fused_of(t))?;
+                Some((i, f))
+            });
+            match fused {
+                None => out.push(HfTensor {
+                    name: p.name.clone(),
+                    shape: p.shape.clone(),
+                    parts: vec![id],
+                }),
+                // The fused matrix where its first part stands.
+                Some((i, f)) if f.parts[0].base(&self.layers[i]) == id => {
+                    let parts: Vec<usize> =
+                        f.parts.iter().map(|t| t.base(&self.layers[i])).collect();
+                    let rows = parts.iter().map(|&j| self.params[j].shape[0]).sum();
+                    out.push(HfTensor {
+                        name: format!("model.layers.{i}.{}.weight", f.path),
+                        shape: vec![rows, p.shape[1]],
+                        parts,
+                    })
+                }
+                Some(_) => {}
+            }
+        }
+        out
+    }
+
+    /// A [`HfTensor`]'s values as Hugging Face stores them
+    /// ([`Model::hf_values`] of each part, stacked).
+    pub fn hf_tensor_values(&self, t: &HfTensor) -> Cow<'_, [f32]> {
+        match t.parts[..] {
+            [id] => self.hf_values(id),
+            _ => Cow::Owned(
+                t.parts
+                    .iter()
+                    .flat_map(|&id| self.hf_values(id).into_owned())
+                    .collect(),
+            ),
+        }
+    }
+
     /// [`Model::safetensors_bytes`] with the weights stored as `dtype`.
     fn safetensors_bytes_as(&self, dtype: StoredDtype) -> Result<Vec<u8>> {
-        let values: Vec<_> = (0..self.params.len()).map(|i| self.hf_values(i)).collect();
-        let tensors: Vec<(&str, &[usize], &[f32])> = self
-            .params
+        let layout = self.hf_tensors();
+        let values: Vec<_> = layout.iter().map(|t| self.hf_tensor_values(t)).collect();
+        let tensors: Vec<(&str, &[usize], &[f32])> = layout
             .iter()
             .zip(&values)
-            .map(|(p, v)| (p.name.as_str(), p.shape.as_slice(), &v[..]))
+            .map(|(t, v)| (t.name.as_str(), t.shape.as_slice(), &v[..]))
             .collect();
         tensor_file::encode_as(&tensors, &[("format", "pt")], dtype)
     }
@@ -410,6 +463,15 @@ impl Model {
         )?;
         Ok(())
     }
+}
+
+/// One tensor as Hugging Face stores it ([`Model::hf_tensors`]): its
+/// name and shape, and the parameters it holds, rows stacked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HfTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub parts: Vec<usize>,
 }
 
 /// A tensor as read from a file: decoded to f32, or mapped in place.
@@ -501,6 +563,63 @@ impl Source {
             Source::Mapped(shape, _) | Source::Words(shape, _, _) => shape,
         }
     }
+
+    /// Row ranges `parts` of this matrix, each a tensor of its own.
+    fn split_rows(self, parts: &[Range<usize>]) -> Vec<Source> {
+        let cols = self.shape()[1];
+        match self {
+            Source::Decoded(t) => parts
+                .iter()
+                .map(|r| {
+                    Source::Decoded(tensor_file::Tensor {
+                        shape: vec![r.len(), cols],
+                        dtype: t.dtype.clone(),
+                        data: t.data[r.start * cols..r.end * cols].to_vec(),
+                    })
+                })
+                .collect(),
+            Source::Mapped(_, st) => parts
+                .iter()
+                .map(|r| Source::Mapped(vec![r.len(), cols], st.rows(r.clone(), cols)))
+                .collect(),
+            // Folded with their scales and biases before this is called.
+            Source::Words(..) => unreachable!("quantized words are folded before a split"),
+        }
+    }
+}
+
+/// Splits each fused projection the family stores (Phi-3's `qkv_proj`,
+/// `gate_up_proj`) into its parts' tensors, by rows in order; a stored
+/// matrix whose rows are not the parts' is refused naming both.
+fn split_fused(found: &mut BTreeMap<String, (Source, String)>, cfg: &ModelConfig) -> Result<()> {
+    for i in 0..cfg.num_hidden_layers {
+        for f in cfg.fused() {
+            let name = format!("model.layers.{i}.{}.weight", f.path);
+            let Some((source, file)) = found.remove(&name) else {
+                continue;
+            };
+            let shapes: Vec<(usize, usize)> = f.parts.iter().map(|t| t.shape(cfg)).collect();
+            let rows: usize = shapes.iter().map(|s| s.0).sum();
+            if source.shape() != [rows, shapes[0].1] {
+                bail!(
+                    "'{file}': tensor '{name}' has shape {:?}, the config implies {:?} ({} stacked)",
+                    source.shape(),
+                    [rows, shapes[0].1],
+                    f.parts.iter().map(|t| t.module()).collect::<Vec<_>>().join(", ")
+                );
+            }
+            let mut ranges = Vec::new();
+            for (out, _) in &shapes {
+                let start = ranges.last().map_or(0, |r: &Range<usize>| r.end);
+                ranges.push(start..start + out);
+            }
+            for (t, part) in f.parts.iter().zip(source.split_rows(&ranges)) {
+                let part_name = format!("model.layers.{i}.{}", t.weight_name());
+                found.insert(part_name, (part, file.clone()));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The safetensors files of a model directory.
@@ -542,13 +661,32 @@ pub fn safetensor_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     )
 }
 
-/// transformers 5's `rope_parameters`: θ and the scaling's keys.
+/// transformers 5's `rope_parameters`: θ and the scaling's keys (and
+/// Phi's `partial_rotary_factor`).
 fn rope_parameters(c: &ModelConfig) -> serde_json::Value {
     let mut p = c.rope_scaling.hf_keys();
     if let Some(o) = p.as_object_mut() {
         o.insert("rope_theta".into(), c.rope_theta.into());
+        if c.partial_rotary.is_some() {
+            o.insert(
+                "partial_rotary_factor".into(),
+                partial_rotary_factor(c).into(),
+            );
+        }
     }
     p
+}
+
+/// The `partial_rotary_factor` transformers turns back into the rotated
+/// dimensions (`int(head_dim · factor)`): the quotient, or the next float
+/// up where the product rounds below the count.
+fn partial_rotary_factor(c: &ModelConfig) -> f64 {
+    let (r, hd) = (c.rotary_dim() as f64, c.head_dim as f64);
+    let mut f = r / hd;
+    while ((hd * f) as usize) < c.rotary_dim() {
+        f = f64::from_bits(f.to_bits() + 1);
+    }
+    f
 }
 
 /// A `config.json` `transformers` reads back to the same architecture.
@@ -631,6 +769,22 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
                 },
             })
         }
+        Arch::Phi3 => {
+            let mut f = serde_json::json!({
+                "sliding_window": c.sliding_window,
+                "resid_pdrop": 0.0,
+                "embd_pdrop": 0.0,
+                "partial_rotary_factor": partial_rotary_factor(c),
+            });
+            if let crate::model::config::RopeScaling::Longrope {
+                original_max_position_embeddings,
+                ..
+            } = c.rope_scaling
+            {
+                f["original_max_position_embeddings"] = original_max_position_embeddings.into();
+            }
+            f
+        }
         Arch::Llama | Arch::Qwen3 | Arch::Qwen2 => serde_json::json!({}),
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {
@@ -668,13 +822,15 @@ impl Model {
         let s = lora.cfg.scale() as f32;
         for (i, slot) in lora.slots.iter().enumerate() {
             for t in Projection::ALL {
-                let Some(ids) = slot[t.index()] else { continue };
-                let (a, b) = (&lora.params[ids.a], &lora.params[ids.b]);
-                let (r, inp, out) = (a.shape[0], a.shape[1], b.shape[0]);
+                let (Some(ids), Some((a, b))) = (slot[t.index()], lora.adapter(i, t)) else {
+                    continue;
+                };
+                let (r, inp) = (lora.cfg.rank, lora.params[ids.a].shape[1]);
+                let out = b.len() / r;
                 let mut ba = vec![0f32; out * inp];
                 linalg::matmul(
-                    linalg::MatRef::row_major(&b.data, 0, out, r),
-                    linalg::MatRef::row_major(&a.data, 0, r, inp),
+                    linalg::MatRef::row_major(b, 0, out, r),
+                    linalg::MatRef::row_major(a, 0, r, inp),
                     linalg::MatMut::row_major(&mut ba, 0, out, inp),
                     false,
                 );

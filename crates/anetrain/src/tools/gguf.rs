@@ -240,6 +240,11 @@ pub fn export(
     if model.lora.is_some() {
         bail!("merge the adapter before exporting");
     }
+    if model.cfg.arch == Arch::Phi3 {
+        // llama.cpp's phi3 reads q, k, v as one `attn_qkv` and gate, up as
+        // one `ffn_up`: tensors this writer does not fuse yet.
+        bail!("GGUF export of a phi3 model is not built yet; the model directory itself loads in transformers and mlx-lm");
+    }
     if !model.cfg.rope_scaling.is_default() {
         // llama.cpp wants the scaled frequencies as a `rope_freqs` tensor
         // (or scaling keys), not written here yet.
@@ -338,6 +343,7 @@ fn arch_name(arch: Arch) -> &'static str {
         Arch::Granite => "granite",
         Arch::SmolLM3 => "smollm3",
         Arch::Gemma3 => "gemma3",
+        Arch::Phi3 => "phi3",
     }
 }
 
@@ -347,7 +353,7 @@ fn arch_name(arch: Arch) -> &'static str {
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
         Arch::Llama | Arch::Mistral | Arch::Ministral | Arch::Granite | Arch::SmolLM3 => true,
-        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma3 => false,
+        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma3 | Arch::Phi3 => false,
     }
 }
 

@@ -19,8 +19,8 @@ use safetensors::tensor::Dtype;
 
 use crate::model::dtype::StoredDtype;
 use crate::model::dtype::{encode, round_to};
-use crate::model::params::Param;
 use crate::model::quant::{quantize, QuantSpec, Quantization};
+use crate::model::HfTensor;
 use crate::model::Model;
 use crate::util::fsutil::write_atomic;
 
@@ -41,14 +41,15 @@ fn dtype_of(d: StoredDtype) -> Dtype {
     }
 }
 
-/// The tensors a parameter becomes: `(name, dtype, shape, bytes)` — its
-/// words, scales and biases when quantized, else itself.
+/// The tensors a stored tensor becomes: `(name, dtype, shape, bytes)` —
+/// its words, scales and biases when quantized, else itself.
 fn entries(
-    p: &Param,
+    p: &HfTensor,
     spec: QuantSpec,
     dtype: StoredDtype,
 ) -> Vec<(String, Dtype, Vec<usize>, usize)> {
     let module = p.name.strip_suffix(".weight").unwrap_or(&p.name);
+    let numel: usize = p.shape.iter().product();
     let b = dtype.bytes();
     match p.shape[..] {
         [rows, cols] if spec.fits(cols) => {
@@ -74,12 +75,7 @@ fn entries(
                 ),
             ]
         }
-        _ => vec![(
-            p.name.clone(),
-            dtype_of(dtype),
-            p.shape.clone(),
-            p.numel() * b,
-        )],
+        _ => vec![(p.name.clone(), dtype_of(dtype), p.shape.clone(), numel * b)],
     }
 }
 
@@ -101,30 +97,33 @@ pub fn quantize_dir(
     let dtype = dtype.unwrap_or(source);
     // Every packed word tensor first, so each starts 4-byte aligned (as
     // the safetensors crate orders by alignment); the float tensors after.
-    let all: Vec<_> = m
-        .params
+    // As Hugging Face stores them: a family's fused projections as one
+    // matrix, as mlx-lm quantizes them.
+    let stored = m.hf_tensors();
+    let all: Vec<_> = stored
         .iter()
         .flat_map(|p| entries(p, spec, dtype))
         .collect();
     let (mut plan, floats): (Vec<_>, Vec<_>) = all.into_iter().partition(|e| e.1 == Dtype::U32);
     plan.extend(floats);
     let bytes: usize = plan.iter().map(|e| e.3).sum();
-    let quantized = m
-        .params
+    let quantized = stored
         .iter()
         .filter(|p| entries(p, spec, dtype).len() == 3)
         .count();
-    let kept = m.params.iter().filter(|p| p.shape.len() == 2).count() - quantized;
+    let kept = stored.iter().filter(|p| p.shape.len() == 2).count() - quantized;
     std::fs::create_dir_all(out).with_context(|| format!("cannot create '{}'", out.display()))?;
     crate::util::fsutil::write_atomic_with(&out.join("model.safetensors"), |w| {
         crate::model::tensor_file::write_header(w, &plan, &[("format", "mlx")])?;
         // The float tensors (scales, biases, norms: a few percent of the
         // words' bytes) wait in memory for the words to be written.
         let mut later: Vec<Vec<u8>> = Vec::new();
-        for (i, p) in m.params.iter().enumerate() {
-            let mut values = m.hf_values(i).into_owned();
-            if let Some(st) = &p.stored {
-                st.release();
+        for p in &stored {
+            let mut values = m.hf_tensor_values(p).into_owned();
+            for &id in &p.parts {
+                if let Some(st) = &m.params[id].stored {
+                    st.release();
+                }
             }
             if dtype != source {
                 values.iter_mut().for_each(|v| *v = round_to(*v, dtype));

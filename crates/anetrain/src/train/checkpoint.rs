@@ -231,7 +231,7 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
         // bit-exact); a model whose norm weights are stored without the
         // offset they apply (Gemma's) is written out as Hugging Face
         // stores it instead of linked.
-        None if model.cfg.norm_offset() != 0.0 => {
+        None if model.cfg.stored_otherwise() => {
             write_atomic(&out.join("model.safetensors"), &model.safetensors_bytes()?)?;
             write_atomic(
                 &out.join("config.json"),

@@ -452,7 +452,7 @@ impl Run<'_> {
             val_tokens,
             out: out.to_path_buf(),
             lora: model.lora.as_ref().map(|l| {
-                let names = l.cfg.targets.iter().map(|t| t.module()).collect();
+                let names = l.modules.iter().map(|m| m.0).collect();
                 (l.cfg.rank, l.cfg.alpha, names, l.num_params())
             }),
             resumed_at: self.resuming.then_some(state.step),

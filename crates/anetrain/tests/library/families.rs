@@ -44,6 +44,7 @@ fn gqa() -> ModelConfig {
         full_attention_layers: vec![],
         local_rope_theta: None,
         rope_scaling: Default::default(),
+        partial_rotary: None,
     }
 }
 

@@ -53,6 +53,7 @@ fn config(
         full_attention_layers: vec![],
         local_rope_theta: None,
         rope_scaling: Default::default(),
+        partial_rotary: None,
     }
 }
 
@@ -493,8 +494,8 @@ fn attention_backward_pieces_match_finite_differences() {
         b2.insert(p("k_rope"), fwd[&p("k_rope")].clone());
         let r2 = run_cpu(KernelKind::SdpaBackward2, &s, &o, &b2);
         let (cos, sin) = o.rope_tables(seq, hd);
-        let mut dq = maths::apply_rope(&r2[&p("dq")], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
-        let mut dk = maths::apply_rope(&r2[&p("dk")], hd, seq, &cos, &sin, Rope::HalfSplit, -1.0);
+        let mut dq = maths::apply_rope(&r2[&p("dq")], hd, seq, &cos, &sin, o.rope, -1.0);
+        let mut dk = maths::apply_rope(&r2[&p("dk")], hd, seq, &cos, &sin, o.rope, -1.0);
         let (mut dwqn, mut dwkn) = (vec![0f32; hd], vec![0f32; hd]);
         if qk_norm {
             let eps = o.eps as f32;

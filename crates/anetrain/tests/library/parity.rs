@@ -49,15 +49,12 @@ fn logits_loss_and_gradients_match_transformers() {
             "{kind}: loss {loss} vs {want_loss}"
         );
         let want_g = anetrain::model::tensor_file::read(&dir.join("grads.safetensors")).unwrap();
-        for (p, g) in model.params.iter().zip(&grads) {
+        let ours: Vec<Vec<f32>> = grads.iter().cloned().collect();
+        for (name, g) in common::hf_layout(&model, &ours) {
             // tied: transformers reports the embedding gradient once
-            let w = &want_g[&p.name].data;
-            let rel = max_diff(g, w) / max_abs(w);
-            assert!(
-                rel <= 1e-4,
-                "{kind}: gradient of {} rel err {rel:e}",
-                p.name
-            );
+            let w = &want_g[&name].data;
+            let rel = max_diff(&g, w) / max_abs(w);
+            assert!(rel <= 1e-4, "{kind}: gradient of {name} rel err {rel:e}");
         }
         // one AdamW step
         let j = json(&dir);
@@ -68,11 +65,7 @@ fn logits_loss_and_gradients_match_transformers() {
             weight_decay: j["weight_decay"].as_f64().unwrap(),
         };
         // Use transformers' own gradients so the check isolates the optimizer.
-        let hf_grads: Vec<Vec<f32>> = model
-            .params
-            .iter()
-            .map(|p| want_g[&p.name].data.clone())
-            .collect();
+        let hf_grads = common::per_param(&model, &want_g);
         let mut m2 = model.clone();
         let mut opt = AdamW::new(&m2, cfg);
         // The trainer's update (no clipping, no loss scale).
@@ -87,13 +80,14 @@ fn logits_loss_and_gradients_match_transformers() {
         );
         assert!(u.finite);
         let after = anetrain::model::tensor_file::read(&dir.join("adamw.safetensors")).unwrap();
-        // (As Hugging Face stores them: Gemma's norms without their offset.)
-        for (i, p) in m2.params.iter().enumerate() {
-            let d = max_diff(&m2.hf_values(i), &after[&p.name].data);
+        // (As Hugging Face stores them: Gemma's norms without their offset,
+        // Phi-3's projections fused.)
+        for t in m2.hf_tensors() {
+            let d = max_diff(&m2.hf_tensor_values(&t), &after[&t.name].data);
             assert!(
                 d <= 1e-6,
                 "{kind}: AdamW update of {} differs by {d:e}",
-                p.name
+                t.name
             );
         }
     }
@@ -296,7 +290,16 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         let v = model.cfg.vocab_size;
         for (p, &t) in row.iter().enumerate() {
             let l = dec.step(t).unwrap();
-            let rel = max_diff(&l, &full[p * v..(p + 1) * v]) / max_abs(&full[p * v..(p + 1) * v]);
+            // LongRoPE's frequencies follow the length: a forward over
+            // the tokens so far, short of the switch.
+            let full = match model.cfg.rope_scaling.switches_after() {
+                Some(n) if p < n => {
+                    let fwd = eng.forward(&model, &row[..=p], None).unwrap();
+                    eng.logits(&model, &fwd.xf).unwrap()[p * v..].to_vec()
+                }
+                _ => full[p * v..(p + 1) * v].to_vec(),
+            };
+            let rel = max_diff(&l, &full) / max_abs(&full);
             assert!(rel < 1e-5, "{kind} position {p}: {rel:e}");
         }
     }

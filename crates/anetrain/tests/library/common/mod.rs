@@ -85,7 +85,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
 /// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 10] = [
+pub const FAMILIES: [&str; 11] = [
     "qwen3",
     "llama",
     "mistral",
@@ -96,4 +96,45 @@ pub const FAMILIES: [&str; 10] = [
     "smollm3",
     "ministral",
     "gemma3",
+    "phi3",
 ];
+
+/// Per-parameter values (in `model.params` order) from tensors in Hugging
+/// Face's layout: a fused matrix (Phi-3's `qkv_proj`) split by rows into
+/// its parts.
+pub fn per_param(
+    model: &anetrain::model::Model,
+    hf: &std::collections::BTreeMap<String, anetrain::model::tensor_file::Tensor>,
+) -> Vec<Vec<f32>> {
+    let mut out = vec![vec![]; model.params.len()];
+    for t in model.hf_tensors() {
+        let data = &hf[&t.name].data;
+        let mut at = 0;
+        for &id in &t.parts {
+            let n = model.params[id]
+                .data
+                .len()
+                .max(model.params[id].shape.iter().product());
+            out[id] = data[at..at + n].to_vec();
+            at += n;
+        }
+    }
+    out
+}
+
+/// Per-parameter values (`model.params` order) in Hugging Face's layout:
+/// `(name, values)`, a fused matrix's parts stacked.
+pub fn hf_layout(model: &anetrain::model::Model, values: &[Vec<f32>]) -> Vec<(String, Vec<f32>)> {
+    model
+        .hf_tensors()
+        .into_iter()
+        .map(|t| {
+            let v = t
+                .parts
+                .iter()
+                .flat_map(|&id| values[id].iter().copied())
+                .collect();
+            (t.name, v)
+        })
+        .collect()
+}
