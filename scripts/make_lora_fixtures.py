@@ -47,6 +47,8 @@ TARGETS = {
     "ministral": dict(r=2, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]),
     "gemma3": dict(r=4, lora_alpha=8, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    # Phi-3's fused modules: one A shared by q, k and v (by gate and up).
+    "phi3": dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
 }
 KINDS = list(TARGETS)
 

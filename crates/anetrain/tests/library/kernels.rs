@@ -120,6 +120,47 @@ fn gemma_kernels_match_their_cpu_twins() {
     }
 }
 
+/// Phi-3's attention — RoPE on 12 of 16 dimensions a head, LongRoPE's
+/// factors and attention factor, a window — each program against its twin,
+/// untiled and in query blocks.
+#[test]
+fn partial_rotary_kernels_match_their_cpu_twins() {
+    use anetrain::model::config::RopeScaling;
+    let mut cfg = config(48, 96, 4, 2, 16, false);
+    cfg.arch = Arch::Phi3;
+    cfg.partial_rotary = Some(12);
+    cfg.sliding_window = Some(5);
+    cfg.rope_scaling = RopeScaling::Longrope {
+        short_factor: vec![1.0, 1.2, 1.5, 2.0, 2.6, 3.1],
+        long_factor: vec![1.1, 2.0, 3.5, 5.0, 7.5, 9.0],
+        original_max_position_embeddings: 8,
+        attention_factor: 2f64.sqrt(),
+    };
+    let o = KernelOptions::hf(&cfg);
+    // 16 positions (LongRoPE's long factors), 8 (its short ones), and a
+    // block of 8 queries of 32.
+    let mut block = Shape::new(&cfg, 32);
+    block.queries = 8;
+    for s in [Shape::new(&cfg, 16), Shape::new(&cfg, 8), block] {
+        for kind in KernelKind::ALL {
+            if s.query_block() && !kind.name().starts_with("sdpa") {
+                continue;
+            }
+            let r = check_kernel(kind, &s, &o, 13).unwrap();
+            eprintln!(
+                "phi3 {kind:?} seq {} queries {}: fp32 {:.1e} fp16 {:.1e}",
+                s.seq, s.queries, r.fp32_rel, r.fp16_rel
+            );
+            assert!(
+                r.passed(),
+                "{kind:?} seq {} queries {}: {r:?}",
+                s.seq,
+                s.queries
+            );
+        }
+    }
+}
+
 /// The attention kernels for a block of queries against every key
 /// (`Shape::queries < seq`: q, dA, dq and the attention as the block's
 /// rows; the mask and the block's RoPE angles inputs) match their twins,

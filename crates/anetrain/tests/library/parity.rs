@@ -284,22 +284,11 @@ fn greedy_generation_matches_transformers_and_kv_cache_matches_full_forward() {
         // The cached decoder's logits equal the full forward's at every position.
         let row = &tokens(&dir)[0];
         let mut eng = Engine::cpu(&model);
-        let fwd = eng.forward(&model, row, None).unwrap();
-        let full = eng.logits(&model, &fwd.xf).unwrap();
+        let full = common::prefix_logits(&mut eng, &model, row);
         let mut dec = Decoder::new(&model);
-        let v = model.cfg.vocab_size;
         for (p, &t) in row.iter().enumerate() {
             let l = dec.step(t).unwrap();
-            // LongRoPE's frequencies follow the length: a forward over
-            // the tokens so far, short of the switch.
-            let full = match model.cfg.rope_scaling.switches_after() {
-                Some(n) if p < n => {
-                    let fwd = eng.forward(&model, &row[..=p], None).unwrap();
-                    eng.logits(&model, &fwd.xf).unwrap()[p * v..].to_vec()
-                }
-                _ => full[p * v..(p + 1) * v].to_vec(),
-            };
-            let rel = max_diff(&l, &full) / max_abs(&full);
+            let rel = max_diff(&l, &full[p]) / max_abs(&full[p]);
             assert!(rel < 1e-5, "{kind} position {p}: {rel:e}");
         }
     }

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 8] = [
+const FAMILIES: [&str; 9] = [
     "qwen3",
     "llama",
     "mistral",
@@ -19,6 +19,7 @@ const FAMILIES: [&str; 8] = [
     "smollm3",
     "ministral",
     "gemma3",
+    "phi3",
 ];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
@@ -131,7 +132,7 @@ fn a_family_not_read_is_refused_naming_those_that_are() {
         &["eval", "--model", dir.to_str().unwrap()],
         &[
             "olmo2",
-            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text",
+            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, phi3",
         ],
     );
 }

@@ -138,3 +138,27 @@ pub fn hf_layout(model: &anetrain::model::Model, values: &[Vec<f32>]) -> Vec<(St
         })
         .collect()
 }
+
+/// Each position's next-token logits as a full forward over the tokens up
+/// to it computes them (what a KV-cache decoder must equal): one forward
+/// over the whole row, but where RoPE's frequencies follow the length
+/// (LongRoPE) a forward over the prefix for the positions short of the
+/// switch.
+pub fn prefix_logits<R: anetrain::device::KernelRunner>(
+    eng: &mut anetrain::engine::Engine<R>,
+    model: &anetrain::model::Model,
+    row: &[u32],
+) -> Vec<Vec<f32>> {
+    let v = model.cfg.vocab_size;
+    let fwd = eng.forward(model, row, None).unwrap();
+    let full = eng.logits(model, &fwd.xf).unwrap();
+    (0..row.len())
+        .map(|p| match model.cfg.rope_scaling.switches_after() {
+            Some(n) if p < n => {
+                let fwd = eng.forward(model, &row[..=p], None).unwrap();
+                eng.logits(model, &fwd.xf).unwrap()[p * v..].to_vec()
+            }
+            _ => full[p * v..(p + 1) * v].to_vec(),
+        })
+        .collect()
+}
