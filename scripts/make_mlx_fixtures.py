@@ -2,7 +2,7 @@
 """MLX-quantized fixtures: testdata/mlx/.
 
 Quantizes the small Qwen3 model of testdata/chat/model (tied head, f32)
-and small random Llama, Qwen2, Mistral, Granite, SmolLM3 and Gemma 3 models made here (bf16:
+and small random Llama, Qwen2, Mistral, Granite, SmolLM3, Gemma 3 and Phi-3 models made here (bf16:
 testdata/mlx/<family>-source) with mlx-lm's `convert` (mlx's CPU backend on
 Linux, `pip install "mlx[cpu]" mlx-lm`) in several widths, group sizes and
 dtypes, one of them with mlx-lm's mixed 3/6-bit recipe (per-module entries
@@ -46,6 +46,7 @@ MISTRAL = os.path.join(OUT, "mistral-source")
 GRANITE = os.path.join(OUT, "granite-source")
 SMOLLM3 = os.path.join(OUT, "smollm3-source")
 GEMMA3 = os.path.join(OUT, "gemma3-source")
+PHI3 = os.path.join(OUT, "phi3-source")
 # name: (source, bits, group size, dtype, recipe). The Qwen3 source ties
 # its head to the embedding; the Llama one (bf16, made here) does not.
 VARIANTS = {
@@ -64,9 +65,10 @@ VARIANTS = {
     "granite-q4-g64-bf16": (GRANITE, 4, 64, "bfloat16", None),
     "smollm3-q4-g64-bf16": (SMOLLM3, 4, 64, "bfloat16", None),
     "gemma3-q4-g64-bf16": (GEMMA3, 4, 64, "bfloat16", None),
+    "phi3-q4-g64-bf16": (PHI3, 4, 64, "bfloat16", None),
 }
 SOURCES = [("llama", LLAMA), ("qwen2", QWEN2), ("mistral", MISTRAL), ("granite", GRANITE),
-           ("smollm3", SMOLLM3), ("gemma3", GEMMA3)]
+           ("smollm3", SMOLLM3), ("gemma3", GEMMA3), ("phi3", PHI3)]
 
 
 def make_source(kind, path):
@@ -115,6 +117,13 @@ def make_source(kind, path):
             for n, p in model.named_parameters():
                 if p.dim() == 1:  # norms away from their resting 0
                     p.copy_(0.2 * torch.randn_like(p))
+    elif kind == "phi3":
+        # Fused qkv_proj and gate_up_proj, RoPE on 12 of 16 dimensions a
+        # head; no LongRoPE (mlx-lm applies its long factors at every
+        # length, transformers its short ones up to the original context)
+        # and no window (mlx-lm's phi3 has none).
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(
+            partial_rotary_factor=0.75, tie_word_embeddings=False, pad_token_id=0, **common))
     else:
         model = tf.GraniteForCausalLM(tf.GraniteConfig(
             tie_word_embeddings=True, embedding_multiplier=6.0, residual_multiplier=0.3,

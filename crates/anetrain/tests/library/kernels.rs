@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use anetrain::kernels::check::{check_kernel, pack_all, run_mil};
 use anetrain::kernels::maths;
 use anetrain::kernels::{
-    build, run_cpu, KernelKind, KernelOptions, LoraKernel, Port, Rope, Shape, Tensors,
+    build, run_cpu, KernelKind, KernelOptions, LoraKernel, Port, Shape, Tensors,
 };
 use anetrain::model::config::{Arch, ModelConfig};
 use anetrain::model::Projection;
