@@ -6,8 +6,9 @@ adapter trained here), for a llama2.c checkpoint converted by `anetrain
 convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
 tokenizer written here), for small Qwen2, Mistral and Granite models
 (testdata/mlx/<family>-source), a small random four-layer SmolLM3 and a
-six-layer Gemma 3 made here (llama.cpp leaves RoPE out of every fourth
-SmolLM3 layer and makes every sixth Gemma 3 layer full), in f16 and q8_0:
+six-layer Gemma 3 and a Phi-3 with partial rotary and LongRoPE made here
+(llama.cpp leaves RoPE out of every fourth SmolLM3 layer and makes every
+sixth Gemma 3 layer full), in f16 and q8_0:
 
 * reads the file with the `gguf` package (tensor count, architecture,
   tokenizer model);
@@ -121,6 +122,31 @@ def gemma3_source(path):
     return path
 
 
+def phi3_source(path):
+    """A small random Phi-3 (fused qkv_proj and gate_up_proj, RoPE on 12
+    of 16 dimensions a head, LongRoPE with an original context of 512 —
+    llama.cpp's context here is within it, so both take the short factors
+    — and a head tied to the embedding, as Phi-4-mini's), bf16, with the
+    chat model's tokenizer."""
+    import shutil
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Phi3ForCausalLM(tf.Phi3Config(
+        vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        original_max_position_embeddings=512, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.4, 3.0, 4.2],
+                      "long_factor": [1.5, 2.0, 4.0, 6.0, 9.0, 12.0]},
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
+        tie_word_embeddings=True)).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(CHAT_MODEL, f), path)
+    return path
+
+
 def anetrain_logits(model, adapter, tokens, tmp):
     t = os.path.join(tmp, "t.npy")
     out = os.path.join(tmp, "l.npy")
@@ -204,6 +230,11 @@ def main():
         gemma3 = gemma3_source(os.path.join(tmp, "gemma3"))
         # Longer than the window: the windowed layers' masks bite.
         cases.append(("gemma3", gemma3, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
+        # (Not named "phi3": llama.cpp's vocabulary loader looks up Phi's
+        # own special tokens in a model whose name says phi, and the chat
+        # tokenizer has none.)
+        phi3 = phi3_source(os.path.join(tmp, "small-p3"))
+        cases.append(("phi3", phi3, None, [[1, 20, 30, 40, 50, 60, 70], [5, 6, 7], [100, 3, 200, 17]]))
         only = sys.argv[1:]
         for label, model, adapter_dir, prompts in cases:
             if only and label.split()[0] not in only:

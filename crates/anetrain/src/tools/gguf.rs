@@ -42,7 +42,7 @@ use anyhow::{bail, Context, Result};
 use serde_json::Value as Json;
 
 use crate::data::tokenizer::Tokenizer;
-use crate::model::config::Arch;
+use crate::model::config::{Arch, RopeScaling};
 use crate::model::generation::GenerationConfig;
 use crate::model::Model;
 
@@ -240,12 +240,16 @@ pub fn export(
     if model.lora.is_some() {
         bail!("merge the adapter before exporting");
     }
-    if model.cfg.arch == Arch::Phi3 {
-        // llama.cpp's phi3 reads q, k, v as one `attn_qkv` and gate, up as
-        // one `ffn_up`: tensors this writer does not fuse yet.
-        bail!("GGUF export of a phi3 model is not built yet; the model directory itself loads in transformers and mlx-lm");
+    if let (Arch::Phi3, Some(w)) = (model.cfg.arch, model.cfg.sliding_window) {
+        // llama.cpp's phi3 loader turns the window off ("Phi SWA is
+        // currently disabled", llama-model.cpp), so its logits would part
+        // from this model's past the window.
+        bail!(
+            "GGUF export of a phi3 model with an attention window ({w} positions): llama.cpp's phi3 attends without one, so the file would compute another model past {w} tokens"
+        );
     }
-    if !model.cfg.rope_scaling.is_default() {
+    let longrope = matches!(model.cfg.rope_scaling, RopeScaling::Longrope { .. });
+    if !model.cfg.rope_scaling.is_default() && !(longrope && model.cfg.arch == Arch::Phi3) {
         // llama.cpp wants the scaled frequencies as a `rope_freqs` tensor
         // (or scaling keys), not written here yet.
         bail!(
@@ -383,7 +387,7 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
         ),
         (format!("{a}.attention.key_length"), u(c.head_dim)),
         (format!("{a}.attention.value_length"), u(c.head_dim)),
-        (format!("{a}.rope.dimension_count"), u(c.head_dim)),
+        (format!("{a}.rope.dimension_count"), u(c.rotary_dim())),
         (
             format!("{a}.rope.freq_base"),
             MetaValue::F32(c.rope_theta as f32),
@@ -399,6 +403,23 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
         if let Some(w) = c.sliding_window {
             meta.push((format!("{a}.attention.sliding_window"), u(w)));
         }
+    }
+    if let RopeScaling::Longrope {
+        original_max_position_embeddings,
+        attention_factor,
+        ..
+    } = c.rope_scaling
+    {
+        // llama.cpp's Phi3MiniModel keys; the factors are tensors
+        // (`rope_factors_long`, `rope_factors_short`), and llama.cpp takes
+        // the long ones when its context passes the original one.
+        meta.extend([
+            (format!("{a}.rope.scaling.attn_factor"), f(attention_factor)),
+            (
+                format!("{a}.rope.scaling.original_context_length"),
+                u(original_max_position_embeddings),
+            ),
+        ]);
     }
     if c.arch == Arch::Granite {
         // llama.cpp's GraniteModel keys.
@@ -425,8 +446,12 @@ const GEMMA_NORMS: [(&str, &str); 3] = [
 ];
 
 /// GGUF names of a layer's tensors, by the Hugging Face suffix.
-const LAYER_TENSORS: [(&str, &str); 14] = [
+const LAYER_TENSORS: [(&str, &str); 16] = [
     ("input_layernorm.weight", "attn_norm.weight"),
+    // Phi-3's fused projections (llama.cpp splits `ffn_up`'s rows into
+    // gate and up as Hugging Face stacks them).
+    ("self_attn.qkv_proj.weight", "attn_qkv.weight"),
+    ("mlp.gate_up_proj.weight", "ffn_up.weight"),
     ("self_attn.q_proj.weight", "attn_q.weight"),
     ("self_attn.k_proj.weight", "attn_k.weight"),
     ("self_attn.v_proj.weight", "attn_v.weight"),
@@ -467,39 +492,68 @@ pub fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
 fn tensor_plan(model: &Model, ty: ExportType) -> Result<Vec<TensorPlan<'_>>> {
     let c = &model.cfg;
     let mut plan = Vec::with_capacity(model.params.len());
-    for p in &model.params {
-        let name = gguf_name(&p.name, c.arch)
-            .with_context(|| format!("no GGUF name for the tensor '{}'", p.name))?;
-        let mut values = std::borrow::Cow::Borrowed(p.data.as_slice());
+    // As Hugging Face stores them (Phi-3's projections fused), with the
+    // values training holds (Gemma's norms as the scale 1 + w they apply,
+    // as llama.cpp's converter writes them).
+    for t in model.hf_tensors() {
+        let mut values = match t.parts[..] {
+            [id] => std::borrow::Cow::Borrowed(model.params[id].data.as_slice()),
+            _ => std::borrow::Cow::Owned(
+                t.parts
+                    .iter()
+                    .flat_map(|&id| model.params[id].data.iter().copied())
+                    .collect(),
+            ),
+        };
+        let name = gguf_name(&t.name, c.arch)
+            .with_context(|| format!("no GGUF name for the tensor '{}'", t.name))?;
         // llama.cpp's `llama` rotates adjacent pairs: permute the q and k
         // rows from the half-split order Hugging Face weights have.
         if rotates_adjacent_pairs(c.arch) {
-            let heads = if p.name.ends_with("q_proj.weight") {
+            let heads = if t.name.ends_with("q_proj.weight") {
                 Some(c.num_attention_heads)
-            } else if p.name.ends_with("k_proj.weight") {
+            } else if t.name.ends_with("k_proj.weight") {
                 Some(c.num_key_value_heads)
             } else {
                 None
             };
             if let Some(h) = heads {
-                values = std::borrow::Cow::Owned(half_split_to_adjacent(&p.data, h, p.shape[1]));
+                values = std::borrow::Cow::Owned(half_split_to_adjacent(&values, h, t.shape[1]));
             }
         }
-        let t = match p.shape.len() {
+        let kind = match t.shape.len() {
             1 => TensorType::F32,
             _ => match ty.tensor_type() {
-                TensorType::Q8_0 if !p.shape[p.shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => {
+                TensorType::Q8_0 if !t.shape[t.shape.len() - 1].is_multiple_of(Q8_0_BLOCK) => {
                     TensorType::F16
                 }
-                t => t,
+                k => k,
             },
         };
         plan.push(TensorPlan {
             name,
-            shape: p.shape.clone(),
-            ty: t,
+            shape: t.shape,
+            ty: kind,
             values,
         });
+    }
+    if let RopeScaling::Longrope {
+        short_factor,
+        long_factor,
+        ..
+    } = &c.rope_scaling
+    {
+        for (name, factors) in [
+            ("rope_factors_long.weight", long_factor),
+            ("rope_factors_short.weight", short_factor),
+        ] {
+            plan.push(TensorPlan {
+                name: name.into(),
+                shape: vec![factors.len()],
+                ty: TensorType::F32,
+                values: std::borrow::Cow::Owned(factors.iter().map(|&v| v as f32).collect()),
+            });
+        }
     }
     Ok(plan)
 }
