@@ -115,14 +115,16 @@ pub fn size(b: u64) -> String {
     }
 }
 
-/// Trainable LoRA parameters: `r·(in + out)` per adapted projection.
+/// Trainable LoRA parameters: `r·(in + out)` per adapted projection, a
+/// fused module's parts sharing one A (Phi-3's `qkv_proj`).
 pub fn lora_params(cfg: &ModelConfig, l: &LoraConfig) -> u64 {
     let per_layer: usize = l
         .targets
         .iter()
-        .map(|t| {
+        .map(|&t| {
             let (out, inp) = t.shape(cfg);
-            l.rank * (inp + out)
+            let shares_a = cfg.fused_of(t).is_some_and(|f| f.parts[0] != t);
+            l.rank * (out + if shares_a { 0 } else { inp })
         })
         .sum();
     (per_layer * cfg.num_hidden_layers) as u64

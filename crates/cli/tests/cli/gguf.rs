@@ -480,6 +480,87 @@ fn a_llama_model_has_adjacent_pair_rope_rows_and_a_sentencepiece_vocabulary() {
         .all(|(a, &b)| *a == half::f16::from_f32(b).to_f32()));
 }
 
+/// A Phi-3 (the fixture, its window taken out: llama.cpp's phi3 has
+/// none, and a windowed one is refused): q, k, v written as the one
+/// `attn_qkv` and gate, up as `ffn_up`, as Hugging Face stores them; RoPE
+/// on 12 of 16 dimensions; LongRoPE's factors as tensors beside its
+/// attention factor and original context.
+#[test]
+fn a_phi3_model_keeps_its_fused_matrices_and_longrope_factors() {
+    let t = tmp();
+    let model = t.path().join("small-p3");
+    std::fs::create_dir(&model).unwrap();
+    let fixture =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/phi3/model");
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(fixture.join(f), model.join(f)).unwrap();
+    }
+    write_llama_tokenizer(&model);
+    let out = t.path().join("p3.gguf");
+    let o = bin()
+        .args(["export", "gguf", "--model", model.to_str().unwrap()])
+        .args(["--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("window") && !out.exists(),
+        "{err}"
+    );
+    let config = model.join("config.json");
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    c["sliding_window"] = serde_json::Value::Null;
+    std::fs::write(&config, c.to_string()).unwrap();
+    export(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let g = read_gguf(&out);
+    assert_eq!(g.str("general.architecture"), "phi3");
+    assert_eq!(g.u32("phi3.rope.dimension_count"), 12);
+    assert_eq!(g.u32("phi3.rope.scaling.original_context_length"), 8);
+    assert_eq!(
+        g.meta["phi3.rope.scaling.attn_factor"],
+        Meta::F32(2f32.sqrt())
+    );
+    let want = safetensors(&model);
+    for (hf, gguf) in [
+        (
+            "model.layers.1.self_attn.qkv_proj.weight",
+            "blk.1.attn_qkv.weight",
+        ),
+        (
+            "model.layers.0.mlp.gate_up_proj.weight",
+            "blk.0.ffn_up.weight",
+        ),
+    ] {
+        let (shape, values) = &want[hf];
+        let (got, _) = g.values(gguf);
+        assert_eq!(got.len(), shape[0] * shape[1], "{gguf}");
+        assert!(
+            got.iter()
+                .zip(values)
+                .all(|(a, &b)| *a == half::f16::from_f32(b).to_f32()),
+            "{gguf} is {hf} as stored"
+        );
+    }
+    for (name, key) in [
+        ("rope_factors_short.weight", "short_factor"),
+        ("rope_factors_long.weight", "long_factor"),
+    ] {
+        let want: Vec<f32> = c["rope_parameters"][key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
+        assert_eq!(g.values(name).0, want, "{name}");
+    }
+}
+
 /// An existing output without --force, a model without a tokenizer, an
 /// adapter of another base: one line each, and nothing written.
 #[test]
