@@ -48,7 +48,8 @@ def tensors(cfg):
             fused = {"self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", [(heads + 2 * kv) * hd, d]),
                      "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", [2 * h, d])}
             parts = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")
-            out = [fused.get(n[len(p):], (n, s)) if n.startswith(p) else (n, s) for n, s in out]
+            out = [(p + fused[n[len(p):]][0], fused[n[len(p):]][1])
+                   if n.startswith(p) and n[len(p):] in fused else (n, s) for n, s in out]
             out = [(n, s) for n, s in out if not (n.startswith(p) and n[len(p):] in parts)]
         if cfg.get("model_type") == "qwen2":  # q, k and v biases
             out += [(p + "self_attn.q_proj.bias", [heads * hd]),

@@ -96,14 +96,26 @@ impl Progress {
                 val_tokens,
                 out,
                 lora,
+                pairs,
+                objective,
+                base,
                 resumed_at,
                 steps,
             } => {
+                let data = match pairs {
+                    Some((t, v)) => {
+                        format!("{t} train / {v} val pairs ({train_tokens} / {val_tokens} tokens)")
+                    }
+                    None => format!("{train_tokens} train / {val_tokens} val tokens"),
+                };
                 say!(
-                    "training {model} ({:.2}M parameters) on {train_tokens} train / {val_tokens} val tokens -> {}",
+                    "training {model} ({:.2}M parameters) on {data} -> {}",
                     *params as f64 / 1e6,
                     out.display()
                 );
+                for line in [base, objective].into_iter().flatten() {
+                    say!("{line}");
+                }
                 if let Some((rank, alpha, names, trainable)) = lora {
                     say!(
                         "LoRA rank {rank} alpha {alpha} on {}: {:.3}M trainable parameters ({:.2}% of the base)",

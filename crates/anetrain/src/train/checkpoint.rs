@@ -228,9 +228,9 @@ pub fn publish_latest(out: &Path, model: &Model, state: &TrainerState) -> Result
             )?;
         }
         // The checkpoint holds the weights as training does (a resume is
-        // bit-exact); a model whose norm weights are stored without the
-        // offset they apply (Gemma's) is written out as Hugging Face
-        // stores it instead of linked.
+        // bit-exact); a model Hugging Face stores otherwise (Gemma's norm
+        // weights without the offset they apply, Phi's fused projections)
+        // is written out as Hugging Face stores it instead of linked.
         None if model.cfg.stored_otherwise() => {
             write_atomic(&out.join("model.safetensors"), &model.safetensors_bytes()?)?;
             write_atomic(

@@ -31,6 +31,13 @@ pub enum Event {
         out: PathBuf,
         /// `(rank, alpha, projections, trainable parameters)` with LoRA.
         lora: Option<(usize, f64, Vec<&'static str>, usize)>,
+        /// The training and validation pairs of a preference run.
+        pairs: Option<(usize, usize)>,
+        /// What a preference run optimises, and against which reference
+        /// (one line: "DPO (sigmoid loss, β 0.1) against …").
+        objective: Option<String>,
+        /// How the frozen base is held when it is quantized (one line).
+        base: Option<String>,
         /// The step a resumed run continues from.
         resumed_at: Option<u64>,
         steps: u64,

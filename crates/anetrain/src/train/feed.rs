@@ -56,6 +56,15 @@ impl Source {
         matches!(self, Source::Records { chat: true, .. })
     }
 
+    /// Pairs in the training and the validation split of a preference
+    /// run.
+    pub(super) fn pairs(&self) -> Option<(usize, usize)> {
+        match self {
+            Source::Pairs { train, val } => Some((train.len(), val.len())),
+            _ => None,
+        }
+    }
+
     /// Tokens in the training and the validation split.
     pub(super) fn sizes(&self) -> (usize, usize) {
         match self {

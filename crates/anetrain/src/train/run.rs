@@ -11,6 +11,7 @@ use super::checkpoint::{self, TrainerState};
 use super::event::{Event, Interrupted, StepRecord};
 use super::feed::{load_corpus, next_batch, val_batch, Corpus, Source};
 use super::metrics::Metrics;
+use super::objective::Objective;
 use super::optim::{self, AdamW, LossScaler};
 use super::reference::Reference;
 use super::settings::{settings_differences, validate, TrainRequest, TrainSettings};
@@ -25,6 +26,7 @@ use crate::model::lora::Lora;
 use crate::model::source::ModelSource;
 use crate::model::Model;
 use crate::plan::memory::RunPlan;
+use crate::util::choice::Choice;
 use crate::util::rng::Rng;
 
 /// Attaches the adapters a LoRA run starts from: `--init-adapter`'s, else
@@ -455,6 +457,13 @@ impl Run<'_> {
                 let names = l.modules.iter().map(|m| m.0).collect();
                 (l.cfg.rank, l.cfg.alpha, names, l.num_params())
             }),
+            pairs: self.corpus.source.pairs(),
+            objective: objective_line(
+                &s.objective,
+                s.init_adapter.as_deref(),
+                model.lora.is_some(),
+            ),
+            base: base_line(model, s.quantize_base),
             resumed_at: self.resuming.then_some(state.step),
             steps: self.r.steps,
         });
@@ -628,5 +637,57 @@ impl Run<'_> {
             step: state.step + 1,
             reason,
         });
+    }
+}
+
+/// What a preference run optimises and against what, in one line; `None`
+/// for SFT. The reference is what `Reference::of` takes: the starting
+/// model, frozen (with LoRA: the base with the starting adapter swapped in).
+fn objective_line(
+    objective: &Objective,
+    init_adapter: Option<&Path>,
+    lora: bool,
+) -> Option<String> {
+    let reference = match (lora, init_adapter) {
+        (true, Some(a)) => format!("the base with the starting adapter ({})", a.display()),
+        (true, None) => "the base (the new adapter starts at zero)".to_string(),
+        (false, _) => "a frozen copy of the starting model".to_string(),
+    };
+    match objective {
+        Objective::Sft => None,
+        Objective::Dpo {
+            loss,
+            beta,
+            precompute_ref,
+        } => Some(format!(
+            "DPO ({} loss, β {beta}) against {reference}{}",
+            loss.name(),
+            match precompute_ref {
+                true => ", its log-probabilities computed once before training",
+                false => "",
+            }
+        )),
+        Objective::Orpo { lambda } => Some(format!("ORPO (λ {lambda}), no reference model")),
+    }
+}
+
+/// How a quantized base is held, in one line; `None` for a float base.
+fn base_line(model: &Model, on_load: Option<crate::model::quant::QuantSpec>) -> Option<String> {
+    let q =
+        |s: crate::model::quant::QuantSpec| format!("{}-bit groups of {}", s.bits, s.group_size);
+    match (on_load, &model.cfg.quantization) {
+        (Some(s), _) => Some(format!(
+            "the base quantized to {} as it loads (--quantize-base), dequantized as each product needs it",
+            q(s)
+        )),
+        (None, Some(c)) => Some(format!(
+            "the base is MLX-quantized ({}{}), dequantized as each product needs it",
+            q(c.default),
+            match c.modules.is_empty() {
+                true => "",
+                false => ", some modules otherwise",
+            }
+        )),
+        (None, None) => None,
     }
 }

@@ -361,6 +361,53 @@ fn sft_then_dpo_prefers_the_chosen_answer() {
     }
 }
 
+/// A preference run's first lines say what it trains on (pairs, not only
+/// tokens), what it optimises against which reference, and how a
+/// quantized base is held.
+#[test]
+fn the_start_lines_name_the_pairs_the_objective_and_a_quantized_base() {
+    let dir = tmp();
+    let data = preference_dir().join("data");
+    let data = std::fs::read_dir(&data)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut args = trl_flags(data.file_name().unwrap().to_str().unwrap(), "cpu");
+    let steps = args.iter().position(|a| a == "--steps").unwrap();
+    args[steps + 1] = "1".into();
+    args.extend(
+        [
+            "--objective",
+            "dpo",
+            "--quantize-base",
+            "4",
+            "--q-group-size",
+            "32",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let o = run(&args, &dir.path().join("dpo"));
+    let text = String::from_utf8_lossy(&o.stderr);
+    let first = text.lines().find(|l| l.starts_with("training ")).unwrap();
+    assert!(
+        first.contains(" train / ") && first.contains(" val pairs ("),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l
+            .starts_with("DPO (sigmoid loss, β 0.1) against the base with the starting adapter (")),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.contains("quantized to 4-bit groups of 32 as it loads")),
+        "{text}"
+    );
+}
+
 /// Bad pairs and flags: one line naming the file, the line and the fix.
 #[test]
 fn bad_pairs_and_flags_are_named() {
