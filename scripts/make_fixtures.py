@@ -16,7 +16,10 @@ positions with their own RoPE base around a full one, a query scalar apart
 from head_dim) and Phi-3 (fused qkv_proj and gate_up_proj, RoPE on 12 of
 16 dimensions a head, LongRoPE with an original context of 8 positions —
 the fixture's 12 use the long factors, greedy decoding crosses from the
-short to the long — and a window of 5) — it writes:
+short to the long — and a window of 5) and Gemma 3's multimodal
+checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger are
+published: the text model under `language_model.`, linear RoPE scaling on
+its full layers, a small vision tower the text never uses) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -41,11 +44,12 @@ from transformers import (
     GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
-    Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM,
+    Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM, Gemma3Config,
+    Gemma3ForConditionalGeneration,
 )
 
 KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral",
-         "gemma3", "phi3"]
+         "gemma3", "phi3", "gemma3mm"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -110,6 +114,22 @@ def build(kind):
             pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
         )
         return Gemma3ForCausalLM(cfg)
+    if kind == "gemma3mm":
+        text = dict(
+            vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+            sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+            rms_norm_eps=1e-6, max_position_embeddings=64,
+        )
+        vision = dict(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                           boi_token_index=90, eoi_token_index=91, image_token_index=92,
+                           pad_token_id=0, bos_token_id=2, eos_token_id=1,
+                           attn_implementation="eager")
+        return Gemma3ForConditionalGeneration(cfg)
     if kind == "phi3":
         cfg = Phi3Config(
             vocab_size=100, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
@@ -193,6 +213,20 @@ def export_llama2c(model, path):
             f.write(t.contiguous().numpy().astype("<f4").tobytes())
 
 
+def saved_name(kind, name):
+    """The checkpoint's key of a parameter (transformers saves a multimodal
+    Gemma 3 under the names it was published with)."""
+    if kind != "gemma3mm":
+        return name
+    for module, saved in (("model.language_model.", "language_model.model."),
+                          ("model.vision_tower.", "vision_tower."),
+                          ("model.multi_modal_projector.", "multi_modal_projector."),
+                          ("lm_head.", "language_model.lm_head.")):
+        if name.startswith(module):
+            return saved + name[len(module):]
+    return name
+
+
 def main():
     out_root = sys.argv[1] if len(sys.argv) > 1 else "testdata/fixtures"
     wanted = sys.argv[2:] or KINDS
@@ -207,14 +241,14 @@ def main():
                     p.copy_(0.1 * torch.randn_like(p))
                 elif p.dim() == 1:  # norm weights away from their resting value
                     # (Gemma's norms scale by 1 + w: theirs rests at 0)
-                    rest = 0.0 if kind == "gemma3" else 1.0
+                    rest = 0.0 if kind.startswith("gemma3") else 1.0
                     p.copy_(rest + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.08 * torch.randn_like(p))
         out = os.path.join(out_root, kind)
         os.makedirs(out, exist_ok=True)
         model.save_pretrained(os.path.join(out, "model"), safe_serialization=True)
-        vocab = model.config.vocab_size
+        vocab = model.config.get_text_config().vocab_size
         g = torch.Generator().manual_seed(99 + i)
         tokens = torch.randint(0, vocab, (2, 13), generator=g)
         np.save(os.path.join(out, "tokens.npy"), tokens.numpy().astype(np.int64))
@@ -224,7 +258,9 @@ def main():
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
         np.save(os.path.join(out, "logits.npy"), logits.detach().numpy().astype(np.float32))
-        grads = {n: p.grad.detach().clone().contiguous() for n, p in model.named_parameters()}
+        # (A multimodal model's vision tower takes no gradient from text.)
+        grads = {saved_name(kind, n): p.grad.detach().clone().contiguous()
+                 for n, p in model.named_parameters() if p.grad is not None}
         save_file(grads, os.path.join(out, "grads.safetensors"))
 
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
@@ -235,7 +271,7 @@ def main():
             lr=ADAMW["lr"], betas=ADAMW["betas"], eps=ADAMW["eps"],
         )
         opt.step()
-        after = {n: p.detach().clone().contiguous() for n, p in model.named_parameters()}
+        after = {saved_name(kind, n): p.detach().clone().contiguous() for n, p in model.named_parameters()}
         save_file(after, os.path.join(out, "adamw.safetensors"))
 
         # Greedy continuation from the original weights.

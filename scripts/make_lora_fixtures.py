@@ -49,6 +49,10 @@ TARGETS = {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
     # Phi-3's fused modules: one A shared by q, k and v (by gate and up).
     "phi3": dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    # The multimodal Gemma 3's text model only, named by a pattern (a list
+    # would adapt the vision tower's q_proj too).
+    "gemma3mm": dict(r=4, lora_alpha=8, target_modules=(
+        r"model\.language_model\.layers\.\d+\.(self_attn\.(q_proj|v_proj|o_proj)|mlp\.up_proj)")),
 }
 KINDS = list(TARGETS)
 
@@ -77,7 +81,7 @@ def main():
         os.remove(os.path.join(out, "adapter", "README.md"))  # a model-card template
 
         tokens = torch.from_numpy(np.load(os.path.join(root, kind, "tokens.npy")))
-        vocab = base.config.vocab_size
+        vocab = base.config.get_text_config().vocab_size
         model.train()
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(

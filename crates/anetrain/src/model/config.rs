@@ -161,7 +161,39 @@ pub struct ModelConfig {
     /// `partial_rotary_factor·head_dim` (Phi's), the rest passed through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub partial_rotary: Option<usize>,
+    /// The multimodal checkpoint this text model was read from (Gemma 3's
+    /// 4B and larger, `Gemma3ForConditionalGeneration`): its own
+    /// `config.json`, written back with this model's as its `text_config`;
+    /// the text model's tensors sit under [`ModelConfig::tensor_prefix`]
+    /// and the others (the vision tower's) are kept as they are.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multimodal: Option<serde_json::Value>,
 }
+
+/// Multimodal families whose text model is read: `(model_type, class,
+/// the text model's tensor prefix, the text model's own model_type, the
+/// decoder layers' module path in transformers — what PEFT names — and in
+/// mlx-lm)`.
+#[allow(clippy::type_complexity)]
+const MULTIMODAL: [(&str, &str, &str, &str, &str, &str); 1] = [(
+    "gemma3",
+    "Gemma3ForConditionalGeneration",
+    "language_model.",
+    "gemma3_text",
+    "model.language_model.layers",
+    "language_model.model.layers",
+)];
+
+/// Gemma3TextConfig's defaults for the keys published multimodal Gemma 3
+/// configs leave out of their `text_config` (transformers 5.25
+/// `configuration_gemma3.py`); the others are the family's defaults below.
+const GEMMA3_TEXT_DEFAULTS: [(&str, u64); 5] = [
+    ("vocab_size", 262_208),
+    ("hidden_size", 2304),
+    ("intermediate_size", 9216),
+    ("num_hidden_layers", 26),
+    ("num_attention_heads", 8),
+];
 
 /// Names accepted by `--model` besides a directory.
 pub const PRESETS: &[&str] = &[
@@ -540,6 +572,7 @@ impl ModelConfig {
             local_rope_theta: None,
             rope_scaling: RopeScaling::Default,
             partial_rotary: None,
+            multimodal: None,
         };
         Some(match name {
             "qwen3-0.6b" => ModelConfig {
@@ -567,6 +600,7 @@ impl ModelConfig {
                 local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
                 partial_rotary: None,
+                multimodal: None,
             },
             "stories15m" => llama2c(288, 768, 6, 6, 256),
             "stories42m" => llama2c(512, 1376, 8, 8, 1024),
@@ -596,6 +630,7 @@ impl ModelConfig {
                 local_rope_theta: None,
                 rope_scaling: RopeScaling::Default,
                 partial_rotary: None,
+                multimodal: None,
             },
             _ => return None,
         })
@@ -657,6 +692,9 @@ impl ModelConfig {
             bail!("expected a JSON object");
         }
         let quantization = crate::model::quant::Quantization::from_config(&v)?;
+        if let Some(text) = v.get("text_config") {
+            return ModelConfig::from_multimodal(&v, text, quantization);
+        }
         let window_given = v.get("sliding_window").is_some();
         let hf: HfConfig = serde_path_to_error::deserialize(v).map_err(|e| {
             let inner = e.inner().to_string();
@@ -960,9 +998,83 @@ impl ModelConfig {
             no_rope_layers,
             rope_scaling,
             partial_rotary,
+            multimodal: None,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The text model of a multimodal checkpoint's config `outer` (a
+    /// family of [`MULTIMODAL`]): its `text_config`, the family's text
+    /// defaults where keys are left out, the token ids and quantization
+    /// of the outer config where the text one has none.
+    fn from_multimodal(
+        outer: &serde_json::Value,
+        text: &serde_json::Value,
+        quantization: Option<crate::model::quant::Quantization>,
+    ) -> Result<ModelConfig> {
+        let model_type = outer["model_type"].as_str().unwrap_or("");
+        let classes: Vec<&str> = outer["architectures"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|c| c.as_str()).collect())
+            .unwrap_or_default();
+        let Some(&(_, _, _, text_type, _, _)) = MULTIMODAL
+            .iter()
+            .find(|m| m.0 == model_type || classes.contains(&m.1))
+        else {
+            bail!(
+                "a multimodal model_type '{model_type}' (it has a text_config): anetrain reads the text model of {} checkpoints only",
+                MULTIMODAL.map(|m| m.0).join(", ")
+            );
+        };
+        let Some(text) = text.as_object() else {
+            bail!("\"text_config\" must be an object");
+        };
+        let mut t = text.clone();
+        t.insert("model_type".into(), text_type.into());
+        t.remove("architectures");
+        for (k, v) in GEMMA3_TEXT_DEFAULTS {
+            t.entry(k).or_insert(v.into());
+        }
+        for k in [
+            "bos_token_id",
+            "eos_token_id",
+            "pad_token_id",
+            "tie_word_embeddings",
+        ] {
+            if let (false, Some(v)) = (t.contains_key(k), outer.get(k)) {
+                t.insert(k.into(), v.clone());
+            }
+        }
+        let mut cfg = ModelConfig::from_json(&serde_json::Value::Object(t).to_string())
+            .context("\"text_config\"")?;
+        cfg.quantization = quantization;
+        cfg.multimodal = Some(outer.clone());
+        Ok(cfg)
+    }
+
+    /// Where the text model's tensors sit in the checkpoint: under
+    /// `language_model.` in a multimodal one, at the top otherwise.
+    pub fn tensor_prefix(&self) -> &'static str {
+        match &self.multimodal {
+            Some(_) => MULTIMODAL
+                .iter()
+                .find(|m| m.3 == self.arch.model_type())
+                .map_or("", |m| m.2),
+            None => "",
+        }
+    }
+
+    /// The decoder layers' module path as transformers (and so PEFT) and
+    /// mlx-lm name it: `model.layers`, or inside a multimodal model.
+    pub fn layer_paths(&self) -> (&'static str, &'static str) {
+        match &self.multimodal {
+            Some(_) => MULTIMODAL
+                .iter()
+                .find(|m| m.3 == self.arch.model_type())
+                .map_or(("model.layers", "model.layers"), |m| (m.4, m.5)),
+            None => ("model.layers", "model.layers"),
+        }
     }
 
     /// Rejects configurations that cannot work, before anything is allocated.
@@ -1088,10 +1200,10 @@ impl ModelConfig {
 
     /// Whether Hugging Face stores the weights otherwise than training
     /// holds them (Gemma's norm weights without their offset, Phi's fused
-    /// projections): such a model is written through
+    /// projections, a multimodal checkpoint's prefix and vision tower): such a model is written through
     /// `Model::safetensors_bytes`, never as its checkpoint's file.
     pub fn stored_otherwise(&self) -> bool {
-        self.norm_offset() != 0.0 || !self.fused().is_empty()
+        self.norm_offset() != 0.0 || !self.fused().is_empty() || self.multimodal.is_some()
     }
 
     /// What a stored RMSNorm weight lacks of the scale it applies: 1 for
@@ -1400,8 +1512,12 @@ mod tests {
         assert!((c.rope_scaling.attention_factor() - want).abs() < 1e-12);
         for (bad, want) in [
             (
-                "{\"rope_type\": \"longrope\", \"factor\": 4.0}",
-                "\"longrope\" is not built yet",
+                "{\"rope_type\": \"dynamic\", \"factor\": 4.0}",
+                "\"dynamic\" is not built yet",
+            ),
+            (
+                "{\"rope_type\": \"longrope\", \"long_factor\": [1.0]}",
+                "needs \"short_factor\", a list of positive numbers",
             ),
             (
                 "{\"rope_type\": \"yarn\", \"factor\": 4.0}",
@@ -1416,6 +1532,118 @@ mod tests {
             let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    /// Phi-4-mini's shape: RoPE on 96 of 128 dimensions, LongRoPE with
+    /// its attention factor from max / original, a window as long as the
+    /// context read as none, the head tied; what does not fit is refused
+    /// by name.
+    #[test]
+    fn phi3_configs_are_read_with_what_changes_the_maths() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/configs/phi-4-mini.json"
+        );
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["rope_scaling"] = serde_json::json!({"type": "longrope",
+            "short_factor": vec![1.0; 48], "long_factor": vec![2.0; 48]});
+        let c = ModelConfig::from_json(&v.to_string()).unwrap();
+        assert_eq!((c.arch, c.head_dim, c.rotary_dim()), (Arch::Phi3, 128, 96));
+        assert_eq!((c.sliding_window, c.tie_word_embeddings), (None, true));
+        assert_eq!(c.rope_scaling.switches_after(), Some(4096));
+        let want = (1.0 + 32f64.ln() / 4096f64.ln()).sqrt();
+        assert!((c.rope_scaling.attention_factor() - want).abs() < 1e-12);
+        // 3.84 B, as published.
+        assert_eq!(c.num_params() / 10_000_000, 383);
+        assert_eq!(c.fused().len(), 2);
+        for (key, value, want) in [
+            (
+                "partial_rotary_factor",
+                serde_json::json!(0.7),
+                "an even, non-zero count",
+            ),
+            (
+                "resid_pdrop",
+                serde_json::json!(0.1),
+                "\"resid_pdrop\": 0.1",
+            ),
+            ("sliding_window", serde_json::json!(2047), ""),
+        ] {
+            let mut bad = v.clone();
+            bad[key] = value;
+            match want {
+                "" => {
+                    let c = ModelConfig::from_json(&bad.to_string()).unwrap();
+                    assert_eq!(
+                        c.layer_class(0).window,
+                        Some(2047),
+                        "a window shorter than the context"
+                    );
+                }
+                want => {
+                    let e = format!(
+                        "{:#}",
+                        ModelConfig::from_json(&bad.to_string()).unwrap_err()
+                    );
+                    assert!(e.contains(want), "{key}: {e}");
+                }
+            }
+        }
+        let mut short = v.clone();
+        short["rope_scaling"]["short_factor"] = serde_json::json!(vec![1.0; 64]);
+        short["rope_scaling"]["long_factor"] = serde_json::json!(vec![1.0; 64]);
+        let e = format!(
+            "{:#}",
+            ModelConfig::from_json(&short.to_string()).unwrap_err()
+        );
+        assert!(e.contains("must hold 48 numbers"), "{e}");
+        let e = format!(
+            "{:#}",
+            ModelConfig::from_json(
+                &QWEN3.replace("\"rope_scaling\": null", "\"partial_rotary_factor\": 0.5")
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("is Phi-3's"), "{e}");
+    }
+
+    /// Gemma 3 4B as published (`Gemma3ForConditionalGeneration`, a
+    /// `text_config` of six keys): the text model with Gemma3TextConfig's
+    /// defaults, as transformers reads it (its parameter count equals
+    /// transformers' Gemma3ForCausalLM of that text config, 3,880,263,168);
+    /// another multimodal type refused by name.
+    #[test]
+    fn a_multimodal_gemma3_config_is_read_as_its_text_model() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/configs/gemma-3-4b.json"
+        );
+        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        assert_eq!(
+            (c.arch, c.vocab_size, c.hidden_size),
+            (Arch::Gemma3, 262_208, 2560)
+        );
+        assert_eq!(
+            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            (8, 4, 256)
+        );
+        assert_eq!(
+            (c.sliding_window, c.full_attention_layers[0]),
+            (Some(1024), 5)
+        );
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.local_rope_theta, Some(10000.0));
+        assert_eq!(c.num_params(), 3_880_263_168);
+        assert_eq!(c.eos_token_id, Some(serde_json::json!([1, 106])));
+        assert_eq!(c.tensor_prefix(), "language_model.");
+        assert_eq!(c.layer_paths().0, "model.language_model.layers");
+        let other = r#"{"model_type": "llava", "text_config": {"model_type": "llama"}}"#;
+        let e = format!("{:#}", ModelConfig::from_json(other).unwrap_err());
+        assert!(
+            e.contains("'llava'") && e.contains("gemma3 checkpoints only"),
+            "{e}"
+        );
     }
 
     /// The description yields Hugging Face's parameter names and order

@@ -116,7 +116,6 @@ enum TargetModules {
     One(String),
 }
 
-/// A and B of one adapted projection, as indices into [`Lora::params`].
 /// The base model an adapter records in its config, as PEFT records it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdapterBase {
@@ -135,7 +134,7 @@ impl AdapterBase {
     }
 }
 
-///
+/// A and B of one adapted projection, as indices into [`Lora::params`].
 /// A projection stored fused with others (Phi-3's q, k, v in `qkv_proj`)
 /// is adapted as PEFT adapts the fused module: one A shared by the parts
 /// (its gradient the sum of theirs), one B whose rows `b_rows` are this
@@ -167,31 +166,43 @@ pub struct Lora {
     /// The modules adapted, as PEFT and mlx-lm name them (`(module,
     /// path)`: `("q_proj", "self_attn.q_proj")`, or a fused module).
     pub modules: Vec<(&'static str, &'static str)>,
+    /// The decoder layers' path for PEFT and for mlx-lm
+    /// (`ModelConfig::layer_paths`).
+    pub layers: (&'static str, &'static str),
     /// Bumped whenever the adapters change (devices restage only them).
     pub version: u64,
 }
 
-/// PEFT's key for layer `i`, target `t`, matrix `ab` ("A" or "B").
-/// mlx-lm's name for a PEFT adapter tensor (`…q_proj.lora_A.weight` →
+/// mlx-lm's name for a PEFT adapter tensor of a model whose decoder
+/// layers PEFT reaches at `layers` and mlx-lm at `mlx_layers`
+/// (`…model.layers.N.self_attn.q_proj.lora_A.weight` →
 /// `model.layers.N.self_attn.q_proj.lora_a`).
-fn mlx_key(peft: &str) -> String {
-    peft.trim_start_matches("base_model.model.")
-        .replace(".lora_A.weight", ".lora_a")
+fn mlx_key(peft: &str, (layers, mlx_layers): (&str, &str)) -> String {
+    let name = peft.trim_start_matches("base_model.model.");
+    let name = match name.strip_prefix(layers) {
+        Some(rest) => format!("{mlx_layers}{rest}"),
+        None => name.to_string(),
+    };
+    name.replace(".lora_A.weight", ".lora_a")
         .replace(".lora_B.weight", ".lora_b")
 }
 
-/// The PEFT name of mlx-lm's adapter tensor `name`.
-fn peft_from_mlx(name: &str) -> String {
+/// The PEFT name of mlx-lm's adapter tensor `name` ([`mlx_key`]'s inverse).
+fn peft_from_mlx(name: &str, (layers, mlx_layers): (&str, &str)) -> String {
+    let name = match name.strip_prefix(mlx_layers) {
+        Some(rest) => format!("{layers}{rest}"),
+        None => name.to_string(),
+    };
     let peft = name
         .replace(".lora_a", ".lora_A.weight")
         .replace(".lora_b", ".lora_B.weight");
     format!("base_model.model.{peft}")
 }
 
-/// PEFT's key for layer `i`, module path `path` (`self_attn.q_proj`),
-/// matrix `ab` ("A" or "B").
-fn peft_key(i: usize, path: &str, ab: &str) -> String {
-    format!("base_model.model.model.layers.{i}.{path}.lora_{ab}.weight")
+/// PEFT's key for layer `i` of the layers at `layers` (`model.layers`),
+/// module path `path` (`self_attn.q_proj`), matrix `ab` ("A" or "B").
+fn peft_key(layers: &str, i: usize, path: &str, ab: &str) -> String {
+    format!("base_model.model.{layers}.{i}.{path}.lora_{ab}.weight")
 }
 
 /// The modules an adapter on `targets` adapts, as PEFT and mlx-lm name
@@ -245,6 +256,34 @@ fn module_targets(model: &ModelConfig, name: &str) -> Option<Vec<Projection>> {
     model.fused_of(t).is_none().then(|| vec![t])
 }
 
+/// The modules a PEFT `target_modules` pattern (a regular expression the
+/// whole module name must match) names in `model`: a module counts if the
+/// pattern matches it in every decoder layer, and one matched in some
+/// layers only is refused (adapters on a subset of layers are not read).
+fn pattern_modules(model: &ModelConfig, pattern: &str) -> Result<Vec<String>> {
+    let re = regex::Regex::new(&format!("^(?:{pattern})$"))
+        .map_err(|e| anyhow::anyhow!("'target_modules' is not a valid pattern: {e}"))?;
+    let layers = model.layer_paths().0;
+    let mut out = Vec::new();
+    for (module, path) in adapted_modules(model, &Projection::ALL)? {
+        let hits = (0..model.num_hidden_layers)
+            .filter(|i| re.is_match(&format!("{layers}.{i}.{path}")))
+            .count();
+        match hits {
+            0 => {}
+            n if n == model.num_hidden_layers => out.push(module.to_string()),
+            n => bail!(
+                "'target_modules' adapts {module} in {n} of {} layers; anetrain reads adapters on every layer",
+                model.num_hidden_layers
+            ),
+        }
+    }
+    if out.is_empty() {
+        bail!("'target_modules' pattern '{pattern}' names none of this model's projections");
+    }
+    Ok(out)
+}
+
 /// The module names `model` accepts as targets, for an error message.
 fn module_names(model: &ModelConfig) -> String {
     adapted_modules(model, &Projection::ALL)
@@ -282,6 +321,7 @@ impl Lora {
         cfg.targets.sort();
         cfg.targets.dedup();
         let modules = adapted_modules(model, &cfg.targets)?;
+        let layers = model.layer_paths();
         let r = cfg.rank;
         let mut params = Vec::new();
         let mut slots = Vec::new();
@@ -299,7 +339,7 @@ impl Lora {
                 let out: usize = parts.iter().map(|p| p.shape(model).0).sum();
                 let mut add = |ab: &str, shape: Vec<usize>| {
                     params.push(Param {
-                        name: peft_key(i, path, ab),
+                        name: peft_key(layers.0, i, path, ab),
                         shape,
                         data: vec![],
                         stored: None,
@@ -327,6 +367,7 @@ impl Lora {
             params,
             slots,
             modules,
+            layers,
             version: 0,
         })
     }
@@ -344,9 +385,24 @@ impl Lora {
         Some((&self.params[ids.a].data, b))
     }
 
-    /// `adapter_config.json` as PEFT writes it.
+    /// `adapter_config.json` as PEFT writes it. In a multimodal model the
+    /// modules are named by a pattern of the text model's layers (PEFT
+    /// matches a list by name suffix, which would adapt the vision tower's
+    /// `q_proj` too).
     pub fn peft_config(&self, base: &AdapterBase) -> serde_json::Value {
-        let modules: Vec<&str> = self.modules.iter().map(|m| m.0).collect();
+        let names: Vec<&str> = self.modules.iter().map(|m| m.0).collect();
+        let modules = match self.layers.0 {
+            "model.layers" => serde_json::json!(names),
+            layers => serde_json::json!(format!(
+                r"{}\.\d+\.({})",
+                layers.replace('.', r"\."),
+                self.modules
+                    .iter()
+                    .map(|m| m.1.replace('.', r"\."))
+                    .collect::<Vec<_>>()
+                    .join("|")
+            )),
+        };
         serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -394,7 +450,7 @@ impl Lora {
             .map(|p| {
                 let shape = vec![p.shape[1], p.shape[0]];
                 (
-                    mlx_key(&p.name),
+                    mlx_key(&p.name, self.layers),
                     safetensors::Dtype::F32,
                     shape,
                     4 * p.data.len(),
@@ -524,7 +580,7 @@ impl Lora {
                 dtype: t.dtype,
                 data,
             };
-            found.insert(peft_from_mlx(&name), tensor);
+            found.insert(peft_from_mlx(&name, model.layer_paths()), tensor);
         }
         Lora::from_tensors(model, cfg, found, &file.display().to_string())
     }
@@ -605,7 +661,10 @@ impl Lora {
                     .map(|m| m.0.to_string())
                     .collect()
             }
-            _ => return Err(bad("'target_modules' must be a list of module names")),
+            Some(TargetModules::One(pattern)) => {
+                pattern_modules(model, &pattern).map_err(|e| bad(&e.to_string()))?
+            }
+            None => return Err(bad("'target_modules' must be a list of module names")),
         };
         let mut targets = Vec::new();
         for m in &modules {

@@ -32,6 +32,10 @@ pub struct Model {
     pub version: u64,
     /// LoRA adapters; when present they are the only trainable parameters.
     pub lora: Option<Lora>,
+    /// A multimodal checkpoint's tensors that are not its text model's
+    /// (the vision tower's, the projector's), under their own names:
+    /// never trained, written back as they were read.
+    pub extras: Vec<Param>,
 }
 
 /// The matrices a configuration implies, as `(name, rows, cols)`: the
@@ -100,6 +104,7 @@ fn layout(cfg: &ModelConfig) -> Model {
         lm_head,
         version: 0,
         lora: None,
+        extras: vec![],
     }
 }
 
@@ -255,8 +260,27 @@ impl Model {
             }
         }
         fold_quantized(&mut found, cfg.quantization.as_ref())?;
+        // A multimodal checkpoint: the text model's tensors by their own
+        // names, the others kept aside.
+        let prefix = cfg.tensor_prefix();
+        let mut extras = BTreeMap::new();
+        if !prefix.is_empty() {
+            found = std::mem::take(&mut found)
+                .into_iter()
+                .filter_map(|(k, v)| match k.strip_prefix(prefix) {
+                    Some(rest) => Some((rest.to_string(), v)),
+                    None => {
+                        extras.insert(k, v);
+                        None
+                    }
+                })
+                .collect();
+        }
         split_fused(&mut found, &cfg)?;
         let mut m = layout(&cfg);
+        for (name, (t, file)) in extras {
+            m.extras.push(extra_param(name, t, &file)?);
+        }
         let expected: BTreeSet<&str> = m.params.iter().map(|p| p.name.as_str()).collect();
         for name in found.keys() {
             let harmless = name.ends_with("rotary_emb.inv_freq")
@@ -370,6 +394,7 @@ impl Model {
     /// name, but a family's fused projections as one (Phi-3's `qkv_proj`,
     /// `gate_up_proj`: their parts' rows stacked).
     pub fn hf_tensors(&self) -> Vec<HfTensor> {
+        let prefix = self.cfg.tensor_prefix();
         let mut out = Vec::new();
         for (id, p) in self.params.iter().enumerate() {
             let fused = self.layers.iter().enumerate().find_map(|(i, l)| {
@@ -381,9 +406,10 @@ impl Model {
             });
             match fused {
                 None => out.push(HfTensor {
-                    name: p.name.clone(),
+                    name: format!("{prefix}{}", p.name),
                     shape: p.shape.clone(),
                     parts: vec![id],
+                    extra: None,
                 }),
                 // The fused matrix where its first part stands.
                 Some((i, f)) if f.parts[0].base(&self.layers[i]) == id => {
@@ -391,20 +417,30 @@ impl Model {
                         f.parts.iter().map(|t| t.base(&self.layers[i])).collect();
                     let rows = parts.iter().map(|&j| self.params[j].shape[0]).sum();
                     out.push(HfTensor {
-                        name: format!("model.layers.{i}.{}.weight", f.path),
+                        name: format!("{prefix}model.layers.{i}.{}.weight", f.path),
                         shape: vec![rows, p.shape[1]],
                         parts,
+                        extra: None,
                     })
                 }
                 Some(_) => {}
             }
         }
+        out.extend(self.extras.iter().enumerate().map(|(i, p)| HfTensor {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            parts: vec![],
+            extra: Some(i),
+        }));
         out
     }
 
     /// A [`HfTensor`]'s values as Hugging Face stores them
     /// ([`Model::hf_values`] of each part, stacked).
     pub fn hf_tensor_values(&self, t: &HfTensor) -> Cow<'_, [f32]> {
+        if let Some(i) = t.extra {
+            return self.extras[i].values();
+        }
         match t.parts[..] {
             [id] => self.hf_values(id),
             _ => Cow::Owned(
@@ -472,6 +508,8 @@ pub struct HfTensor {
     pub name: String,
     pub shape: Vec<usize>,
     pub parts: Vec<usize>,
+    /// Its index in [`Model::extras`] (a tensor of no parameter's).
+    pub extra: Option<usize>,
 }
 
 /// A tensor as read from a file: decoded to f32, or mapped in place.
@@ -588,6 +626,26 @@ impl Source {
     }
 }
 
+/// A tensor kept as it was read (a multimodal checkpoint's vision
+/// tower's): decoded, or mapped (dequantized as it is read).
+fn extra_param(name: String, t: Source, file: &str) -> Result<Param> {
+    let shape = t.shape().to_vec();
+    let (data, stored) = match t {
+        Source::Decoded(t) => (t.data, None),
+        Source::Mapped(_, s) => (vec![], Some(s)),
+        Source::Words(..) => bail!(
+            "'{file}': tensor '{name}' holds packed uint32 words without the \".scales\" and \".biases\" of MLX's quantization"
+        ),
+    };
+    Ok(Param {
+        name,
+        shape,
+        data,
+        stored,
+        decay: false,
+    })
+}
+
 /// Splits each fused projection the family stores (Phi-3's `qkv_proj`,
 /// `gate_up_proj`) into its parts' tensors, by rows in order; a stored
 /// matrix whose rows are not the parts' is refused naming both.
@@ -689,8 +747,42 @@ fn partial_rotary_factor(c: &ModelConfig) -> f64 {
     f
 }
 
-/// A `config.json` `transformers` reads back to the same architecture.
+/// A `config.json` `transformers` reads back to the same architecture: a
+/// multimodal checkpoint's own, with this model's as its `text_config`.
 pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
+    let text = text_config_json(c, dtype);
+    let Some(outer) = &c.multimodal else {
+        return text;
+    };
+    let mut o = outer.clone();
+    if let (Some(o), Ok(mut t)) = (
+        o.as_object_mut(),
+        serde_json::from_str::<serde_json::Value>(&text),
+    ) {
+        if let Some(t) = t.as_object_mut() {
+            t.remove("architectures");
+            t.remove("torch_dtype");
+        }
+        o.insert("text_config".into(), t);
+        // Written as floats: the checkpoint's quantization is not this file's.
+        o.remove("quantization");
+        o.remove("quantization_config");
+        o.insert("torch_dtype".into(), dtype_name(dtype).into());
+    }
+    serde_json::to_string_pretty(&o).unwrap_or_default()
+}
+
+/// transformers' name of a stored dtype.
+fn dtype_name(dtype: StoredDtype) -> &'static str {
+    match dtype {
+        StoredDtype::F32 => "float32",
+        StoredDtype::F16 => "float16",
+        StoredDtype::BF16 => "bfloat16",
+    }
+}
+
+/// The text model's `config.json`.
+fn text_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
     let (arch, model_type) = (c.arch.class(), c.arch.model_type());
     let mut v = serde_json::json!({
         "architectures": [arch],
@@ -711,11 +803,7 @@ pub fn hf_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
         "attention_bias": false,
         "attention_dropout": 0.0,
         "mlp_bias": false,
-        "torch_dtype": match dtype {
-            StoredDtype::F32 => "float32",
-            StoredDtype::F16 => "float16",
-            StoredDtype::BF16 => "bfloat16",
-        },
+        "torch_dtype": dtype_name(dtype),
         "bos_token_id": c.bos_token_id,
         "eos_token_id": c.eos_token_id,
         "pad_token_id": c.pad_token_id,

@@ -123,6 +123,7 @@ fn header_config(header: &[u8; 28]) -> std::result::Result<ModelConfig, String> 
         local_rope_theta: None,
         rope_scaling: Default::default(),
         partial_rotary: None,
+        multimodal: None,
     };
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)

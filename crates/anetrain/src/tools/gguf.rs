@@ -495,7 +495,11 @@ fn tensor_plan(model: &Model, ty: ExportType) -> Result<Vec<TensorPlan<'_>>> {
     // As Hugging Face stores them (Phi-3's projections fused), with the
     // values training holds (Gemma's norms as the scale 1 + w they apply,
     // as llama.cpp's converter writes them).
-    for t in model.hf_tensors() {
+    // A multimodal checkpoint's text model alone (llama.cpp keeps a vision
+    // tower in a file of its own, `mmproj`).
+    let prefix = c.tensor_prefix();
+    for mut t in model.hf_tensors().into_iter().filter(|t| t.extra.is_none()) {
+        t.name = t.name.strip_prefix(prefix).unwrap_or(&t.name).to_string();
         let mut values = match t.parts[..] {
             [id] => std::borrow::Cow::Borrowed(model.params[id].data.as_slice()),
             _ => std::borrow::Cow::Owned(

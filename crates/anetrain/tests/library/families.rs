@@ -45,6 +45,7 @@ fn gqa() -> ModelConfig {
         local_rope_theta: None,
         rope_scaling: Default::default(),
         partial_rotary: None,
+        multimodal: None,
     }
 }
 

@@ -54,6 +54,7 @@ fn config(
         local_rope_theta: None,
         rope_scaling: Default::default(),
         partial_rotary: None,
+        multimodal: None,
     }
 }
 

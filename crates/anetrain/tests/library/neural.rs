@@ -49,10 +49,10 @@ fn ane_sim_logits_match_transformers_in_fp16() {
         // sdpa_forward (its RoPE tables are the program's constants),
         // Ministral's layer without a window (Gemma's full layer, its
         // RoPE base too) one more sdpa_forward and sdpa_backward1 (the
-        // mask is theirs).
+        // mask is theirs; the multimodal Gemma 3's text model alike).
         let more = match kind {
             "smollm3" => 1,
-            "ministral" | "gemma3" => 2,
+            "ministral" | "gemma3" | "gemma3mm" => 2,
             _ => 0,
         };
         assert_eq!(ane::Device::compiles(&eng.runner.device), 12 + more);
@@ -282,7 +282,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         assert_eq!(compiled, plan.programs_for(&model.cfg.layer_classes()));
         let more = match kind {
             "smollm3" => 1,
-            "ministral" | "gemma3" => 2,
+            "ministral" | "gemma3" | "gemma3mm" => 2,
             _ => 0,
         };
         assert_eq!(compiled, 11 + more);

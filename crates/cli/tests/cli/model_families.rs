@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 9] = [
+const FAMILIES: [&str; 10] = [
     "qwen3",
     "llama",
     "mistral",
@@ -20,6 +20,7 @@ const FAMILIES: [&str; 9] = [
     "ministral",
     "gemma3",
     "phi3",
+    "gemma3mm",
 ];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary

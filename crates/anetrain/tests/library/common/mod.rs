@@ -85,7 +85,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
 /// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 11] = [
+pub const FAMILIES: [&str; 12] = [
     "qwen3",
     "llama",
     "mistral",
@@ -97,6 +97,7 @@ pub const FAMILIES: [&str; 11] = [
     "ministral",
     "gemma3",
     "phi3",
+    "gemma3mm",
 ];
 
 /// Per-parameter values (in `model.params` order) from tensors in Hugging
@@ -107,7 +108,7 @@ pub fn per_param(
     hf: &std::collections::BTreeMap<String, anetrain::model::tensor_file::Tensor>,
 ) -> Vec<Vec<f32>> {
     let mut out = vec![vec![]; model.params.len()];
-    for t in model.hf_tensors() {
+    for t in model.hf_tensors().into_iter().filter(|t| t.extra.is_none()) {
         let data = &hf[&t.name].data;
         let mut at = 0;
         for &id in &t.parts {
@@ -123,11 +124,13 @@ pub fn per_param(
 }
 
 /// Per-parameter values (`model.params` order) in Hugging Face's layout:
-/// `(name, values)`, a fused matrix's parts stacked.
+/// `(name, values)`, a fused matrix's parts stacked (a multimodal
+/// checkpoint's other tensors left out).
 pub fn hf_layout(model: &anetrain::model::Model, values: &[Vec<f32>]) -> Vec<(String, Vec<f32>)> {
     model
         .hf_tensors()
         .into_iter()
+        .filter(|t| t.extra.is_none())
         .map(|t| {
             let v = t
                 .parts
