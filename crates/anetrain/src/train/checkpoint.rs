@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::config::ModelConfig;
 use crate::model::tensor_file;
-use crate::model::Model;
+use crate::model::{Model, Param};
 use crate::train::optim::{AdamW, AdamWConfig};
 use crate::util::fsutil::{write_atomic, write_atomic_with};
 
@@ -171,10 +171,21 @@ pub fn save(out: &Path, model: &Model, opt: &AdamW, mut state: TrainerState) -> 
     state.model_file = format!("model-{}.safetensors", state.step);
     state.optim_file = format!("optim-{}.safetensors", state.step);
     // Each file is written as it is encoded, and hashed as it is written.
+    // A full run's file also holds a multimodal checkpoint's other
+    // tensors (its vision tower), frozen, so a resume writes them back.
+    let extras: Vec<_> = match model.lora {
+        Some(_) => vec![],
+        None => model.extras.iter().map(|p| (p, p.values())).collect(),
+    };
     let weights: Vec<(&str, &[usize], &[f32])> = model
         .trainable()
         .iter()
         .map(|p| (p.name.as_str(), p.shape.as_slice(), p.data.as_slice()))
+        .chain(
+            extras
+                .iter()
+                .map(|(p, v)| (p.name.as_str(), p.shape.as_slice(), &v[..])),
+        )
         .collect();
     state.model_hash = write_tensors(&dir.join(&state.model_file), &weights, &[("format", "pt")])?;
     let names: Vec<(String, String)> = model
@@ -360,6 +371,20 @@ pub fn load(out: &Path, base: Option<Model>) -> Result<(Model, AdamW, TrainerSta
         p.data = take(&mut weights, &p.name.clone())?;
         opt.m[i] = take(&mut moments, &format!("m.{}", p.name))?;
         opt.v[i] = take(&mut moments, &format!("v.{}", p.name))?;
+    }
+    if model.lora.is_none() && model.extras.is_empty() {
+        // The frozen tensors a full run keeps beside its own (in name
+        // order, as a model directory is read).
+        model.extras = weights
+            .into_iter()
+            .map(|(name, t)| Param {
+                name,
+                shape: t.shape,
+                data: t.data,
+                stored: None,
+                decay: false,
+            })
+            .collect();
     }
     Ok((model, opt, state))
 }

@@ -119,6 +119,48 @@ fn every_family_trains_on_the_simulated_device_as_on_the_cpu() {
     }
 }
 
+/// Full fine-tuning resumes bit-exactly where the stored model is not the
+/// checkpoint's file: Phi-3's fused projections (stacked again on save)
+/// and the multimodal Gemma 3 (its vision tower, kept in the checkpoint
+/// and written back untouched).
+#[test]
+fn stacked_and_multimodal_models_resume_bit_exactly() {
+    let d = tmp();
+    let data = token_file(d.path(), 3000);
+    for kind in ["phi3", "gemma3mm"] {
+        let model = fixture(&format!("{kind}/model"));
+        let args = |steps: &str| -> Vec<String> {
+            [
+                "train",
+                "--model",
+                model.to_str().unwrap(),
+                "--data",
+                data.to_str().unwrap(),
+                "--token-dtype",
+                "u16",
+                "--seq",
+                "32",
+                "--batch",
+                "2",
+                "--lr",
+                "1e-3",
+                "--warmup",
+                "0",
+                "--min-lr-frac",
+                "1",
+                "--eval-every",
+                "0",
+                "--steps",
+                steps,
+            ]
+            .map(String::from)
+            .to_vec()
+        };
+        let runs = common::resume_runs(&d.path().join(kind), args, "2", "4");
+        runs.assert_same("model.safetensors");
+    }
+}
+
 #[test]
 fn a_family_not_read_is_refused_naming_those_that_are() {
     let d = tmp();
