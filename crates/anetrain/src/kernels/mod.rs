@@ -241,7 +241,7 @@ impl Rope {
             Rope::HalfSplit { .. } if d < half => (d + half, -1.0),
             Rope::HalfSplit { .. } if d < 2 * half => (d - half, 1.0),
             Rope::HalfSplit { .. } => (d, 0.0),
-            Rope::Interleaved if d % 2 == 0 => (d + 1, -1.0),
+            Rope::Interleaved if d.is_multiple_of(2) => (d + 1, -1.0),
             Rope::Interleaved => (d - 1, 1.0),
         }
     }

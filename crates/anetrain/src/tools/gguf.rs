@@ -248,8 +248,11 @@ pub fn export(
             "GGUF export of a phi3 model with an attention window ({w} positions): llama.cpp's phi3 attends without one, so the file would compute another model past {w} tokens"
         );
     }
-    let longrope = matches!(model.cfg.rope_scaling, RopeScaling::Longrope { .. });
-    if !model.cfg.rope_scaling.is_default() && !(longrope && model.cfg.arch == Arch::Phi3) {
+    // Phi-3's LongRoPE is written (its factors as tensors); any other
+    // scaling is not yet.
+    let phi_longrope = model.cfg.arch == Arch::Phi3
+        && matches!(model.cfg.rope_scaling, RopeScaling::Longrope { .. });
+    if !(model.cfg.rope_scaling.is_default() || phi_longrope) {
         // llama.cpp wants the scaled frequencies as a `rope_freqs` tensor
         // (or scaling keys), not written here yet.
         bail!(
