@@ -43,7 +43,10 @@ TARGETS = {
     "llama3": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
     "yarn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "o_proj", "up_proj"]),
     # q and k across the NoPE layer: their gradients pass no rotation there.
-    "smollm3": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"]),
+    # On the last two of four layers only (PEFT's layers_to_transform,
+    # mlx-lm's num_layers): the backward stops above the first two.
+    "smollm3": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "down_proj"],
+                    layers_to_transform=[2, 3]),
     "ministral": dict(r=2, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]),
     "gemma3": dict(r=4, lora_alpha=8, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),

@@ -171,6 +171,10 @@ pub struct TrainArgs {
         help_heading = "LoRA"
     )]
     lora_targets: Vec<Projection>,
+    /// Adapt the last N layers only (mlx-lm's --num-layers): the backward
+    /// stops below them, so a step costs less [default: every layer].
+    #[arg(long, value_name = "N", requires = "lora_rank", help_heading = "LoRA")]
+    lora_layers: Option<usize>,
     /// Quantize the frozen base to this many bits as it loads (MLX's affine
     /// format, as `anetrain quantize` writes it: 2, 3, 4, 5, 6 or 8), so a
     /// bf16 base trains LoRA at a quarter of its size or less (QLoRA).
@@ -318,8 +322,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
             (Some(lora), Some(dir))
         }
         None => {
-            let lora = a.lora_rank.map(|rank| {
-                LoraConfig::new(rank, a.lora_alpha, a.lora_dropout, a.lora_targets.clone())
+            let lora = a.lora_rank.map(|rank| LoraConfig {
+                layers: a.lora_layers,
+                ..LoraConfig::new(rank, a.lora_alpha, a.lora_dropout, a.lora_targets.clone())
             });
             (lora, None)
         }

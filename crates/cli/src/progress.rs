@@ -116,9 +116,17 @@ impl Progress {
                 for line in [base, objective].into_iter().flatten() {
                     say!("{line}");
                 }
-                if let Some((rank, alpha, names, trainable)) = lora {
+                if let Some((rank, alpha, names, trainable, layers)) = lora {
+                    let of = match layers {
+                        Some((first, n)) => format!(
+                            " of layers {first}–{} (the last {} of {n}: the backward stops at layer {first})",
+                            n - 1,
+                            n - first
+                        ),
+                        None => String::new(),
+                    };
                     say!(
-                        "LoRA rank {rank} alpha {alpha} on {}: {:.3}M trainable parameters ({:.2}% of the base)",
+                        "LoRA rank {rank} alpha {alpha} on {}{of}: {:.3}M trainable parameters ({:.2}% of the base)",
                         names.join(","),
                         *trainable as f64 / 1e6,
                         100.0 * *trainable as f64 / *params as f64

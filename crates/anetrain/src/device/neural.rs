@@ -217,9 +217,22 @@ fn weight_regions(
         if !has(Port::LoraA(p)) {
             continue;
         }
-        let adapter = model.lora.as_ref().and_then(|lora| lora.adapter(layer, p));
-        let ab = adapter
-            .ok_or_else(|| anyhow!("{}: the layer has no adapter on '{}'", l.kernel, p.module()))?;
+        let lora = model
+            .lora
+            .as_ref()
+            .ok_or_else(|| anyhow!("{}: the model has no adapter on '{}'", l.kernel, p.module()))?;
+        // A layer below the adapter's layer range (`--lora-layers`) runs the
+        // same program with zero A and B: its branch adds nothing.
+        let zeros;
+        let ab = match lora.adapter(layer, p) {
+            Some(ab) => ab,
+            None => {
+                let (out, inp) = p.shape(&model.cfg);
+                let r = lora.cfg.rank;
+                zeros = (vec![0f32; r * inp], vec![0f32; out * r]);
+                (&zeros.0[..], &zeros.1[..])
+            }
+        };
         {
             let (a, b) = tiling::adapter_blocks(tiles, full, t, p, ab);
             sink(Port::LoraA(p), l.region_values(Port::LoraA(p), &a))?;

@@ -582,7 +582,16 @@ impl<R: KernelRunner> Engine<R> {
             base_grad(model, grads, model.final_norm, &mut scratch),
         );
         let shape = Shape::new(cfg, seq);
+        // With LoRA nothing below the first adapted layer trains: the
+        // backward stops there (mlx-lm's `num_layers`).
+        let first = match &model.lora {
+            Some(l) => l.cfg.first_layer(cfg.num_hidden_layers),
+            None => 0,
+        };
         for (i, (l, saved)) in model.layers.iter().zip(&fwd.layers).enumerate().rev() {
+            if i < first {
+                return Ok(());
+            }
             let recomputed;
             let a = match saved {
                 Saved::Acts(a) => a,

@@ -60,8 +60,11 @@ pub fn add_adapter(
     let Some((r, scale)) = o.adapter(target) else {
         return;
     };
-    let (a, b) = w.adapters[target.index()]
-        .unwrap_or_else(|| panic!("{} is adapted but has no adapter weights", target.module()));
+    // A layer below an adapter's layer range (`--lora-layers`) has none:
+    // its branch adds nothing.
+    let Some((a, b)) = w.adapters[target.index()] else {
+        return;
+    };
     let mask = w.dropout[target.index()];
     let (out, inp) = s.projection(target);
     let seq = s.seq;

@@ -708,8 +708,9 @@ impl ModelConfig {
         let Some(arch) = Arch::of(model_type, &archs) else {
             let known: Vec<&str> = FAMILIES.iter().map(|f| f.1).collect();
             bail!(
-                "unsupported model_type '{model_type}' (architectures {archs:?}); anetrain trains {}",
-                known.join(", ")
+                "unsupported model_type '{model_type}' (architectures {archs:?}); anetrain trains {}, and the text model of a multimodal {}",
+                known.join(", "),
+                MULTIMODAL.map(|m| m.0).join(", ")
             )
         };
         let (hidden, heads) = (hf.hidden_size.0, hf.num_attention_heads.0);

@@ -34,6 +34,10 @@ pub struct LoraConfig {
     /// Scale α/√r instead of α/r.
     #[serde(default)]
     pub rslora: bool,
+    /// Adapt the last this many layers only (mlx-lm's `num_layers`, PEFT's
+    /// `layers_to_transform` as a suffix); `None`, every layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<usize>,
 }
 
 impl LoraConfig {
@@ -51,7 +55,13 @@ impl LoraConfig {
             dropout,
             targets,
             rslora: false,
+            layers: None,
         }
+    }
+
+    /// The first adapted layer of a model of `n` layers.
+    pub fn first_layer(&self, n: usize) -> usize {
+        n - self.layers.unwrap_or(n).min(n)
     }
 
     /// Rank `rank` on all seven projections, α = 2·rank, no dropout: the
@@ -256,6 +266,32 @@ fn module_targets(model: &ModelConfig, name: &str) -> Option<Vec<Projection>> {
     model.fused_of(t).is_none().then(|| vec![t])
 }
 
+/// The last-layers count PEFT's `layers_to_transform` names (null, one
+/// index or a list): adapters on the last layers only are read, any other
+/// set is refused naming it.
+fn peft_layers(model: &ModelConfig, v: Option<&serde_json::Value>) -> Result<Option<usize>> {
+    let n = model.num_hidden_layers;
+    let mut layers: Vec<u64> = match v {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::Number(i)) => i.as_u64().into_iter().collect(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|i| i.as_u64()).collect(),
+        Some(other) => {
+            bail!("'layers_to_transform' must be a layer index or a list of them (got {other})")
+        }
+    };
+    layers.sort_unstable();
+    layers.dedup();
+    let k = layers.len();
+    let suffix: Vec<u64> = ((n - k.min(n)) as u64..n as u64).collect();
+    if k == 0 || layers != suffix {
+        bail!(
+            "'layers_to_transform' {layers:?}: anetrain reads adapters on the last layers of the {n} (such as {:?})",
+            (n.saturating_sub(2)..n).collect::<Vec<_>>()
+        );
+    }
+    Ok((k < n).then_some(k))
+}
+
 /// The modules a PEFT `target_modules` pattern (a regular expression the
 /// whole module name must match) names in `model`: a module counts if the
 /// pattern matches it in every decoder layer, and one matched in some
@@ -325,9 +361,14 @@ impl Lora {
         let r = cfg.rank;
         let mut params = Vec::new();
         let mut slots = Vec::new();
-        for i in 0..model.num_hidden_layers {
+        let n = model.num_hidden_layers;
+        if let Some(k) = cfg.layers.filter(|&k| k == 0 || k > n) {
+            bail!("--lora-layers {k}: the model has {n} layers (give 1 to {n})");
+        }
+        let first = cfg.first_layer(n);
+        for i in 0..n {
             let mut slot: [Option<AdapterIds>; 7] = [None; 7];
-            for &t in &cfg.targets {
+            for &t in cfg.targets.iter().filter(|_| i >= first) {
                 if slot[t.index()].is_some() {
                     continue; // a fused module's later part
                 }
@@ -419,14 +460,16 @@ impl Lora {
             "init_lora_weights": true,
             "inference_mode": true,
             "modules_to_save": null,
-            "layers_to_transform": null,
+            "layers_to_transform": self.cfg.layers.map(|_| {
+                (self.cfg.first_layer(self.slots.len())..self.slots.len()).collect::<Vec<_>>()
+            }),
             "rank_pattern": {},
             "alpha_pattern": {},
             // mlx-lm reads the same file for its own keys (and PEFT warns
             // of them and goes on): the layers, and the branch's
             // multiplier as `scale` (PEFT's α/r, not α).
             "fine_tune_type": "lora",
-            "num_layers": self.slots.len(),
+            "num_layers": self.cfg.layers.unwrap_or(self.slots.len()),
             "lora_parameters": {
                 "rank": self.cfg.rank,
                 "scale": self.cfg.scale(),
@@ -508,13 +551,12 @@ impl Lora {
         }
         // mlx-lm adapts the last `num_layers` layers (all of them when it
         // is -1 or the layer count or more).
-        let layers = j["num_layers"].as_i64().unwrap_or(-1);
-        if layers >= 0 && (layers as usize) < model.num_hidden_layers {
-            return Err(bad(&format!(
-                "adapters on the last {layers} of {} layers are not read; anetrain adapts every layer (mlx_lm.lora --num-layers -1)",
-                model.num_hidden_layers
-            )));
-        }
+        let n = model.num_hidden_layers;
+        let layers = match j["num_layers"].as_i64().unwrap_or(-1) {
+            k if k < 0 || k as usize >= n => None,
+            0 => return Err(bad("num_layers 0 adapts no layer")),
+            k => Some(k as usize),
+        };
         let l = &j["lora_parameters"];
         let rank = l["rank"]
             .as_u64()
@@ -545,6 +587,7 @@ impl Lora {
             dropout: l["dropout"].as_f64().unwrap_or(0.0),
             targets,
             rslora: false,
+            layers,
         };
         cfg.validate().map_err(|e| bad(&e.to_string()))?;
         Ok(cfg)
@@ -641,14 +684,11 @@ impl Lora {
                 return Err(bad(&format!("'{k}' (per-module ranks) is not supported")));
             }
         }
-        for (k, v) in [
-            ("modules_to_save", &j.modules_to_save),
-            ("layers_to_transform", &j.layers_to_transform),
-        ] {
-            if v.as_ref().is_some_and(|v| !v.is_null()) {
-                return Err(bad(&format!("'{k}' is not supported")));
-            }
+        if j.modules_to_save.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(bad("'modules_to_save' is not supported"));
         }
+        let layers =
+            peft_layers(model, j.layers_to_transform.as_ref()).map_err(|e| bad(&e.to_string()))?;
         let rank =
             j.r.ok_or_else(|| bad("'r' is missing or not a positive integer"))? as usize;
         let alpha = j.lora_alpha.unwrap_or(8.0);
@@ -682,6 +722,7 @@ impl Lora {
             dropout,
             targets,
             rslora: j.use_rslora.unwrap_or(false),
+            layers,
         };
         cfg.validate().map_err(|e| bad(&e.to_string()))?;
         Ok(cfg)
@@ -741,5 +782,61 @@ impl Lora {
             bail!("'{file}': unexpected tensor '{extra}' for this model and adapter config");
         }
         Ok(lora)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// PEFT's `layers_to_transform` read as a count of last layers: a
+    /// suffix (or every layer, or none given) is read, any other set is
+    /// refused naming it; an adapter of the last layers is written back
+    /// with the same list and mlx-lm's `num_layers`.
+    #[test]
+    fn layer_ranges_are_the_last_layers() {
+        let mut model = ModelConfig::preset("tiny").unwrap();
+        model.num_hidden_layers = 4;
+        let read = |v: serde_json::Value| peft_layers(&model, Some(&v));
+        assert_eq!(read(serde_json::json!(null)).unwrap(), None);
+        assert_eq!(read(serde_json::json!([3, 2])).unwrap(), Some(2));
+        assert_eq!(read(serde_json::json!(3)).unwrap(), Some(1));
+        assert_eq!(read(serde_json::json!([0, 1, 2, 3])).unwrap(), None);
+        for bad in [
+            serde_json::json!([0, 1]),
+            serde_json::json!([1, 3]),
+            serde_json::json!([]),
+        ] {
+            let e = read(bad.clone()).unwrap_err().to_string();
+            assert!(e.contains("the last layers of the 4"), "{bad}: {e}");
+        }
+        let cfg = LoraConfig {
+            layers: Some(2),
+            ..LoraConfig::every_projection(4)
+        };
+        let lora = Lora::init(&model, cfg, 1).unwrap();
+        assert!(lora.slots[..2]
+            .iter()
+            .all(|s| s.iter().all(Option::is_none)));
+        assert!(lora.slots[2..]
+            .iter()
+            .all(|s| s.iter().all(Option::is_some)));
+        let j = lora.peft_config(&AdapterBase::named("m"));
+        assert_eq!(j["layers_to_transform"], serde_json::json!([2, 3]));
+        assert_eq!(j["num_layers"], 2);
+        let e = Lora::init(
+            &model,
+            LoraConfig {
+                layers: Some(5),
+                ..LoraConfig::every_projection(4)
+            },
+            1,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--lora-layers 5: the model has 4 layers"),
+            "{e}"
+        );
     }
 }

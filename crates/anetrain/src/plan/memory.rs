@@ -127,7 +127,8 @@ pub fn lora_params(cfg: &ModelConfig, l: &LoraConfig) -> u64 {
             l.rank * (out + if shares_a { 0 } else { inp })
         })
         .sum();
-    (per_layer * cfg.num_hidden_layers) as u64
+    let n = cfg.num_hidden_layers;
+    (per_layer * (n - l.first_layer(n))) as u64
 }
 
 /// Bytes one layer's forward keeps for its backward, per position

@@ -29,8 +29,10 @@ pub enum Event {
         train_tokens: usize,
         val_tokens: usize,
         out: PathBuf,
-        /// `(rank, alpha, projections, trainable parameters)` with LoRA.
-        lora: Option<(usize, f64, Vec<&'static str>, usize)>,
+        /// `(rank, alpha, projections, trainable parameters, the layers
+        /// adapted when not all: (first, count))` with LoRA.
+        #[allow(clippy::type_complexity)]
+        lora: Option<(usize, f64, Vec<&'static str>, usize, Option<(usize, usize)>)>,
         /// The training and validation pairs of a preference run.
         pairs: Option<(usize, usize)>,
         /// What a preference run optimises, and against which reference

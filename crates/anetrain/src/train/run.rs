@@ -455,7 +455,9 @@ impl Run<'_> {
             out: out.to_path_buf(),
             lora: model.lora.as_ref().map(|l| {
                 let names = l.modules.iter().map(|m| m.0).collect();
-                (l.cfg.rank, l.cfg.alpha, names, l.num_params())
+                let n = model.cfg.num_hidden_layers;
+                let layers = l.cfg.layers.map(|_| (l.cfg.first_layer(n), n));
+                (l.cfg.rank, l.cfg.alpha, names, l.num_params(), layers)
             }),
             pairs: self.corpus.source.pairs(),
             objective: objective_line(

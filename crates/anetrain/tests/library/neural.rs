@@ -571,6 +571,7 @@ fn tiled_lora_adapters_track_the_cpu_engine() {
         dropout: 0.0,
         targets: anetrain::model::Projection::ALL.to_vec(),
         rslora: false,
+        layers: None,
     };
     let mut lora = Lora::init(&model.cfg, cfg, 3).unwrap();
     // B starts at zero; give it values so the adapters act.

@@ -224,6 +224,7 @@ fn an_8b_4bit_base_plans_within_16_gb() {
         dropout: 0.0,
         targets: anetrain::model::Projection::ALL.to_vec(),
         rslora: false,
+        layers: None,
     };
     let memory = MemoryOptions {
         grad_checkpoint: true,
