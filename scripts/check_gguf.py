@@ -78,10 +78,20 @@ def byte_fallback_tokenizer(path):
         json.dump(tok, f)
 
 
+def save_with_chat_tokenizer(model, path):
+    """Saves `model` at `path` with the chat model's tokenizer beside it
+    (same vocabulary size); returns `path`."""
+    import shutil
+
+    model.save_pretrained(path, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(CHAT_MODEL, f), path)
+    return path
+
+
 def smollm3_source(path):
     """A small random SmolLM3 of four layers (the fourth without RoPE),
     bf16, with the chat model's tokenizer (same vocabulary size)."""
-    import shutil
     import torch
     import transformers as tf
 
@@ -91,10 +101,7 @@ def smollm3_source(path):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
         tie_word_embeddings=True)).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(CHAT_MODEL, f), path)
-    return path
+    return save_with_chat_tokenizer(model, path)
 
 
 def gemma3_source(path):
@@ -102,7 +109,6 @@ def gemma3_source(path):
     then a full one; query_pre_attn_scalar = head_dim, as llama.cpp
     assumes), bf16, norms away from their resting 0, with the chat model's
     tokenizer."""
-    import shutil
     import torch
     import transformers as tf
 
@@ -116,10 +122,7 @@ def gemma3_source(path):
         for n, p in model.named_parameters():
             if p.dim() == 1:
                 p.copy_(0.2 * torch.randn_like(p))
-    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(CHAT_MODEL, f), path)
-    return path
+    return save_with_chat_tokenizer(model.to(torch.bfloat16), path)
 
 
 def phi3_source(path):
@@ -128,7 +131,6 @@ def phi3_source(path):
     llama.cpp's context here is within it, so both take the short factors
     — and a head tied to the embedding, as Phi-4-mini's), bf16, with the
     chat model's tokenizer."""
-    import shutil
     import torch
     import transformers as tf
 
@@ -141,10 +143,7 @@ def phi3_source(path):
                       "long_factor": [1.5, 2.0, 4.0, 6.0, 9.0, 12.0]},
         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1,
         tie_word_embeddings=True)).to(torch.bfloat16)
-    model.save_pretrained(path, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(CHAT_MODEL, f), path)
-    return path
+    return save_with_chat_tokenizer(model, path)
 
 
 def anetrain_logits(model, adapter, tokens, tmp):

@@ -411,20 +411,29 @@ fn write_llama_tokenizer(dir: &Path) {
     .unwrap();
 }
 
+/// A copy of the `kind` fixture's model in `dir/name`, with the small
+/// SentencePiece-style tokenizer of [`write_llama_tokenizer`].
+fn fixture_with_tokenizer(dir: &Path, kind: &str, name: &str) -> PathBuf {
+    let model = dir.join(name);
+    std::fs::create_dir(&model).unwrap();
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../testdata/fixtures")
+        .join(kind)
+        .join("model");
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(fixture.join(f), model.join(f)).unwrap();
+    }
+    write_llama_tokenizer(&model);
+    model
+}
+
 /// The llama fixture (untied head, 4 heads of 12): an `output.weight`,
 /// q and k rows permuted to adjacent RoPE pairs, the `llama` tokenizer
 /// model with merge-rank scores and byte tokens, bf16 values rounded.
 #[test]
 fn a_llama_model_has_adjacent_pair_rope_rows_and_a_sentencepiece_vocabulary() {
     let t = tmp();
-    let model = t.path().join("llama");
-    std::fs::create_dir(&model).unwrap();
-    let fixture =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/llama/model");
-    for f in ["config.json", "model.safetensors", "generation_config.json"] {
-        std::fs::copy(fixture.join(f), model.join(f)).unwrap();
-    }
-    write_llama_tokenizer(&model);
+    let model = fixture_with_tokenizer(t.path(), "llama", "llama");
     let out = t.path().join("llama.gguf");
     export(&[
         "--model",
@@ -488,14 +497,7 @@ fn a_llama_model_has_adjacent_pair_rope_rows_and_a_sentencepiece_vocabulary() {
 #[test]
 fn a_phi3_model_keeps_its_fused_matrices_and_longrope_factors() {
     let t = tmp();
-    let model = t.path().join("small-p3");
-    std::fs::create_dir(&model).unwrap();
-    let fixture =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures/phi3/model");
-    for f in ["config.json", "model.safetensors", "generation_config.json"] {
-        std::fs::copy(fixture.join(f), model.join(f)).unwrap();
-    }
-    write_llama_tokenizer(&model);
+    let model = fixture_with_tokenizer(t.path(), "phi3", "small-p3");
     let out = t.path().join("p3.gguf");
     let o = bin()
         .args(["export", "gguf", "--model", model.to_str().unwrap()])
