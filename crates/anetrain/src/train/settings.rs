@@ -303,6 +303,12 @@ pub(super) const RUN_FLAGS: &[(&str, Shown)] = &[
             names.join(",")
         })
     }),
+    ("--lora-layers", |s, _| {
+        lora_shown(s, |l| {
+            l.layers
+                .map_or_else(|| "(every layer)".into(), |n| n.to_string())
+        })
+    }),
     ("--objective", |s, _| s.objective.name().into()),
     ("--beta", |s, _| {
         s.objective

@@ -161,6 +161,51 @@ fn stacked_and_multimodal_models_resume_bit_exactly() {
     }
 }
 
+/// A LoRA run on the last layers resumed with another `--lora-layers`
+/// is refused naming both counts.
+#[test]
+fn a_resume_with_other_lora_layers_names_them() {
+    let d = tmp();
+    let data = token_file(d.path(), 3000);
+    let model = fixture("smollm3/model");
+    let out = d.path().join("run");
+    let args = |steps: &str, layers: &str| -> Vec<String> {
+        [
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--token-dtype",
+            "u16",
+            "--seq",
+            "32",
+            "--lora-rank",
+            "4",
+            "--lora-layers",
+            layers,
+            "--eval-every",
+            "0",
+            "--steps",
+            steps,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let first: Vec<String> = args("2", "2");
+    run(&first.iter().map(String::as_str).collect::<Vec<_>>(), &out);
+    let mut again = args("4", "1");
+    again.extend([
+        "--resume".into(),
+        "--out".into(),
+        out.to_str().unwrap().into(),
+    ]);
+    fails(
+        &again.iter().map(String::as_str).collect::<Vec<_>>(),
+        &["--lora-layers 2 in the run, 1 now"],
+    );
+}
+
 #[test]
 fn a_family_not_read_is_refused_naming_those_that_are() {
     let d = tmp();
