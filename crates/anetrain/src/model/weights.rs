@@ -603,9 +603,9 @@ impl Source {
     }
 
     /// Row ranges `parts` of this matrix, each a tensor of its own.
-    fn split_rows(self, parts: &[Range<usize>]) -> Vec<Source> {
+    fn split_rows(self, parts: &[Range<usize>], name: &str, file: &str) -> Result<Vec<Source>> {
         let cols = self.shape()[1];
-        match self {
+        Ok(match self {
             Source::Decoded(t) => parts
                 .iter()
                 .map(|r| {
@@ -620,9 +620,11 @@ impl Source {
                 .iter()
                 .map(|r| Source::Mapped(vec![r.len(), cols], st.rows(r.clone(), cols)))
                 .collect(),
-            // Folded with their scales and biases before this is called.
-            Source::Words(..) => unreachable!("quantized words are folded before a split"),
-        }
+            // Words left unfolded had no scales and biases beside them.
+            Source::Words(..) => bail!(
+                "'{file}': tensor '{name}' holds packed uint32 words without the \".scales\" and \".biases\" of MLX's quantization"
+            ),
+        })
     }
 }
 
@@ -671,7 +673,11 @@ fn split_fused(found: &mut BTreeMap<String, (Source, String)>, cfg: &ModelConfig
                 let start = ranges.last().map_or(0, |r: &Range<usize>| r.end);
                 ranges.push(start..start + out);
             }
-            for (t, part) in f.parts.iter().zip(source.split_rows(&ranges)) {
+            for (t, part) in f
+                .parts
+                .iter()
+                .zip(source.split_rows(&ranges, &name, &file)?)
+            {
                 let part_name = format!("model.layers.{i}.{}", t.weight_name());
                 found.insert(part_name, (part, file.clone()));
             }
