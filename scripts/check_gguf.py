@@ -6,9 +6,10 @@ adapter trained here), for a llama2.c checkpoint converted by `anetrain
 convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
 tokenizer written here), for small Qwen2, Mistral and Granite models
 (testdata/mlx/<family>-source), a small random four-layer SmolLM3 and a
-six-layer Gemma 3 and a Phi-3 with partial rotary and LongRoPE made here
-(llama.cpp leaves RoPE out of every fourth SmolLM3 layer and makes every
-sixth Gemma 3 layer full), in f16 and q8_0:
+six-layer Gemma 3, a four-layer Gemma 2 with soft-capped scores and
+logits and a Phi-3 with partial rotary and LongRoPE made here
+(llama.cpp leaves RoPE out of every fourth SmolLM3 layer, makes every
+sixth Gemma 3 layer full and every second Gemma 2 layer), in f16 and q8_0:
 
 * reads the file with the `gguf` package (tensor count, architecture,
   tokenizer model);
@@ -109,15 +110,36 @@ def gemma3_source(path):
     then a full one; query_pre_attn_scalar = head_dim, as llama.cpp
     assumes), bf16, norms away from their resting 0, with the chat model's
     tokenizer."""
-    import torch
     import transformers as tf
 
+    return gemma_source(path, lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(num_hidden_layers=6, **GEMMA)))
+
+
+def gemma2_source(path):
+    """A small random Gemma 2 of four layers (windowed of 8 positions and
+    full in turn), soft caps small enough that tanh bends the scores and
+    the logits, otherwise as gemma3_source."""
+    import transformers as tf
+
+    return gemma_source(path, lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(
+        num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=4.0, **GEMMA)))
+
+
+# The small Gemma models' shared shape (query_pre_attn_scalar = head_dim,
+# as llama.cpp assumes).
+GEMMA = dict(vocab_size=360, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+             max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+             initializer_range=0.1, tie_word_embeddings=True)
+
+
+def gemma_source(path, make):
+    """The model `make` builds (seeded), norms away from their resting 0,
+    bf16, saved with the chat model's tokenizer."""
+    import torch
+
     torch.manual_seed(0)
-    model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
-        vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-        sliding_window=8, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, initializer_range=0.1, tie_word_embeddings=True))
+    model = make()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 1:
@@ -229,6 +251,8 @@ def main():
         gemma3 = gemma3_source(os.path.join(tmp, "gemma3"))
         # Longer than the window: the windowed layers' masks bite.
         cases.append(("gemma3", gemma3, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
+        gemma2 = gemma2_source(os.path.join(tmp, "gemma2"))
+        cases.append(("gemma2", gemma2, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
         # (Not named "phi3": llama.cpp's vocabulary loader looks up Phi's
         # own special tokens in a model whose name says phi, and the chat
         # tokenizer has none.)

@@ -19,7 +19,10 @@ the fixture's 12 use the long factors, greedy decoding crosses from the
 short to the long — and a window of 5) and Gemma 3's multimodal
 checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger are
 published: the text model under `language_model.`, linear RoPE scaling on
-its full layers, a small vision tower the text never uses) — it writes:
+its full layers, a small vision tower the text never uses) and Gemma 2
+(windowed and full layers in turn, Gemma2Config's default, a window of 4;
+soft caps small enough that tanh bends the fixture's scores and logits) —
+it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -45,11 +48,11 @@ from transformers import (
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
     Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM, Gemma3Config,
-    Gemma3ForConditionalGeneration,
+    Gemma3ForConditionalGeneration, Gemma2Config, Gemma2ForCausalLM,
 )
 
 KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral",
-         "gemma3", "phi3", "gemma3mm"]
+         "gemma3", "phi3", "gemma3mm", "gemma2"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -114,6 +117,16 @@ def build(kind):
             pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
         )
         return Gemma3ForCausalLM(cfg)
+    if kind == "gemma2":
+        cfg = Gemma2Config(
+            vocab_size=100, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+            sliding_window=4, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=64,
+            pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
+        )
+        return Gemma2ForCausalLM(cfg)
     if kind == "gemma3mm":
         text = dict(
             vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
@@ -241,7 +254,7 @@ def main():
                     p.copy_(0.1 * torch.randn_like(p))
                 elif p.dim() == 1:  # norm weights away from their resting value
                     # (Gemma's norms scale by 1 + w: theirs rests at 0)
-                    rest = 0.0 if kind.startswith("gemma3") else 1.0
+                    rest = 0.0 if kind.startswith("gemma") else 1.0
                     p.copy_(rest + 0.3 * torch.randn_like(p))
                 else:
                     p.copy_(0.08 * torch.randn_like(p))

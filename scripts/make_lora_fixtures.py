@@ -56,6 +56,9 @@ TARGETS = {
     # would adapt the vision tower's q_proj too).
     "gemma3mm": dict(r=4, lora_alpha=8, target_modules=(
         r"model\.language_model\.layers\.\d+\.(self_attn\.(q_proj|v_proj|o_proj)|mlp\.up_proj)")),
+    # Gemma 2: the attention's projections and the MLP's gate, through the
+    # soft-capped scores.
+    "gemma2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]),
 }
 KINDS = list(TARGETS)
 

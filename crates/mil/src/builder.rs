@@ -316,7 +316,8 @@ impl FunctionBuilder {
         self.binary("real_div", out, x, y)
     }
 
-    /// Any elementwise unary op (`sigmoid`, `sqrt`, `exp`, `silu`, `rsqrt`).
+    /// Any elementwise unary op (`sigmoid`, `sqrt`, `exp`, `silu`, `tanh`,
+    /// `rsqrt`).
     pub fn unary(&mut self, op: &str, out: &str, x: &Value) -> Result<Value> {
         self.op(op, out, &[("x", x.into())])
     }

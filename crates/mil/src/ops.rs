@@ -277,6 +277,7 @@ pub fn registry() -> &'static [&'static dyn OpDef] {
         &Unary::SQRT,
         &Unary::EXP,
         &Unary::SILU,
+        &Unary::TANH,
         &Rsqrt,
         &Softmax,
         &Concat,
@@ -931,6 +932,11 @@ impl Unary {
         name: "silu",
         summary: "x * sigmoid(x)",
         f: |v| v / (1.0 + (-v).exp()),
+    };
+    const TANH: Unary = Unary {
+        name: "tanh",
+        summary: "tanh(x)",
+        f: f32::tanh,
     };
 }
 

@@ -172,8 +172,9 @@ fn unary_ops() {
     let x = vec![-2.0f32, 0.0, 0.5, 4.0];
     let sig = |v: f32| 1.0 / (1.0 + (-v).exp());
     type Reference = Box<dyn Fn(f32) -> f32>;
-    let cases: [(&str, Reference); 4] = [
+    let cases: [(&str, Reference); 5] = [
         ("sigmoid", Box::new(sig)),
+        ("tanh", Box::new(f32::tanh)),
         ("exp", Box::new(f32::exp)),
         ("silu", Box::new(move |v| v * sig(v))),
         ("sqrt", Box::new(f32::sqrt)),

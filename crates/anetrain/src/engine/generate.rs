@@ -142,7 +142,9 @@ impl<'a> Decoder<'a> {
         let mut xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
         super::scale_head_input(c, &mut xf);
         *pos += 1;
-        Ok(w_x(&m.lm_head(), &xf, c.vocab_size, d, 1))
+        let mut z = w_x(&m.lm_head(), &xf, c.vocab_size, d, 1);
+        super::head::cap_logits(c, &mut z);
+        Ok(z)
     }
 }
 
@@ -187,6 +189,7 @@ fn cached_attention(
     let keys = crate::kernels::visible_keys(pos, opts.class.window);
     let first = *keys.start();
     let scale = opts.score_scale as f32;
+    let cap = opts.score_cap.map(|c| c as f32);
     let mut attn = vec![0f32; q];
     let mut scores = vec![0f32; keys.count()];
     for h in 0..c.num_attention_heads {
@@ -195,6 +198,9 @@ fn cached_attention(
         for (j, sc) in (first..).zip(scores.iter_mut()) {
             let kj = &ks[j * kv + g * hd..j * kv + (g + 1) * hd];
             *sc = qh.iter().zip(kj).map(|(a, b)| a * b).sum::<f32>() * scale;
+            if let Some(c) = cap {
+                *sc = (*sc / c).tanh() * c;
+            }
         }
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;

@@ -72,6 +72,31 @@ struct GradientPass<'a> {
     stats: &'a SoftmaxStats,
 }
 
+/// Gemma 2's final soft cap on logits `z` in place, where the model has
+/// one (`final_logit_softcapping`), on the host in f32:
+///   z ← c·tanh(z/c),  dz_raw = dz ⊙ (1 − (z/c)²)
+pub(crate) fn cap_logits(cfg: &crate::model::config::ModelConfig, z: &mut [f32]) {
+    use rayon::prelude::*;
+    if let Some(c) = cfg.scales.logits_cap {
+        let (c, inv) = (c as f32, (1.0 / c) as f32);
+        z.par_chunks_mut(1 << 16)
+            .for_each(|b| b.iter_mut().for_each(|v| *v = (*v * inv).tanh() * c));
+    }
+}
+
+/// The slope 1 − (z/c)² of capped logits `z`, when capped.
+fn cap_slope(cfg: &crate::model::config::ModelConfig, z: &[f32]) -> Option<Vec<f32>> {
+    let inv = (1.0 / cfg.scales.logits_cap?) as f32;
+    Some(
+        z.iter()
+            .map(|&v| {
+                let t = v * inv;
+                1.0 - t * t
+            })
+            .collect(),
+    )
+}
+
 /// Column maxima of `lt [rows, S]`.
 fn column_max(lt: &[f32], seq: usize) -> Vec<f32> {
     use rayon::prelude::*;
@@ -192,7 +217,9 @@ impl<R: KernelRunner> Engine<R> {
             &Default::default(),
             &acts,
         )?;
-        Ok(out.logits)
+        let mut z = out.logits;
+        cap_logits(&model.cfg, &mut z);
+        Ok(z)
     }
 
     /// Logits `[S, V]` for a final-normed state `xf [D, S]`, chunk by chunk
@@ -271,7 +298,12 @@ impl<R: KernelRunner> Engine<R> {
         }
         let chunks = self.runner.head_chunks(model, targets.len())?;
         let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
-        let gather = gradient && ranges.len() > 1 && !head_trains(model);
+        // (A capped head's input gradient needs each logit's slope, which
+        // the gathered sum does not keep: it takes the second pass.)
+        let gather = gradient
+            && ranges.len() > 1
+            && !head_trains(model)
+            && model.cfg.scales.logits_cap.is_none();
         let (stats, last, frozen) = self.softmax_statistics(model, xf, targets, &ranges, gather)?;
         Ok(HeadStatistics {
             nll: stats.nll(),
@@ -431,9 +463,12 @@ impl<R: KernelRunner> Engine<R> {
         let overlap = self.runner.overlaps_host();
         let mut dxf = vec![0f32; d * seq];
         let shape = Shape::new(&model.cfg, seq);
+        let capped = model.cfg.scales.logits_cap.is_some();
         for (c, r) in p.ranges.iter().enumerate() {
-            if p.ranges.len() > 1 {
+            let mut slope = None;
+            if p.ranges.len() > 1 || capped {
                 lt = self.head_chunk(model, p.xf, c, r.len())?;
+                slope = cap_slope(&model.cfg, &lt);
                 exp_shifted(&mut lt, &p.stats.max, seq);
             }
             scale_columns(&mut lt, &scale, seq);
@@ -441,6 +476,10 @@ impl<R: KernelRunner> Engine<R> {
                 if r.contains(&(t as usize)) && relative[s] != 0.0 {
                     lt[(t as usize - r.start) * seq + s] -= k * relative[s];
                 }
+            }
+            // Through the soft cap: dz_raw = dz ⊙ (1 − (z/c)²).
+            if let Some(slope) = slope {
+                lt.iter_mut().zip(&slope).for_each(|(d, s)| *d *= s);
             }
             let dz = &lt;
             // dE_c [Vc, D] (+)= dz_c [Vc, S] · (undo·xf)ᵀ [S, D], on the

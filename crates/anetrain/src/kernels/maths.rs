@@ -294,6 +294,59 @@ pub fn apply_rope(
     y
 }
 
+/// What the scores become before the mask: x·scale, and where the model
+/// soft-caps them (Gemma 2), c·tanh(x·scale/c), whose slope is 1 − t²
+/// (t = tanh(x·scale/c)). The constants as the program stores them: the
+/// scale, 1/c and c ([`KernelOptions::constant`]).
+#[derive(Clone, Copy)]
+pub struct Scores {
+    pub scale: f32,
+    /// (1/c, c).
+    cap: Option<(f32, f32)>,
+}
+
+impl Scores {
+    pub fn of(o: &KernelOptions) -> Scores {
+        Scores {
+            scale: o.constant(o.score_scale),
+            cap: o.score_cap.map(|c| (o.constant(1.0 / c), o.constant(c))),
+        }
+    }
+
+    /// softmax(map(row) + mask) in place (`mask` 0 where none is given).
+    fn softmax(&self, row: &mut [f32], mask: Option<&[f32]>) {
+        match (self.cap, mask) {
+            (None, None) => crate::util::simd::softmax_scaled(row, self.scale),
+            (cap, mask) => {
+                for (j, x) in row.iter_mut().enumerate() {
+                    let y = *x * self.scale;
+                    let y = match cap {
+                        Some((inv, c)) => (y * inv).tanh() * c,
+                        None => y,
+                    };
+                    *x = y + mask.map_or(0.0, |m| m[j]);
+                }
+                crate::util::simd::softmax_scaled(row, 1.0);
+            }
+        }
+    }
+
+    /// dS ← dS ⊙ (1 − t²) for one head's raw scores `x = qᵀk` (`[rows,
+    /// S]`, as `ds`); nothing without a cap.
+    pub fn through_cap(&self, x: &[f32], ds: &mut [f32]) {
+        if let Some((inv, _)) = self.cap {
+            for (d, &x) in ds.iter_mut().zip(x) {
+                let t = (x * self.scale * inv).tanh();
+                *d *= 1.0 - t * t;
+            }
+        }
+    }
+
+    pub fn capped(&self) -> bool {
+        self.cap.is_some()
+    }
+}
+
 /// Causal softmax(qᵀk·scale) for one query head, on the calling thread,
 /// each query over the keys it sees ([`super::visible_keys`]: every
 /// earlier one, or those of its window): `q_h, k_g` are `[HD, S]`; writes
@@ -303,7 +356,7 @@ pub fn head_probs(
     k_g: &[f32],
     hd: usize,
     seq: usize,
-    scale: f32,
+    scores: Scores,
     window: Option<usize>,
     p: &mut [f32],
 ) {
@@ -322,7 +375,7 @@ pub fn head_probs(
         let keys = super::visible_keys(i, window);
         let (before, rest) = row.split_at_mut(*keys.start());
         let (live, after) = rest.split_at_mut(keys.count());
-        crate::util::simd::softmax_scaled(live, scale);
+        scores.softmax(live, None);
         before.fill(0.0);
         after.fill(0.0);
     }
@@ -330,13 +383,13 @@ pub fn head_probs(
 
 /// One head's probabilities for a block of `qb` queries against all `seq`
 /// keys with an additive mask `[qb, seq]`, over whole rows:
-///   P [qb, S] = softmax(q_hᵀ·k_g·scale + mask)
+///   P [qb, S] = softmax(q_hᵀ·k_g·scale + mask)   (soft-capped: [`Scores`])
 /// (`q_h [HD, qb]`, `k_g [HD, S]`).
 pub fn masked_head_probs(
     q_h: &[f32],
     k_g: &[f32],
     hd: usize,
-    scale: f32,
+    scores: Scores,
     mask: &[f32],
     p: &mut [f32],
 ) {
@@ -349,10 +402,7 @@ pub fn masked_head_probs(
         false,
     );
     for (row, m) in p.chunks_mut(seq).zip(mask.chunks(seq)) {
-        row.iter_mut()
-            .zip(m)
-            .for_each(|(x, &m)| *x = *x * scale + m);
-        crate::util::simd::softmax_scaled(row, 1.0);
+        scores.softmax(row, Some(m));
     }
 }
 

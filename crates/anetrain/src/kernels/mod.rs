@@ -270,6 +270,9 @@ pub struct KernelOptions {
     /// The attention scores' scale: 1/√head_dim, or the model's own
     /// (Granite's `attention_multiplier`, `ModelConfig::score_scale`).
     pub score_scale: f64,
+    /// The scores' tanh soft cap c (Gemma 2's `attn_logit_softcapping`):
+    /// scores ← c·tanh(scores/c) after the scale, before the mask.
+    pub score_cap: Option<f64>,
     /// The class of the layer the kernels run for (its RoPE and attention
     /// window: [`LayerClass`]); [`KernelOptions::for_layer`] sets it. A
     /// model-wide use (a plan, a cost) reads the first layer's.
@@ -427,6 +430,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: cfg.scales.residual,
             score_scale: cfg.score_scale(),
+            score_cap: cfg.scales.attention_cap,
             class: cfg.layer_class(0),
             seed_compat: false,
             fp16_constants: false,
@@ -535,6 +539,7 @@ impl KernelOptions {
             eps: cfg.rms_norm_eps,
             residual_scale: 1.0 / (2.0 * cfg.num_hidden_layers as f64).sqrt(),
             score_scale: 1.0 / (cfg.head_dim as f64).sqrt(),
+            score_cap: None,
             class: LayerClass::default(),
             seed_compat: true,
             fp16_constants: false,

@@ -469,17 +469,26 @@ impl<'a> Gen<'a> {
     }
 
     /// softmax(q·kᵀ·scale + mask) for folded queries `q [1, KV, R·S, HD]`,
-    /// keys `k [1, KV, S, HD]` (scale: [`KernelOptions::score_scale`]).
+    /// keys `k [1, KV, S, HD]` (scale: [`KernelOptions::score_scale`]);
+    /// soft-capped scores (Gemma 2's, [`KernelOptions::score_cap`]) are
+    /// c·t before the mask, t = tanh(q·kᵀ·scale/c), and t is returned for
+    /// the backward's 1 − t².
     pub fn attention_probs(
         &mut self,
         q: &Value,
         k: &Value,
         s: &Shape,
-        scale: f64,
-    ) -> Result<Value> {
-        let scores = self.matmul("scores", q, k, false, true)?;
-        let sc = self.scalar("scale", scale)?;
-        let scaled = self.b.mul("scaled", &scores, &sc)?;
+        o: &KernelOptions,
+    ) -> Result<(Value, Option<Value>)> {
+        let scaled = self.scaled_scores("", q, k, o)?;
+        let (scaled, tanh) = match o.score_cap {
+            None => (scaled, None),
+            Some(c) => {
+                let t = self.score_tanh("", &scaled, c)?;
+                let cv = self.scalar("cap", c)?;
+                (self.b.mul("capped", &t, &cv)?, Some(t))
+            }
+        };
         let masked = if s.query_block() {
             // A block of queries: its mask is an input `[queries, S]`,
             // added to every head's rows.
@@ -494,7 +503,31 @@ impl<'a> Gen<'a> {
             self.b.add("masked", &scaled, &mask)?
         };
         let ax = self.b.int("axis_m1", -1)?;
-        self.b.softmax("probs", &masked, &ax)
+        Ok((self.b.softmax("probs", &masked, &ax)?, tanh))
+    }
+
+    /// q·kᵀ·scale, its nodes' names prefixed by `pre`.
+    pub fn scaled_scores(
+        &mut self,
+        pre: &str,
+        q: &Value,
+        k: &Value,
+        o: &KernelOptions,
+    ) -> Result<Value> {
+        let scores = self.matmul(&format!("{pre}scores"), q, k, false, true)?;
+        let sc = self.scalar(&format!("{pre}scale"), o.score_scale)?;
+        self.b.mul(&format!("{pre}scaled"), &scores, &sc)
+    }
+
+    /// t = tanh(x/c) of scaled scores `x` capped at `c`. The device's
+    /// `tanh` is an elementwise activation of the ANE compiler
+    /// (coremltools' MIL `tanh`, iOS 15 activation ops); the capped score
+    /// c·t keeps fp16's relative precision near zero, where the
+    /// 2c·σ(2x/c) − c form would round every score to fp16's steps at c.
+    pub fn score_tanh(&mut self, pre: &str, x: &Value, c: f64) -> Result<Value> {
+        let inv = self.scalar(&format!("{pre}inv_cap"), 1.0 / c)?;
+        let u = self.b.mul(&format!("{pre}over_cap"), x, &inv)?;
+        self.b.unary("tanh", &format!("{pre}scores_tanh"), &u)
     }
 
     /// dx = Σᵢ Wᵢᵀ·dyᵢ (plus each projection's adapter) for the kernel's

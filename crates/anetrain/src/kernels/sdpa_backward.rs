@@ -42,7 +42,7 @@ impl Kernel for SdpaBackward {
         let a = sdpa_backward1::recompute(g, s, o)?;
         let dvc = g.heads_rows_to_channels("dv", &a.dv)?;
         let (dqc, dkc) =
-            sdpa_backward2::softmax_backward(g, s, o, &a.probs, &a.dp, &a.q_fold, &a.k)?;
+            sdpa_backward2::softmax_backward(g, s, o, &a.probs, &a.dp, &a.q_fold, &a.k, a.tanh)?;
         Ok(vec![dvc, dqc, dkc])
     }
 

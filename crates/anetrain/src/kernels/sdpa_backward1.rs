@@ -13,7 +13,7 @@
 use super::prelude::*;
 use rayon::prelude::*;
 
-use super::maths::{causal_blocks, head_probs, masked_head_probs};
+use super::maths::{causal_blocks, head_probs, masked_head_probs, Scores};
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaBackward1;
@@ -59,7 +59,7 @@ impl Kernel for SdpaBackward1 {
             return query_block(s, o, a);
         }
         let (kv, seq, hd, r) = (s.kv_dim(), s.seq, s.head_dim, s.ratio());
-        let scale = o.constant(o.score_scale);
+        let scores = Scores::of(o);
         let (qr, kr, v, da) = (a.q_rope, a.k_rope, a.v, a.da);
         let mut dv = vec![0f32; kv * seq];
         let mut probs = vec![0f32; s.heads * seq * seq];
@@ -79,7 +79,7 @@ impl Kernel for SdpaBackward1 {
                         &kr[g * hd * seq..][..hd * seq],
                         hd,
                         seq,
-                        scale,
+                        scores,
                         o.class.window,
                         p,
                     );
@@ -132,6 +132,8 @@ pub(super) struct Recomputed {
     /// Roped q folded `[1, KV, R·queries, HD]`, k `[1, KV, S, HD]`.
     pub q_fold: Value,
     pub k: Value,
+    /// Soft-capped scores' tanh(x/c), as P (`Gen::attention_probs`).
+    pub tanh: Option<Value>,
 }
 
 /// P = softmax(qᵀk·scale + mask), dV = Σ_h Pᵀ·dA, dP = dA·Vᵀ from the
@@ -148,7 +150,7 @@ pub(super) fn recompute(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Resul
     let da = g.channels_to_heads("da_h", &dac, s.heads)?;
     let q_fold = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
     let daf = g.reshape("da_fold", &da, &[1, kvh, r * qb, hd])?;
-    let probs = g.attention_probs(&q_fold, &k, s, o.score_scale)?;
+    let (probs, tanh) = g.attention_probs(&q_fold, &k, s, o)?;
     // dV = Pᵀ·dA (summed over the folded group), dP = dA·Vᵀ
     let dv = g.matmul("dv_h", &probs, &daf, true, false)?;
     let dp = g.matmul("dp_fold", &daf, &v, false, true)?;
@@ -158,6 +160,7 @@ pub(super) fn recompute(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Resul
         dv,
         q_fold,
         k,
+        tanh,
     })
 }
 
@@ -166,7 +169,7 @@ pub(super) fn recompute(g: &mut Gen, s: &Shape, o: &KernelOptions) -> mil::Resul
 /// over whole rows (the mask, an input, says what is causal).
 fn query_block(s: &Shape, o: &KernelOptions, a: &Acts) -> Out {
     let (kv, seq, hd, r, qb) = (s.kv_dim(), s.seq, s.head_dim, s.ratio(), s.queries);
-    let scale = o.constant(o.score_scale);
+    let scores = Scores::of(o);
     let mask = a
         .mask
         .expect("a block of queries reads its mask (the runner makes it)");
@@ -186,7 +189,7 @@ fn query_block(s: &Shape, o: &KernelOptions, a: &Acts) -> Out {
                     &qr[h * hd * qb..][..hd * qb],
                     &kr[g * hd * seq..][..hd * seq],
                     hd,
-                    scale,
+                    scores,
                     mask,
                     p,
                 );

@@ -1,6 +1,7 @@
 //! `sdpa_backward2`: the softmax backward and the query/key gradients,
 //!
 //!   dS = P ⊙ (dP − Σ_j P⊙dP) / √HD,   dQ_h = dS_h·K_g,   dK_g = Σ_{h in g} dS_hᵀ·Q_h
+//!   (soft-capped scores c·tanh(x/c): dS ⊙ (1 − t²), t recomputed from q and k)
 //!
 //! (on roped q and k; the engine rotates dq and dk back on the CPU).
 //!
@@ -11,6 +12,7 @@
 use super::prelude::*;
 use rayon::prelude::*;
 
+use super::maths::Scores;
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaBackward2;
@@ -51,7 +53,7 @@ impl Kernel for SdpaBackward2 {
         let q = g.channels_to_heads("q", &qc, s.heads)?;
         let k = g.channels_to_heads("k", &kc, kvh)?;
         let qf = g.reshape("q_fold", &q, &[1, kvh, r * qb, hd])?;
-        let (dqc, dkc) = softmax_backward(g, s, o, &probs, &dp, &qf, &k)?;
+        let (dqc, dkc) = softmax_backward(g, s, o, &probs, &dp, &qf, &k, None)?;
         Ok(vec![dqc, dkc])
     }
 
@@ -65,7 +67,8 @@ impl Kernel for SdpaBackward2 {
             s.ratio(),
             s.queries,
         );
-        let scale = o.constant(o.score_scale);
+        let scores = Scores::of(o);
+        let scale = scores.scale;
         let (p, dp, qr, kr) = (a.probs, a.dp, a.q_rope, a.k_rope);
         let mut dq = vec![0f32; q * qb];
         let mut dk = vec![0f32; kv * seq];
@@ -74,6 +77,7 @@ impl Kernel for SdpaBackward2 {
             .enumerate()
             .for_each(|(g, (dq_g, dk_g))| {
                 let mut ds = vec![0f32; qb * seq];
+                let mut x = vec![0f32; if scores.capped() { qb * seq } else { 0 }];
                 for j in 0..r {
                     let h = g * r + j;
                     let base = h * qb * seq;
@@ -86,6 +90,16 @@ impl Kernel for SdpaBackward2 {
                         for ((d, &p), &dp) in row.iter_mut().zip(p).zip(dp) {
                             *d = p * (dp - dot) * scale;
                         }
+                    }
+                    if scores.capped() {
+                        // The raw scores q_hᵀk_g [qb, S], for 1 − t².
+                        matmul_serial(
+                            MatRef::row_major(qr, h * hd * qb, hd, qb).t(),
+                            MatRef::row_major(kr, g * hd * seq, hd, seq),
+                            MatMut::row_major(&mut x, 0, qb, seq),
+                            false,
+                        );
+                        scores.through_cap(&x, &mut ds);
                     }
                     // dQ_h [HD, qb] = K_g [HD, S] · dSᵀ ; dK_g [HD, S] += Q_h · dS
                     matmul_serial(
@@ -109,7 +123,10 @@ impl Kernel for SdpaBackward2 {
 /// dS = P ⊙ (dP − Σ_j P⊙dP)/√HD, dQ = dS·K, dK = Σ_h dSᵀ·Q from folded P,
 /// dP (`[1, KV, R·queries, S]`), q and k: dq `[Q, queries]` (a block's in
 /// whole rows) and dK `[KV, S]` as output channels (this kernel's maths,
-/// and the fused `sdpa_backward`'s second half).
+/// and the fused `sdpa_backward`'s second half). Soft-capped scores
+/// multiply dS by 1 − t², t their tanh: `tanh` where the program has it,
+/// else recomputed from q and k.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn softmax_backward(
     g: &mut Gen,
     s: &Shape,
@@ -118,6 +135,7 @@ pub(super) fn softmax_backward(
     dp: &Value,
     qf: &Value,
     k: &Value,
+    tanh: Option<Value>,
 ) -> mil::Result<(Value, Value)> {
     let (hd, qb) = (s.head_dim, s.queries);
     // dS = P ⊙ (dP − Σ_j P⊙dP)·scale
@@ -128,7 +146,21 @@ pub(super) fn softmax_backward(
     let dps = g.b.sub("dp_centered", dp, &rs)?;
     let ds0 = g.b.mul("ds_raw", probs, &dps)?;
     let sc = g.scalar("scale", o.score_scale)?;
-    let ds = g.b.mul("ds", &ds0, &sc)?;
+    let mut ds = g.b.mul("ds", &ds0, &sc)?;
+    if let Some(c) = o.score_cap {
+        let t = match tanh {
+            Some(t) => t,
+            None => {
+                let x = g.scaled_scores("cap_", qf, k, o)?;
+                g.score_tanh("cap_", &x, c)?
+            }
+        };
+        // dx = dS ⊙ (1 − t²)
+        let t2 = g.b.mul("tanh_sq", &t, &t)?;
+        let one = g.scalar("one", 1.0)?;
+        let slope = g.b.sub("cap_slope", &one, &t2)?;
+        ds = g.b.mul("ds_uncapped", &ds, &slope)?;
+    }
     // dQ = dS·K, dK = dSᵀ·Q (summed over the folded group)
     let dq = g.matmul("dq_fold", &ds, k, false, false)?;
     let dk = g.matmul("dk_h", &ds, qf, true, false)?;

@@ -4,6 +4,7 @@
 //!   q = Wq·xn + bq, k = Wk·xn + bk, v = Wv·xn + bv (+ LoRA on each; biases: Qwen2)
 //!   q, k ← rmsnorm_per_head(q)·wq_norm, …          (QK-norm, when on)
 //!   attn_h = softmax(rope(q_h)ᵀ·rope(k_g)/√HD + causal)·v_gᵀ,  g = h / ratio
+//!   (Gemma 2 caps the scores before the mask: c·tanh(scores/c))
 //!
 //! The `ratio` query heads that share a KV head are folded along the
 //! sequence (`[1, KV, ratio·S, HD]`), so K and V are never duplicated.
@@ -21,7 +22,7 @@ use super::prelude::*;
 use rayon::prelude::*;
 
 use super::maths::{
-    add_adapter, add_bias, apply_rope, causal_blocks, head_probs, masked_head_probs, rms_norm, w_x,
+    add_adapter, add_bias, apply_rope, causal_blocks, head_probs, masked_head_probs, Scores, rms_norm, w_x,
 };
 use super::{BLOB_COS, BLOB_SIN};
 use linalg::{matmul_serial, MatMut, MatRef};
@@ -155,7 +156,7 @@ impl Kernel for SdpaForward {
         };
         // Fold the R query heads of each KV head along the sequence.
         let qf = g.reshape("q_fold", &q_rope, &[1, kvh, r * qb, hd])?;
-        let probs = g.attention_probs(&qf, &k_rope, s, o.score_scale)?;
+        let (probs, _) = g.attention_probs(&qf, &k_rope, s, o)?;
         let a = g.matmul("attn_fold", &probs, &v, false, false)?;
         let a = g.reshape("attn_heads", &a, &[1, s.heads, qb, hd])?;
         let (attn, qc) = match s.query_block() {
@@ -197,7 +198,7 @@ impl Kernel for SdpaForward {
             return query_block(s, o, w, a);
         }
         let (d, q, kv, seq, hd, r) = (s.dim, s.q_dim(), s.kv_dim(), s.seq, s.head_dim, s.ratio());
-        let scale = o.constant(o.score_scale);
+        let scores = Scores::of(o);
         let eps = o.norm_eps();
         let x = a.xnorm;
         let project = |p: Projection, rows: usize| {
@@ -240,7 +241,7 @@ impl Kernel for SdpaForward {
                         &k_rope[g * hd * seq..][..hd * seq],
                         hd,
                         seq,
-                        scale,
+                        scores,
                         o.class.window,
                         &mut p,
                     );
@@ -295,7 +296,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
         need(a.rope_sin, "RoPE angles"),
         need(a.mask, "mask"),
     );
-    let scale = o.constant(o.score_scale);
+    let scores = Scores::of(o);
     let eps = o.norm_eps();
     let block = Shape {
         seq: qb,
@@ -331,7 +332,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
                     &q_rope[h * hd * qb..][..hd * qb],
                     &k_rope[g * hd * seq..][..hd * seq],
                     hd,
-                    scale,
+                    scores,
                     &mask,
                     &mut p,
                 );

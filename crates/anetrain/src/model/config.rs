@@ -31,6 +31,10 @@ pub enum Arch {
     /// by `1 + w`), GeGLU, QK-norm, embeddings scaled by √D, windowed
     /// layers with their own RoPE base between full ones.
     Gemma3,
+    /// Gemma 2: Gemma 3's layer without QK-norm, windowed and full layers
+    /// in turn (one RoPE base), and tanh soft-capping of the attention
+    /// scores and of the logits ([`Scales`]).
+    Gemma2,
     /// Phi-3 and Phi-4-mini: Llama's layer with q, k, v stored as one
     /// `qkv_proj` and gate, up as one `gate_up_proj` (split on load, fused
     /// on save), RoPE on part of each head (`partial_rotary_factor`),
@@ -39,7 +43,7 @@ pub enum Arch {
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 9] = [
+pub const FAMILIES: [(Arch, &str, &str); 10] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
@@ -48,6 +52,7 @@ pub const FAMILIES: [(Arch, &str, &str); 9] = [
     (Arch::SmolLM3, "smollm3", "SmolLM3ForCausalLM"),
     (Arch::Ministral, "ministral", "MinistralForCausalLM"),
     (Arch::Gemma3, "gemma3_text", "Gemma3ForCausalLM"),
+    (Arch::Gemma2, "gemma2", "Gemma2ForCausalLM"),
     (Arch::Phi3, "phi3", "Phi3ForCausalLM"),
 ];
 
@@ -62,6 +67,12 @@ impl Arch {
         FAMILIES.iter().find(|f| f.0 == self).map_or("", |f| f.2)
     }
 
+    /// Gemma's layer and embedding: `(1 + w)` norms before and after each
+    /// sublayer, GeGLU, √D embeddings, `query_pre_attn_scalar`.
+    pub fn is_gemma(self) -> bool {
+        matches!(self, Arch::Gemma2 | Arch::Gemma3)
+    }
+
     /// The family a config names, by `model_type` or else by class.
     fn of(model_type: &str, classes: &[String]) -> Option<Arch> {
         FAMILIES
@@ -72,10 +83,14 @@ impl Arch {
     }
 }
 
-/// Scalar multipliers some families put on the residual stream (Granite's
-/// `embedding_multiplier`, `residual_multiplier`, `attention_multiplier`,
-/// `logits_scaling`); every other family has the defaults.
+/// Scalars some families put on the residual stream, the scores and the
+/// logits: Granite's multipliers (`embedding_multiplier`,
+/// `residual_multiplier`, `attention_multiplier`, `logits_scaling`),
+/// Gemma's √D embedding and `query_pre_attn_scalar`, Gemma 2's tanh
+/// soft-capping (`attn_logit_softcapping`, `final_logit_softcapping`);
+/// every other family has the defaults.
 ///   x₀ = m_e·E[t],  x ← x + m_r·sublayer(x),  scores = m_a·qᵀk,  logits = W·x_f / s
+///   capped: scores ← c_a·tanh(scores/c_a) (before the mask),  logits ← c_l·tanh(logits/c_l)
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Scales {
     pub embedding: f64,
@@ -84,6 +99,12 @@ pub struct Scales {
     pub attention: Option<f64>,
     /// The logits are divided by this.
     pub logits: f64,
+    /// The attention scores' soft cap c_a, when they have one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_cap: Option<f64>,
+    /// The logits' soft cap c_l, when they have one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logits_cap: Option<f64>,
 }
 
 impl Default for Scales {
@@ -93,6 +114,8 @@ impl Default for Scales {
             residual: 1.0,
             attention: None,
             logits: 1.0,
+            attention_cap: None,
+            logits_cap: None,
         }
     }
 }
@@ -696,6 +719,12 @@ impl ModelConfig {
             return ModelConfig::from_multimodal(&v, text, quantization);
         }
         let window_given = v.get("sliding_window").is_some();
+        // Gemma 2's caps: absent is Gemma2Config's default, null is none.
+        let cap_given = |k: &str| v.get(k).is_some();
+        let caps_given = (
+            cap_given("attn_logit_softcapping"),
+            cap_given("final_logit_softcapping"),
+        );
         let hf: HfConfig = serde_path_to_error::deserialize(v).map_err(|e| {
             let inner = e.inner().to_string();
             match inner.strip_prefix("missing field `") {
@@ -768,26 +797,43 @@ impl ModelConfig {
                 bail!("\"{k}\": true is not supported (bias-free projections only)");
             }
         }
-        // Gemma's keys, and what Gemma 3 leaves out (Gemma 2's soft-capping).
+        // Gemma's keys (Gemma 3's own: a windowed RoPE base and pattern).
         let gemma = [
-            ("query_pre_attn_scalar", hf.query_pre_attn_scalar.is_some()),
-            ("rope_local_base_freq", hf.rope_local_base_freq.is_some()),
+            (
+                "query_pre_attn_scalar",
+                hf.query_pre_attn_scalar.is_some(),
+                arch.is_gemma(),
+            ),
+            (
+                "rope_local_base_freq",
+                hf.rope_local_base_freq.is_some(),
+                arch == Arch::Gemma3,
+            ),
             (
                 "sliding_window_pattern",
                 hf.sliding_window_pattern.is_some(),
+                arch == Arch::Gemma3,
             ),
         ];
-        if arch != Arch::Gemma3 {
-            if let Some((k, _)) = gemma.iter().find(|(_, given)| *given) {
-                bail!("\"{k}\" is Gemma's; a {model_type} model has none (is model_type right?)");
-            }
+        if let Some((k, _, _)) = gemma.iter().find(|(_, given, read)| *given && !read) {
+            bail!("\"{k}\" is Gemma's; a {model_type} model has none (is model_type right?)");
         }
-        for (k, v) in [
-            ("attn_logit_softcapping", hf.attn_logit_softcapping),
-            ("final_logit_softcapping", hf.final_logit_softcapping),
-        ] {
-            if let Some(v) = v {
-                bail!("\"{k}\": {v} (tanh soft-capping, Gemma 2's) is not supported yet");
+        // Gemma 2's tanh soft-capping (Gemma2Config: 50 and 30 when
+        // absent); Gemma 3 sets both to null.
+        let mut caps = [
+            ("attn_logit_softcapping", hf.attn_logit_softcapping, 50.0),
+            ("final_logit_softcapping", hf.final_logit_softcapping, 30.0),
+        ];
+        for ((k, v, default), given) in caps.iter_mut().zip([caps_given.0, caps_given.1]) {
+            match (arch, *v) {
+                (Arch::Gemma2, None) if !given => *v = Some(*default),
+                (Arch::Gemma2, Some(c)) if !(c.is_finite() && c > 0.0) => {
+                    bail!("\"{k}\" must be a positive number or null (got {c})")
+                }
+                (Arch::Gemma2, _) | (_, None) => {}
+                (_, Some(c)) => bail!(
+                    "\"{k}\": {c} (tanh soft-capping) is Gemma 2's; a {model_type} model has none (is model_type right?)"
+                ),
             }
         }
         if hf.use_bidirectional_attention == Some(true) {
@@ -795,7 +841,7 @@ impl ModelConfig {
         }
         let activation = hf.hidden_activation.or(hf.hidden_act);
         let wanted = match arch {
-            Arch::Gemma3 => "gelu_pytorch_tanh",
+            Arch::Gemma2 | Arch::Gemma3 => "gelu_pytorch_tanh",
             _ => "silu",
         };
         if let Some(a) = activation.filter(|a| a != wanted) {
@@ -822,12 +868,15 @@ impl ModelConfig {
                 residual: hf.residual_multiplier.unwrap_or(1.0),
                 attention: Some(hf.attention_multiplier.unwrap_or(1.0)),
                 logits: hf.logits_scaling.unwrap_or(1.0),
+                ..Scales::default()
             };
         } else if let Some((k, _)) = multipliers.iter().find(|(_, v)| v.is_some()) {
             bail!("\"{k}\" is Granite's; a {model_type} model has none (is model_type right?)");
         }
-        if arch == Arch::Gemma3 {
-            // Gemma3TextScaledWordEmbedding multiplies by √D as an f32
+        scales.attention_cap = caps[0].1;
+        scales.logits_cap = caps[1].1;
+        if arch.is_gemma() {
+            // Gemma3TextScaledWordEmbedding (Gemma 2's likewise) multiplies by √D as an f32
             // tensor; the scores scale by query_pre_attn_scalar^-½.
             let scalar = hf.query_pre_attn_scalar.unwrap_or(256.0);
             if !(scalar.is_finite() && scalar > 0.0) {
@@ -835,13 +884,15 @@ impl ModelConfig {
             }
             scales.embedding = (hidden as f64).sqrt() as f32 as f64;
             scales.attention = Some(scalar.powf(-0.5));
-            local_rope_theta = local_rope_theta.or(Some(10000.0));
+            if arch == Arch::Gemma3 {
+                local_rope_theta = local_rope_theta.or(Some(10000.0));
+            }
         }
         // RoPE on the first `factor·head_dim` dimensions of each head.
         let head_dim = hf.head_dim.as_ref().map_or(
             match arch {
                 Arch::Qwen3 => 128,
-                Arch::Gemma3 => 256,
+                Arch::Gemma2 | Arch::Gemma3 => 256,
                 _ => hidden / heads,
             },
             |c| c.0,
@@ -882,8 +933,12 @@ impl ModelConfig {
         let sliding_window = match (arch, hf.sliding_window) {
             // MistralConfig's, MinistralConfig's and Gemma3TextConfig's
             // default when absent.
-            (Arch::Mistral | Arch::Ministral | Arch::Gemma3, None) if !window_given => Some(4096),
-            (Arch::Mistral | Arch::Ministral | Arch::Gemma3, w) => w.map(|c| c.0),
+            (Arch::Mistral | Arch::Ministral | Arch::Gemma2 | Arch::Gemma3, None)
+                if !window_given =>
+            {
+                Some(4096)
+            }
+            (Arch::Mistral | Arch::Ministral | Arch::Gemma2 | Arch::Gemma3, w) => w.map(|c| c.0),
             // Phi3Config's window applies to every layer when given; one at
             // least as long as the context is none.
             (Arch::Phi3, w) => w
@@ -928,7 +983,10 @@ impl ModelConfig {
                 let every = hf.sliding_window_pattern.map_or(6, |c| c.0).max(1);
                 (0..layers).filter(|i| (i + 1) % every == 0).collect()
             }
-            (Arch::Ministral | Arch::Gemma3, Some(types), Some(_)) => {
+            // Gemma2Config's: windowed and full layers in turn, from a
+            // windowed one.
+            (Arch::Gemma2, None, Some(_)) => (0..layers).filter(|i| i % 2 == 1).collect(),
+            (Arch::Ministral | Arch::Gemma2 | Arch::Gemma3, Some(types), Some(_)) => {
                 if types.len() != layers {
                     bail!(
                         "\"layer_types\" must name the attention of each of the {layers} layers (it has {})",
@@ -960,7 +1018,7 @@ impl ModelConfig {
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral | Arch::Ministral => 8,
-                    Arch::SmolLM3 | Arch::Gemma3 => 4,
+                    Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 => 4,
                     Arch::Llama | Arch::Granite | Arch::Phi3 => heads,
                 },
                 |c| c.0,
@@ -977,11 +1035,12 @@ impl ModelConfig {
             rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
             tie_word_embeddings: hf
                 .tie_word_embeddings
-                .unwrap_or(matches!(arch, Arch::SmolLM3 | Arch::Gemma3)),
+                .unwrap_or(matches!(arch, Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3)),
             max_position_embeddings: hf.max_position_embeddings.map_or(
                 match arch {
                     Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
                     Arch::Mistral | Arch::Ministral | Arch::Gemma3 => 4096 * 32,
+                    Arch::Gemma2 => 8192,
                     Arch::Llama | Arch::Granite => 2048,
                     Arch::Phi3 => 4096,
                 },
@@ -1176,11 +1235,11 @@ impl ModelConfig {
                 qkv_bias: self.arch == Arch::Qwen2,
             },
             mlp: match self.arch {
-                Arch::Gemma3 => Mlp::GeGlu,
+                Arch::Gemma2 | Arch::Gemma3 => Mlp::GeGlu,
                 _ => Mlp::SwiGlu,
             },
             norms: match self.arch {
-                Arch::Gemma3 => Norms::Sandwich,
+                Arch::Gemma2 | Arch::Gemma3 => Norms::Sandwich,
                 _ => Norms::Pre,
             },
         }
@@ -1213,7 +1272,7 @@ impl ModelConfig {
     /// (`Model::hf_values`).
     pub fn norm_offset(&self) -> f32 {
         match self.arch {
-            Arch::Gemma3 => 1.0,
+            Arch::Gemma2 | Arch::Gemma3 => 1.0,
             _ => 0.0,
         }
     }
@@ -1533,6 +1592,59 @@ mod tests {
             let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
             assert!(e.contains(want), "{want}: {e}");
         }
+    }
+
+    /// Gemma 2 2B as published: windowed and full layers in turn, both
+    /// soft caps, √D embeddings and the query scalar, 2,614,341,888
+    /// parameters (transformers' Gemma2ForCausalLM of that config); caps
+    /// absent are Gemma2Config's 50 and 30, null is none, and a cap on
+    /// another family is refused by name.
+    #[test]
+    fn gemma2_configs_are_read_with_their_soft_caps() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/configs/gemma-2-2b.json"
+        );
+        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        assert_eq!((c.arch, c.head_dim, c.num_params()), (Arch::Gemma2, 256, 2_614_341_888));
+        assert_eq!(
+            (c.scales.attention_cap, c.scales.logits_cap),
+            (Some(50.0), Some(30.0))
+        );
+        assert_eq!(c.full_attention_layers, (1..26).step_by(2).collect::<Vec<_>>());
+        assert_eq!((c.sliding_window, c.local_rope_theta), (Some(4096), None));
+        assert_eq!(c.score_scale(), 1.0 / 16.0);
+        assert_eq!(c.scales.embedding, (2304f64).sqrt() as f32 as f64);
+        assert!(!c.qk_norm && c.tie_word_embeddings && c.norm_offset() == 1.0);
+        let mut v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v.as_object_mut().unwrap().remove("final_logit_softcapping");
+        v["attn_logit_softcapping"] = serde_json::Value::Null;
+        let c = ModelConfig::from_json(&v.to_string()).unwrap();
+        assert_eq!(
+            (c.scales.attention_cap, c.scales.logits_cap),
+            (None, Some(30.0))
+        );
+        v["attn_logit_softcapping"] = serde_json::json!(-1.0);
+        let e = format!("{:#}", ModelConfig::from_json(&v.to_string()).unwrap_err());
+        assert!(e.contains("must be a positive number"), "{e}");
+        let e = format!(
+            "{:#}",
+            ModelConfig::from_json(
+                &QWEN3.replace("\"rope_scaling\": null", "\"final_logit_softcapping\": 30.0")
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("is Gemma 2's"), "{e}");
+        let e = format!(
+            "{:#}",
+            ModelConfig::from_json(&QWEN3.replace(
+                "\"rope_scaling\": null",
+                "\"rope_local_base_freq\": 10000.0"
+            ))
+            .unwrap_err()
+        );
+        assert!(e.contains("is Gemma's"), "{e}");
     }
 
     /// Phi-4-mini's shape: RoPE on 96 of 128 dimensions, LongRoPE with

@@ -839,29 +839,32 @@ fn text_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
                 .collect::<Vec<u8>>(),
             "use_sliding_window": false,
         }),
-        Arch::Gemma3 => {
+        Arch::Gemma2 | Arch::Gemma3 => {
             let scalar = c.score_scale().powi(-2);
-            serde_json::json!({
+            let mut f = serde_json::json!({
                 "sliding_window": c.sliding_window,
                 "layer_types": layer_types,
-                // An integer where it is one (Gemma3TextConfig types it int).
+                // An integer where it is one (Gemma's configs type it int).
                 "query_pre_attn_scalar": match (scalar - scalar.round()).abs() < 1e-9 {
                     true => serde_json::json!(scalar.round() as i64),
                     false => serde_json::json!(scalar),
                 },
-                "rope_local_base_freq": c.local_rope_theta,
                 "hidden_activation": "gelu_pytorch_tanh",
                 "hidden_act": "gelu_pytorch_tanh",
-                "attn_logit_softcapping": null,
-                "final_logit_softcapping": null,
-                "rope_parameters": {
+                "attn_logit_softcapping": c.scales.attention_cap,
+                "final_logit_softcapping": c.scales.logits_cap,
+            });
+            if c.arch == Arch::Gemma3 {
+                f["rope_local_base_freq"] = c.local_rope_theta.into();
+                f["rope_parameters"] = serde_json::json!({
                     "full_attention": rope_parameters(c),
                     "sliding_attention": {
                         "rope_type": "default",
                         "rope_theta": c.local_rope_theta,
                     },
-                },
-            })
+                });
+            }
+            f
         }
         Arch::Phi3 => {
             let mut f = serde_json::json!({

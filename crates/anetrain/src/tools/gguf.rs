@@ -276,6 +276,23 @@ pub fn export(
             );
         }
     }
+    if c.arch == Arch::Gemma2 {
+        // llama.cpp's gemma2 fixes what the file does not carry: windowed
+        // and full layers in turn from a windowed one, scores scaled by
+        // 1/√head_dim (models other than the 27B), both soft caps on
+        // (50 and 30 where the file has no key).
+        let odd: Vec<usize> = (1..c.num_hidden_layers).step_by(2).collect();
+        let scalar = c.score_scale().powi(-2);
+        if c.sliding_window.is_some() && c.full_attention_layers != odd
+            || (scalar - c.head_dim as f64).abs() > 1e-6 * scalar
+            || c.scales.attention_cap.is_none()
+            || c.scales.logits_cap.is_none()
+        {
+            bail!(
+                "GGUF export of this Gemma 2 model: llama.cpp's gemma2 assumes windowed and full layers in turn, query_pre_attn_scalar = head_dim and both soft caps, and this model differs"
+            );
+        }
+    }
     let every_fourth: Vec<usize> = (3..c.num_hidden_layers).step_by(4).collect();
     if c.arch == Arch::SmolLM3 && c.no_rope_layers != every_fourth {
         // llama.cpp's smollm3 leaves RoPE out of every fourth layer, a
@@ -350,6 +367,7 @@ fn arch_name(arch: Arch) -> &'static str {
         Arch::Granite => "granite",
         Arch::SmolLM3 => "smollm3",
         Arch::Gemma3 => "gemma3",
+        Arch::Gemma2 => "gemma2",
         Arch::Phi3 => "phi3",
     }
 }
@@ -360,7 +378,7 @@ fn arch_name(arch: Arch) -> &'static str {
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
         Arch::Llama | Arch::Mistral | Arch::Ministral | Arch::Granite | Arch::SmolLM3 => true,
-        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma3 | Arch::Phi3 => false,
+        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3 => false,
     }
 }
 
@@ -400,11 +418,19 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
             MetaValue::F32(c.rms_norm_eps as f32),
         ),
     ];
-    if c.arch == Arch::Gemma3 {
-        // llama.cpp's Gemma3Model keys (the norms are written as the
-        // scale 1 + w they apply, as its converter adds 1).
+    if c.arch.is_gemma() {
+        // llama.cpp's Gemma2Model and Gemma3Model keys (the norms are
+        // written as the scale 1 + w they apply, as its converter adds 1).
         if let Some(w) = c.sliding_window {
             meta.push((format!("{a}.attention.sliding_window"), u(w)));
+        }
+    }
+    for (key, cap) in [
+        ("attn_logit_softcapping", c.scales.attention_cap),
+        ("final_logit_softcapping", c.scales.logits_cap),
+    ] {
+        if let Some(cap) = cap {
+            meta.push((format!("{a}.{key}"), f(cap)));
         }
     }
     if let RopeScaling::Longrope {
@@ -482,7 +508,7 @@ pub fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let gemma = match arch {
-        Arch::Gemma3 => &GEMMA_NORMS[..],
+        Arch::Gemma2 | Arch::Gemma3 => &GEMMA_NORMS[..],
         _ => &[],
     };
     let (_, g) = gemma

@@ -99,24 +99,37 @@ fn every_kernel_matches_its_cpu_twin_for_mha_and_gqa() {
 /// program against its twin.
 #[test]
 fn gemma_kernels_match_their_cpu_twins() {
-    let mut cfg = config(48, 96, 4, 2, 16, true);
-    cfg.arch = Arch::Gemma3;
-    cfg.sliding_window = Some(5);
-    cfg.full_attention_layers = vec![1];
-    cfg.local_rope_theta = Some(1e4);
-    cfg.scales.attention = Some(24f64.powf(-0.5));
-    let base = KernelOptions::hf(&cfg);
-    assert_eq!(cfg.layer_classes().len(), 2);
-    for layer in [0, 1] {
-        let o = base.for_layer(&cfg, layer);
-        let s = Shape::new(&cfg, 16);
-        for kind in KernelKind::ALL {
-            let r = check_kernel(kind, &s, &o, 11).unwrap();
-            eprintln!(
-                "gemma {kind:?} layer {layer}: fp32 {:.1e} fp16 {:.1e}",
-                r.fp32_rel, r.fp16_rel
-            );
-            assert!(r.passed(), "{kind:?} layer {layer}: {r:?}");
+    // Gemma 3 (QK-norm, a windowed RoPE base), Gemma 2 (soft-capped
+    // scores: the cap's tanh in sdpa_forward, its slope in the backward,
+    // recomputed in sdpa_backward2 and kept in the fused sdpa_backward).
+    for arch in [Arch::Gemma3, Arch::Gemma2] {
+        let gemma3 = arch == Arch::Gemma3;
+        let mut cfg = config(48, 96, 4, 2, 16, gemma3);
+        cfg.arch = arch;
+        cfg.sliding_window = Some(5);
+        cfg.full_attention_layers = vec![1];
+        cfg.local_rope_theta = gemma3.then_some(1e4);
+        cfg.scales.attention = Some(24f64.powf(-0.5));
+        cfg.scales.attention_cap = (!gemma3).then_some(1.5);
+        let base = KernelOptions::hf(&cfg);
+        assert_eq!(cfg.layer_classes().len(), 2);
+        let mut block = Shape::new(&cfg, 32);
+        block.queries = 8;
+        for layer in [0, 1] {
+            let o = base.for_layer(&cfg, layer);
+            for s in [Shape::new(&cfg, 16), block] {
+                for kind in KernelKind::ALL {
+                    if s.query_block() && (gemma3 || !kind.name().starts_with("sdpa")) {
+                        continue;
+                    }
+                    let r = check_kernel(kind, &s, &o, 11).unwrap();
+                    eprintln!(
+                        "{arch:?} {kind:?} layer {layer} queries {}: fp32 {:.1e} fp16 {:.1e}",
+                        s.queries, r.fp32_rel, r.fp16_rel
+                    );
+                    assert!(r.passed(), "{arch:?} {kind:?} layer {layer}: {r:?}");
+                }
+            }
         }
     }
 }
@@ -409,7 +422,15 @@ fn mm(w: &[f64], x: &[f64], m: usize, k: usize, n: usize) -> M {
 
 /// Independent f64 attention forward (HF maths): QK-norm, half-split RoPE,
 /// causal GQA softmax attention with query head h reading KV head h/ratio.
-fn attention_f64(t: &BTreeMap<&str, M>, s: &Shape, theta: f64, eps: f64, qk_norm: bool) -> M {
+/// Causal attention in f64; `cap` soft-caps the scores, c·tanh(x/c).
+fn attention_f64(
+    t: &BTreeMap<&str, M>,
+    s: &Shape,
+    theta: f64,
+    eps: f64,
+    qk_norm: bool,
+    cap: Option<f64>,
+) -> M {
     let (d, seq, hd) = (s.dim, s.seq, s.head_dim);
     let x = &t["xnorm"];
     let mut q = mm(&t["wq"], x, s.q_dim(), d, seq);
@@ -460,6 +481,7 @@ fn attention_f64(t: &BTreeMap<&str, M>, s: &Shape, theta: f64, eps: f64, qk_norm
                         .sum::<f64>()
                         / (hd as f64).sqrt()
                 })
+                .map(|x| cap.map_or(x, |c| c * (x / c).tanh()))
                 .collect();
             let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
             let ex: Vec<f64> = sc.iter().map(|v| (v - mx).exp()).collect();
@@ -491,8 +513,15 @@ fn fd_check(name: &str, analytic: &[f32], f: &mut dyn FnMut(usize, f64) -> f64, 
 
 #[test]
 fn attention_backward_pieces_match_finite_differences() {
-    for (heads, kv, qk_norm) in [(4, 2, true), (2, 2, false), (4, 1, true)] {
-        let cfg = config(24, 20, heads, kv, 8, qk_norm);
+    // (The last with Gemma 2's soft-capped scores.)
+    for (heads, kv, qk_norm, cap) in [
+        (4, 2, true, None),
+        (2, 2, false, None),
+        (4, 1, true, None),
+        (2, 1, false, Some(2.0)),
+    ] {
+        let mut cfg = config(24, 20, heads, kv, 8, qk_norm);
+        cfg.scales.attention_cap = cap;
         let s = Shape::new(&cfg, 6);
         let o = KernelOptions::hf(&cfg);
         let mut rng = Rng::new(11);
@@ -585,7 +614,7 @@ fn attention_backward_pieces_match_finite_differences() {
             }
         }
         let loss = |t: &BTreeMap<&str, M>| -> f64 {
-            attention_f64(t, &s, cfg.rope_theta, cfg.rms_norm_eps, qk_norm)
+            attention_f64(t, &s, cfg.rope_theta, cfg.rms_norm_eps, qk_norm, cap)
                 .iter()
                 .zip(&g)
                 .map(|(a, b)| a * b)

@@ -52,7 +52,7 @@ fn ane_sim_logits_match_transformers_in_fp16() {
         // mask is theirs; the multimodal Gemma 3's text model alike).
         let more = match kind {
             "smollm3" => 1,
-            "ministral" | "gemma3" | "gemma3mm" => 2,
+            "ministral" | "gemma3" | "gemma3mm" | "gemma2" => 2,
             _ => 0,
         };
         assert_eq!(ane::Device::compiles(&eng.runner.device), 12 + more);
@@ -282,7 +282,7 @@ fn tiled_kernels_hold_the_fixture_and_gradient_tolerances() {
         assert_eq!(compiled, plan.programs_for(&model.cfg.layer_classes()));
         let more = match kind {
             "smollm3" => 1,
-            "ministral" | "gemma3" | "gemma3mm" => 2,
+            "ministral" | "gemma3" | "gemma3mm" | "gemma2" => 2,
             _ => 0,
         };
         assert_eq!(compiled, 11 + more);

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 10] = [
+const FAMILIES: [&str; 11] = [
     "qwen3",
     "llama",
     "mistral",
@@ -21,6 +21,7 @@ const FAMILIES: [&str; 10] = [
     "gemma3",
     "phi3",
     "gemma3mm",
+    "gemma2",
 ];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
@@ -220,7 +221,7 @@ fn a_family_not_read_is_refused_naming_those_that_are() {
         &["eval", "--model", dir.to_str().unwrap()],
         &[
             "olmo2",
-            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, phi3",
+            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, gemma2, phi3",
         ],
     );
 }
