@@ -7,7 +7,7 @@ convert` (testdata/fixtures/llama/llama2c.bin, with a small byte-fallback
 tokenizer written here), for small Qwen2, Mistral and Granite models
 (testdata/mlx/<family>-source), a small random four-layer SmolLM3 and a
 six-layer Gemma 3, a four-layer Gemma 2 with soft-capped scores and
-logits and a Phi-3 with partial rotary and LongRoPE made here
+logits, a two-layer OLMo 2 and a Phi-3 with partial rotary and LongRoPE made here
 (llama.cpp leaves RoPE out of every fourth SmolLM3 layer, makes every
 sixth Gemma 3 layer full and every second Gemma 2 layer), in f16 and q8_0:
 
@@ -147,6 +147,25 @@ def gemma_source(path, make):
     return save_with_chat_tokenizer(model.to(torch.bfloat16), path)
 
 
+def olmo2_source(path):
+    """A small random OLMo 2 (norms after each sublayer only, QK-norm over
+    the whole projections), bf16, norms away from 1, with the chat model's
+    tokenizer."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Olmo2ForCausalLM(tf.Olmo2Config(
+        vocab_size=360, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    return save_with_chat_tokenizer(model.to(torch.bfloat16), path)
+
+
 def phi3_source(path):
     """A small random Phi-3 (fused qkv_proj and gate_up_proj, RoPE on 12
     of 16 dimensions a head, LongRoPE with an original context of 512 —
@@ -253,6 +272,8 @@ def main():
         cases.append(("gemma3", gemma3, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
         gemma2 = gemma2_source(os.path.join(tmp, "gemma2"))
         cases.append(("gemma2", gemma2, None, [[1, 20, 30, 40, 50, 60, 70, 80, 90, 11, 12, 13], [5, 6, 7]]))
+        olmo2 = olmo2_source(os.path.join(tmp, "olmo2"))
+        cases.append(("olmo2", olmo2, None, [[1, 20, 30, 40, 50, 60, 70], [5, 6, 7], [100, 3, 200, 17]]))
         # (Not named "phi3": llama.cpp's vocabulary loader looks up Phi's
         # own special tokens in a model whose name says phi, and the chat
         # tokenizer has none.)

@@ -21,8 +21,9 @@ checkpoint (Gemma3ForConditionalGeneration, as the 4B and larger are
 published: the text model under `language_model.`, linear RoPE scaling on
 its full layers, a small vision tower the text never uses) and Gemma 2
 (windowed and full layers in turn, Gemma2Config's default, a window of 4;
-soft caps small enough that tanh bends the fixture's scores and logits) —
-it writes:
+soft caps small enough that tanh bends the fixture's scores and logits)
+and OLMo 2 (norms after each sublayer only, QK-norm over the whole q and
+k projections, grouped-query attention) — it writes:
 
   model/            config.json + model.safetensors (save_pretrained, f32)
   tokens.npy        int64 [batch, n+1]
@@ -48,11 +49,12 @@ from transformers import (
     MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
     SmolLM3Config, SmolLM3ForCausalLM, MinistralConfig, MinistralForCausalLM,
     Gemma3ForCausalLM, Gemma3TextConfig, Phi3Config, Phi3ForCausalLM, Gemma3Config,
-    Gemma3ForConditionalGeneration, Gemma2Config, Gemma2ForCausalLM,
+    Gemma3ForConditionalGeneration, Gemma2Config, Gemma2ForCausalLM, Olmo2Config,
+    Olmo2ForCausalLM,
 )
 
 KINDS = ["qwen3", "llama", "mistral", "granite", "qwen2", "llama3", "yarn", "smollm3", "ministral",
-         "gemma3", "phi3", "gemma3mm", "gemma2"]
+         "gemma3", "phi3", "gemma3mm", "gemma2", "olmo2"]
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 PROMPT_LEN = 5
@@ -127,6 +129,15 @@ def build(kind):
             pad_token_id=None, bos_token_id=2, eos_token_id=1, attn_implementation="eager",
         )
         return Gemma2ForCausalLM(cfg)
+    if kind == "olmo2":
+        cfg = Olmo2Config(
+            vocab_size=104, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rope_parameters={"rope_type": "default",
+                                                                          "rope_theta": 5e5},
+            rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=64,
+            pad_token_id=1, bos_token_id=None, eos_token_id=2, attn_implementation="eager",
+        )
+        return Olmo2ForCausalLM(cfg)
     if kind == "gemma3mm":
         text = dict(
             vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=2,

@@ -59,6 +59,8 @@ TARGETS = {
     # Gemma 2: the attention's projections and the MLP's gate, through the
     # soft-capped scores.
     "gemma2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]),
+    # OLMo 2: q and k through their whole-projection norms, and the MLP.
+    "olmo2": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "up_proj", "down_proj"]),
 }
 KINDS = list(TARGETS)
 

@@ -19,6 +19,7 @@ MODELS = [("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen3-1.7B", "qwen3-1.7b"), ("Qwen3-4B
 
 FAMILIES = [("Gemma-3-270M", "gemma-3-270m"), ("Gemma-3-1B", "gemma-3-1b"),
             ("Qwen3-0.6B", "qwen3-0.6b"), ("Qwen2.5-0.5B", "qwen2.5-0.5b"),
+            ("OLMo-2-1B", "olmo-2-1b"), ("Gemma-2-2B", "gemma-2-2b"),
             ("Granite-3.3-2B", "granite-3.3-2b"), ("SmolLM3-3B", "smollm3-3b"),
             ("Llama-3.2-3B", "llama-3.2-3b"), ("Phi-4-mini", "phi-4-mini"),
             ("Mistral-7B-v0.3", "mistral-7b-v0.3")]

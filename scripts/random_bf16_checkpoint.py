@@ -24,7 +24,8 @@ def tensors(cfg):
     heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     hd = cfg.get("head_dim", d // heads)
     qk_norm = cfg.get("model_type") in ("qwen3", "gemma3_text")
-    gemma = cfg.get("model_type") == "gemma3_text"
+    gemma = cfg.get("model_type") in ("gemma3_text", "gemma2")
+    olmo2 = cfg.get("model_type") == "olmo2"
     out = [("model.embed_tokens.weight", [v, d])]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -44,6 +45,11 @@ def tensors(cfg):
         if gemma:  # norms after each sublayer, and before the MLP by its own name
             out += [(p + "pre_feedforward_layernorm.weight", [d]),
                     (p + "post_feedforward_layernorm.weight", [d])]
+        if olmo2:  # norms after each sublayer only; QK-norm over whole projections
+            out = [(n, s) for n, s in out if n != p + "input_layernorm.weight"]
+            out += [(p + "post_feedforward_layernorm.weight", [d]),
+                    (p + "self_attn.q_norm.weight", [heads * hd]),
+                    (p + "self_attn.k_norm.weight", [kv * hd])]
         if cfg.get("model_type") == "phi3":  # q, k, v and gate, up stored fused
             fused = {"self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", [(heads + 2 * kv) * hd, d]),
                      "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", [2 * h, d])}
@@ -56,7 +62,8 @@ def tensors(cfg):
                     (p + "self_attn.k_proj.bias", [kv * hd]),
                     (p + "self_attn.v_proj.bias", [kv * hd])]
     out.append(("model.norm.weight", [d]))
-    if not cfg.get("tie_word_embeddings", False):
+    # (Gemma's configs tie the head by default, the others' do not.)
+    if not cfg.get("tie_word_embeddings", gemma or cfg.get("model_type") == "smollm3"):
         out.append(("lm_head.weight", [v, d]))
     return sorted(out)
 

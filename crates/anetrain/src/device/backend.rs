@@ -189,6 +189,10 @@ impl KernelRunner for AnyRunner {
         each_runner!(self, r => r.overlaps_host())
     }
 
+    fn computes_in_fp16(&self) -> bool {
+        each_runner!(self, r => r.computes_in_fp16())
+    }
+
     fn recomputing(&mut self, on: bool) {
         each_runner!(self, r => r.recomputing(on))
     }

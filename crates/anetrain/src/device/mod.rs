@@ -43,6 +43,11 @@ pub trait KernelRunner {
     /// statistics between them.
     fn head_chunks(&mut self, model: &Model, seq: usize) -> Result<HeadChunks>;
 
+    /// Whether kernels compute in fp16 (a Neural Engine, real or simulated).
+    fn computes_in_fp16(&self) -> bool {
+        false
+    }
+
     /// Whether kernels run off the host CPU, so the engine computes weight
     /// gradients on a worker thread while they run.
     fn overlaps_host(&self) -> bool {

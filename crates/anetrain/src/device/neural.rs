@@ -698,6 +698,10 @@ impl<D: Device> KernelRunner for NeuralKernels<D> {
         true
     }
 
+    fn computes_in_fp16(&self) -> bool {
+        true
+    }
+
     fn recomputing(&mut self, on: bool) {
         self.recomputing = on;
     }

@@ -108,13 +108,13 @@ impl<'a> Decoder<'a> {
             .map(|v| m_e * v)
             .collect();
         let one = Shape::new(c, 1);
-        // A sublayer's output normed where the layer norms it (Gemma).
-        let post = |out: Vec<f32>, norm: Option<usize>| match norm {
-            Some(v) => rms_norm(&out, w(v), d, 1, eps),
-            None => out,
+        // A sublayer's input and output normed where the layer norms them.
+        let norm = |x: Vec<f32>, norm: Option<usize>| match norm {
+            Some(v) => rms_norm(&x, w(v), d, 1, eps),
+            None => x,
         };
         for (i, l) in m.layers.iter().enumerate() {
-            let xn = rms_norm(&x, w(l.mixer_norm), d, 1, eps);
+            let xn = norm(x.clone(), l.mixer_norm);
             let o = match spec.mixer {
                 Mixer::Attention { .. } => {
                     let cache = (&mut keys[i], &mut values[i]);
@@ -122,9 +122,9 @@ impl<'a> Decoder<'a> {
                     cached_attention(m, l, opts, (*pos, len), &xn, cache)
                 }
             };
-            let o = post(o, l.post_norms[0]);
+            let o = norm(o, l.post_norms[0]);
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
-            let x2n = rms_norm(&x, w(l.mlp_norm), d, 1, eps);
+            let x2n = norm(x.clone(), l.mlp_norm);
             let masks = dropout_masks(m, i, 1, None);
             x = match spec.norms {
                 Norms::Pre => {
@@ -132,9 +132,9 @@ impl<'a> Decoder<'a> {
                         .mlp_forward(&spec, m, i, &one, &masks, &x2n, Some(&x))?
                         .1
                 }
-                Norms::Sandwich => {
+                Norms::Sandwich | Norms::Post => {
                     let out = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, None)?.1;
-                    let mo = post(out, l.post_norms[1]);
+                    let mo = norm(out, l.post_norms[1]);
                     x.iter().zip(&mo).map(|(a, b)| a + alpha * b).collect()
                 }
             };
@@ -176,9 +176,10 @@ fn cached_attention(
     let mut qv = project(Projection::Q, q);
     let mut kvec = project(Projection::K, kv);
     let vvec = project(Projection::V, kv);
+    // QK-norm over each head or the whole projection (the weight's width).
     if let (Some(qn), Some(kn)) = (l.q_norm, l.k_norm) {
-        qv = rms_norm(&qv, w(qn), hd, 1, eps);
-        kvec = rms_norm(&kvec, w(kn), hd, 1, eps);
+        qv = rms_norm(&qv, w(qn), w(qn).len(), 1, eps);
+        kvec = rms_norm(&kvec, w(kn), w(kn).len(), 1, eps);
     }
     let qv = apply_rope(&qv, hd, 1, &cos, &sin, opts.rope, 1.0);
     let kvec = apply_rope(&kvec, hd, 1, &cos, &sin, opts.rope, 1.0);

@@ -31,7 +31,7 @@ use crate::device::backend::{AnyRunner, OpenDevice};
 use crate::device::{CpuKernels, Dropout, KernelRunner, NeuralKernels};
 pub use crate::engine::grads::{zero_grads, Grads};
 use crate::kernels::{self, maths, KernelOptions, Shape};
-use crate::model::layer::{LayerSpec, Mixer, Mlp, Norms};
+use crate::model::layer::{LayerSpec, Mixer, Mlp, Norms, QkNorm};
 use crate::model::{LayerIds, Model, Projection};
 use crate::util::rng::Rng;
 
@@ -420,12 +420,17 @@ impl<R: KernelRunner> Engine<R> {
             Some(v) => (maths::rms_norm(&out, w(v), d, seq, eps), out),
             None => (out, vec![]),
         };
-        let xn = maths::rms_norm(&x, w(l.mixer_norm), d, seq, eps);
+        // A sublayer's input normed where the layer norms it (not OLMo 2).
+        let pre = |x: &[f32], norm: Option<usize>| match norm {
+            Some(v) => maths::rms_norm(x, w(v), d, seq, eps),
+            None => x.to_vec(),
+        };
+        let xn = pre(&x, l.mixer_norm);
         let (mixer, o) = self.mixer_forward(&spec, model, i, shape, &masks, &xn)?;
         let (o, mixer_out) = post(o, l.post_norms[0]);
         let mut x2 = x.clone();
         add_scaled(&mut x2, &o, alpha);
-        let x2n = maths::rms_norm(&x2, w(l.mlp_norm), d, seq, eps);
+        let x2n = pre(&x2, l.mlp_norm);
         let (mlp, x_next, mlp_out) = match spec.norms {
             // The kernel adds the residual.
             Norms::Pre => {
@@ -433,7 +438,7 @@ impl<R: KernelRunner> Engine<R> {
                     self.mlp_forward(&spec, model, i, shape, &masks, &x2n, Some(&x2))?;
                 (mlp, x_next, vec![])
             }
-            Norms::Sandwich => {
+            Norms::Sandwich | Norms::Post => {
                 let (mlp, out) = self.mlp_forward(&spec, model, i, shape, &masks, &x2n, None)?;
                 let (m, mlp_out) = post(out, l.post_norms[1]);
                 let mut x_next = x2.clone();
@@ -483,6 +488,9 @@ impl<R: KernelRunner> Engine<R> {
                         mask: None,
                     },
                 )?;
+                if spec.qk_norm_kind() == QkNorm::Whole && self.runner.computes_in_fp16() {
+                    self.check_whole_norm(i, shape, &a)?;
+                }
                 let o = self.runner.run::<kernels::WoForward>(
                     model,
                     i,
@@ -501,6 +509,31 @@ impl<R: KernelRunner> Engine<R> {
                 Ok((acts, o.o))
             }
         }
+    }
+
+    /// Refuses layer `i`'s attention where the device's norm over a whole
+    /// projection left fp16 (a mean square past
+    /// [`KernelOptions::whole_norm_bound`]: the program's k·mean(x²)
+    /// overflows, and the normed queries or keys are zero), rather than
+    /// train on it.
+    fn check_whole_norm(
+        &self,
+        i: usize,
+        shape: &Shape,
+        a: &kernels::sdpa_forward::Out,
+    ) -> Result<()> {
+        let bound = self.opts.whole_norm_bound();
+        for (name, raw) in [("query", &a.q_raw), ("key", &a.k_raw)] {
+            let Some(raw) = raw else { continue };
+            let ms = maths::max_mean_square(raw, shape.seq);
+            if !(ms <= bound) {
+                bail!(
+                    "layer {i}: the {name} projection's mean square reaches {ms:.0} at a position, past the {bound:.0} the Neural Engine's fp16 norm over a whole projection holds with ε {} (OLMo 2's QK-norm); train this model with --backend cpu",
+                    self.opts.eps
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The MLP over the normed input `x2n`: what its backward needs, and
@@ -677,11 +710,11 @@ impl<R: KernelRunner> Engine<R> {
         let (a, spec) = (c.acts, self.opts.layer);
         let dmlp = c.through_post_norm(dx, &a.mlp_out, c.ids.post_norms[1], grads, scratch);
         let dx2n = self.mlp_backward(&spec, c, &dmlp, grads, queue)?;
-        let dnorm = c.norm_backward(&a.x2, c.ids.mlp_norm, &dx2n, grads, scratch);
+        let dnorm = c.norm_backward(&a.x2, c.ids.mlp_norm, dx2n, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
         let dmix = c.through_post_norm(dx, &a.mixer_out, c.ids.post_norms[0], grads, scratch);
         let dxn = self.mixer_backward(&spec, c, rope, &dmix, grads, scratch, queue)?;
-        let dnorm = c.norm_backward(&a.x, c.ids.mixer_norm, &dxn, grads, scratch);
+        let dnorm = c.norm_backward(&a.x, c.ids.mixer_norm, dxn, grads, scratch);
         add_scaled(dx, &dnorm, 1.0);
         Ok(())
     }
@@ -783,12 +816,15 @@ impl<R: KernelRunner> Engine<R> {
                     |g: &[f32]| maths::apply_rope(g, hd, seq, cos, sin, self.opts.rope, -1.0);
                 let (mut dq, mut dk) = (unrope(&g.dq), unrope(&g.dk));
                 let dv = g.dv;
+                // QK-norm over each head (a weight [HD]) or the whole
+                // projection (a weight [heads·HD]): groups of the weight's width.
                 if let (Some(qn), Some(kn)) = (c.ids.q_norm, c.ids.k_norm) {
                     let (w, eps) = (|id: usize| c.model.params[id].data.as_slice(), c.eps);
+                    let (wq, wk) = (w(qn), w(kn));
                     let gq = base_grad(c.model, grads, qn, scratch);
-                    dq = maths::rms_norm_backward(&q_raw.get(), w(qn), &dq, hd, seq, eps, gq);
+                    dq = maths::rms_norm_backward(&q_raw.get(), wq, &dq, wq.len(), seq, eps, gq);
                     let gk = base_grad(c.model, grads, kn, scratch);
-                    dk = maths::rms_norm_backward(&k_raw.get(), w(kn), &dk, hd, seq, eps, gk);
+                    dk = maths::rms_norm_backward(&k_raw.get(), wk, &dk, wk.len(), seq, eps, gk);
                 }
                 // y = W·x + b: db = Σ_s dy (a frozen base's biases stay).
                 if c.model.lora.is_none() {
@@ -849,8 +885,6 @@ impl LayerCtx<'_> {
         projection_grad(self.model, grads, self.layer, t, dy, x, mask);
     }
 
-    /// Backward of `rmsnorm(x)·w` (w = parameter `norm`) for `dy`; the
-    /// weight's gradient accumulates into `grads`.
     /// The gradient of a sublayer's output `out` from `dx`, the gradient
     /// after the residual add: through the norm after the sublayer where
     /// it has one (Gemma), else `dx` itself (no copy).
@@ -863,12 +897,30 @@ impl LayerCtx<'_> {
         scratch: &mut Vec<f32>,
     ) -> std::borrow::Cow<'d, [f32]> {
         match norm {
-            Some(v) => self.norm_backward(out, v, dx, grads, scratch).into(),
+            Some(v) => self.rms_backward(out, v, dx, grads, scratch).into(),
             None => dx.into(),
         }
     }
 
+    /// The gradient of a sublayer's input `x` from that of its normed
+    /// input `dy`, through the norm before it where the layer has one.
     fn norm_backward(
+        &self,
+        x: &[f32],
+        norm: Option<usize>,
+        dy: Vec<f32>,
+        grads: &mut Grads,
+        scratch: &mut Vec<f32>,
+    ) -> Vec<f32> {
+        match norm {
+            Some(norm) => self.rms_backward(x, norm, &dy, grads, scratch),
+            None => dy,
+        }
+    }
+
+    /// Backward of `rmsnorm(x)·w` (w = parameter `norm`) for `dy`; the
+    /// weight's gradient accumulates into `grads`.
+    fn rms_backward(
         &self,
         x: &[f32],
         norm: usize,

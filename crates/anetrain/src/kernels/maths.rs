@@ -90,6 +90,19 @@ pub fn add_adapter(
     }
 }
 
+/// The largest mean square over the channels of `x [C, S]` at any
+/// position, in f64.
+pub fn max_mean_square(x: &[f32], seq: usize) -> f64 {
+    let c = x.len() / seq.max(1);
+    let mut sums = vec![0f64; seq];
+    for row in x.chunks(seq) {
+        sums.iter_mut()
+            .zip(row)
+            .for_each(|(s, &v)| *s += (v as f64) * (v as f64));
+    }
+    sums.into_iter().fold(0f64, f64::max) / c.max(1) as f64
+}
+
 /// RMSNorm over groups of `hd` channels at every position of
 /// `x [groups·hd, S]`: y = x · rsqrt(mean(x²) + eps) · w. One group is a
 /// layer's norm (`hd` = D); one group a head is QK-norm.

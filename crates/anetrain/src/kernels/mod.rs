@@ -531,7 +531,7 @@ impl KernelOptions {
             local_rope_theta: None,
             layer: LayerSpec {
                 mixer: Mixer::Attention {
-                    qk_norm: false,
+                    qk_norm: crate::model::layer::QkNorm::None,
                     qkv_bias: false,
                 },
                 ..cfg.layer()
@@ -658,19 +658,45 @@ impl KernelOptions {
     /// 0·(0)^(−1/2) = 0·∞ = NaN, which attention spreads into real rows.
     /// For a row whose mean square is above 0.12 the change is below fp16's
     /// rounding (2⁻¹¹ relative); the CPU engine keeps the config's value.
-    pub fn device_eps(&self) -> f64 {
-        self.eps.max(F16_MIN_NORMAL)
+    /// As `(k·ε, k)` with k = 1 ([`Gen::head_rms_norm`]).
+    pub fn device_eps(&self) -> (f64, f64) {
+        (self.eps.max(F16_MIN_NORMAL), 1.0)
+    }
+
+    /// The epsilon of a norm over a whole projection (OLMo 2's QK-norm) on
+    /// the device, as `(k·ε, k)`: k the smallest power of 4 that makes
+    /// k·ε an fp16 normal value, and the program computes
+    /// (k·mean(x²) + k·ε)^(−1/2)·√k — the config's ε, not a raised one
+    /// (OLMo 2's layers read the residual stream unnormed, so a mean square
+    /// of 1e-4 is ordinary and a raised ε would move it by a tenth). k·mean(x²)
+    /// stays in fp16 up to a mean square of 65504/k (1023 for ε = 1e-6, an
+    /// RMS of 32): [`KernelOptions::whole_norm_bound`].
+    pub fn whole_norm_eps(&self) -> (f64, f64) {
+        let mut k = 1.0;
+        while self.eps * k < F16_MIN_NORMAL {
+            k *= 4.0;
+        }
+        (self.eps * k, k)
+    }
+
+    /// The largest mean square of a projection the device's whole-projection
+    /// norm holds ([`KernelOptions::whole_norm_eps`]).
+    pub fn whole_norm_bound(&self) -> f64 {
+        F16_MAX / self.whole_norm_eps().1
     }
 
     /// The QK-norm epsilon as the twin should use it: the device's (as
-    /// fp16) when computing with the program's constants, else the
-    /// config's (Hugging Face parity).
+    /// the program's fp16 constant, k·ε, over k) when computing with the
+    /// program's constants, else the config's (Hugging Face parity).
     pub fn norm_eps(&self) -> f32 {
-        if self.fp16_constants {
-            self.constant(self.device_eps())
-        } else {
-            self.eps as f32
+        if !self.fp16_constants {
+            return self.eps as f32;
         }
+        let (eps, k) = match self.layer.qk_norm_kind() {
+            crate::model::layer::QkNorm::Whole => self.whole_norm_eps(),
+            _ => self.device_eps(),
+        };
+        self.constant(eps) / k as f32
     }
 
     /// These options for layer `layer` of a model of `cfg`: its class's
@@ -1001,6 +1027,8 @@ pub fn run_cpu(kind: KernelKind, s: &Shape, o: &KernelOptions, t: &Tensors) -> T
 
 /// fp16's smallest normal value, 2⁻¹⁴.
 pub const F16_MIN_NORMAL: f64 = 6.103_515_625e-5;
+/// fp16's largest finite value.
+pub const F16_MAX: f64 = 65504.0;
 
 pub(crate) const BLOB_MASK: &str = "mask.bin";
 pub(crate) const BLOB_COS: &str = "rope_cos.bin";

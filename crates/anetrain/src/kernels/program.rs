@@ -364,28 +364,45 @@ impl<'a> Gen<'a> {
         self.reshape(out, &t, &[1, h * hd, 1, s])
     }
 
-    /// Per-head RMSNorm over the last axis with weight region `w` (`[HD]`):
+    /// RMSNorm over the last axis (a head's `[HD]`, or a whole
+    /// projection's) with weight region `w`:
     ///   y = x · (mean(x²) + eps)^(−1/2) · w
     /// in the pattern working ANE trainers run on hardware — add eps, then
     /// `pow(·, −0.5)` (maderix/ANE training/stories_mil.h lines 30–33) —
-    /// never `rsqrt`/`sqrt` straight after a reduction. `eps` must be an
-    /// fp16 normal value ([`KernelOptions::device_eps`]).
-    pub fn head_rms_norm(&mut self, out: &str, x: &Value, w: Port, eps: f64) -> Result<Value> {
+    /// never `rsqrt`/`sqrt` straight after a reduction. `eps` is given as
+    /// `(k·ε, k)`, k·ε an fp16 normal value ([`KernelOptions::device_eps`],
+    /// [`KernelOptions::whole_norm_eps`]): with k > 1 the program computes
+    /// (k·mean(x²) + k·ε)^(−1/2)·√k, the same value.
+    pub fn head_rms_norm(
+        &mut self,
+        out: &str,
+        x: &Value,
+        w: Port,
+        (eps, k): (f64, f64),
+    ) -> Result<Value> {
         let hd = x.dims()[3];
         let sq = self.b.mul(&format!("{out}_sq"), x, x)?;
         let axes = self.ints("axes", &[-1])?;
         let keep = self.flag(true)?;
-        let ms = self
+        let mut ms = self
             .b
             .reduce("reduce_mean", &format!("{out}_ms"), &sq, &axes, &keep)?;
+        if k != 1.0 {
+            let kv = self.scalar("norm_k", k)?;
+            ms = self.b.mul(&format!("{out}_kms"), &ms, &kv)?;
+        }
         let e = self.scalar("norm_eps", eps)?;
         let mse = self.b.add(&format!("{out}_mse"), &ms, &e)?;
         let nh = self.scalar("neg_half", -0.5)?;
-        let r = self.b.op(
+        let mut r = self.b.op(
             "pow",
             &format!("{out}_rs"),
             &[("x", (&mse).into()), ("y", (&nh).into())],
         )?;
+        if k != 1.0 {
+            let rk = self.scalar("norm_root_k", k.sqrt())?;
+            r = self.b.mul(&format!("{out}_rsk"), &r, &rk)?;
+        }
         let xn = self.b.mul(&format!("{out}_n"), x, &r)?;
         let wr = self.region(w)?;
         let w4 = self.reshape(&format!("{}_4d", w.name()), &wr, &[1, 1, 1, hd])?;

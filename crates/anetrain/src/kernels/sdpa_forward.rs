@@ -2,7 +2,8 @@
 //! projection, with QK-norm and RoPE.
 //!
 //!   q = Wq·xn + bq, k = Wk·xn + bk, v = Wv·xn + bv (+ LoRA on each; biases: Qwen2)
-//!   q, k ← rmsnorm_per_head(q)·wq_norm, …          (QK-norm, when on)
+//!   q, k ← rmsnorm_per_head(q)·wq_norm, …          (QK-norm, when on;
+//!          OLMo 2's over the whole projection, every head at once)
 //!   attn_h = softmax(rope(q_h)ᵀ·rope(k_g)/√HD + causal)·v_gᵀ,  g = h / ratio
 //!   (Gemma 2 caps the scores before the mask: c·tanh(scores/c))
 //!
@@ -22,9 +23,11 @@ use super::prelude::*;
 use rayon::prelude::*;
 
 use super::maths::{
-    add_adapter, add_bias, apply_rope, causal_blocks, head_probs, masked_head_probs, Scores, rms_norm, w_x,
+    add_adapter, add_bias, apply_rope, causal_blocks, head_probs, masked_head_probs, rms_norm, w_x,
+    Scores,
 };
 use super::{BLOB_COS, BLOB_SIN};
+use crate::model::layer::QkNorm;
 use linalg::{matmul_serial, MatMut, MatRef};
 
 pub struct SdpaForward;
@@ -88,11 +91,13 @@ impl Kernel for SdpaForward {
             b.pad_spatial_to(16);
         }
         if o.qk_norm() {
-            // Two [HD] vectors in one column each (each in a column group
-            // of its own in aligned layouts), then padding so the input
-            // width stays a multiple of 16 like the other kernels'.
-            b.columns(Port::QNorm, s.head_dim, 1, Activation)
-                .columns(Port::KNorm, s.head_dim, 1, Activation)
+            // Two vectors ([HD] each, or [Q] and [KV] over the whole
+            // projections) in one column each (each in a column group of
+            // its own in aligned layouts), then padding so the input width
+            // stays a multiple of 16 like the other kernels'.
+            let (qw, kw) = o.layer.qk_norm_widths(s.head_dim, q, kv);
+            b.columns(Port::QNorm, qw, 1, Activation)
+                .columns(Port::KNorm, kw, 1, Activation)
                 .pad_spatial_to(16);
         }
         let qr = s.query_rows(q);
@@ -124,10 +129,20 @@ impl Kernel for SdpaForward {
             projected.push(g.with_bias(y, p, o)?);
         }
         let [qm, km, vm] = <[Value; 3]>::try_from(projected).expect("three projections");
-        let mut q = g.rows_to_heads("q", &qm, s.heads)?;
-        let mut k = g.rows_to_heads("k", &km, kvh)?;
+        // QK-norm over the last axis: a head's `[…, HD]`, or a position's
+        // whole projection `[1, 1, S, Q]` before the split into heads.
+        let whole = o.layer.qk_norm_kind() == QkNorm::Whole;
+        let (mut q, mut k) = match whole {
+            true => (
+                g.head_rms_norm("q_normed", &qm, Port::QNorm, o.whole_norm_eps())?,
+                g.head_rms_norm("k_normed", &km, Port::KNorm, o.whole_norm_eps())?,
+            ),
+            false => (qm.clone(), km.clone()),
+        };
+        q = g.rows_to_heads("q", &q, s.heads)?;
+        k = g.rows_to_heads("k", &k, kvh)?;
         let v = g.rows_to_heads("v", &vm, kvh)?;
-        if o.qk_norm() {
+        if o.qk_norm() && !whole {
             q = g.head_rms_norm("q_normed", &q, Port::QNorm, o.device_eps())?;
             k = g.head_rms_norm("k_normed", &k, Port::KNorm, o.device_eps())?;
         }
@@ -213,9 +228,10 @@ impl Kernel for SdpaForward {
             project(Projection::V, kv),
         );
         let (qn, kn) = if o.qk_norm() {
+            // Over groups of the weight's width: a head's, or the whole.
             let norm = |name: &str, x: &[f32], wn: Option<&[f32]>| {
                 let wn = wn.unwrap_or_else(|| panic!("QK-norm is on but the layer has no {name}"));
-                rms_norm(x, wn, hd, seq, eps)
+                rms_norm(x, wn, wn.len(), seq, eps)
             };
             (
                 norm("q_norm", &q_raw, w.q_norm),
@@ -313,7 +329,7 @@ fn query_block(s: &Shape, o: &KernelOptions, w: &LayerWeights, a: &Acts) -> Out 
     let k_raw = project(Projection::K, kv, a.xnorm, s);
     let v = project(Projection::V, kv, a.xnorm, s);
     let norm = |x: &[f32], wn: Option<&[f32]>, n: usize| match (o.qk_norm(), wn) {
-        (true, Some(wn)) => rms_norm(x, wn, hd, n, eps),
+        (true, Some(wn)) => rms_norm(x, wn, wn.len(), n, eps),
         (true, None) => panic!("QK-norm is on but the layer has no QK-norm weights"),
         (false, _) => x.to_vec(),
     };

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 
 use crate::model::layer::{
-    Fused, LayerClass, LayerDims, LayerSpec, Mixer, Mlp, Norms, Projection, PHI3_FUSED,
+    Fused, LayerClass, LayerDims, LayerSpec, Mixer, Mlp, Norms, Projection, QkNorm, PHI3_FUSED,
 };
 
 /// Architecture family: decides the layer's parts, the config's defaults
@@ -35,6 +35,9 @@ pub enum Arch {
     /// in turn (one RoPE base), and tanh soft-capping of the attention
     /// scores and of the logits ([`Scales`]).
     Gemma2,
+    /// OLMo 2: norms after each sublayer only (none before), and QK-norm
+    /// over the whole q and k projections.
+    Olmo2,
     /// Phi-3 and Phi-4-mini: Llama's layer with q, k, v stored as one
     /// `qkv_proj` and gate, up as one `gate_up_proj` (split on load, fused
     /// on save), RoPE on part of each head (`partial_rotary_factor`),
@@ -43,7 +46,7 @@ pub enum Arch {
 }
 
 /// Every family read: `(arch, model_type, the transformers class)`.
-pub const FAMILIES: [(Arch, &str, &str); 10] = [
+pub const FAMILIES: [(Arch, &str, &str); 11] = [
     (Arch::Qwen3, "qwen3", "Qwen3ForCausalLM"),
     (Arch::Qwen2, "qwen2", "Qwen2ForCausalLM"),
     (Arch::Llama, "llama", "LlamaForCausalLM"),
@@ -53,6 +56,7 @@ pub const FAMILIES: [(Arch, &str, &str); 10] = [
     (Arch::Ministral, "ministral", "MinistralForCausalLM"),
     (Arch::Gemma3, "gemma3_text", "Gemma3ForCausalLM"),
     (Arch::Gemma2, "gemma2", "Gemma2ForCausalLM"),
+    (Arch::Olmo2, "olmo2", "Olmo2ForCausalLM"),
     (Arch::Phi3, "phi3", "Phi3ForCausalLM"),
 ];
 
@@ -1019,7 +1023,7 @@ impl ModelConfig {
                     Arch::Qwen3 | Arch::Qwen2 => 32,
                     Arch::Mistral | Arch::Ministral => 8,
                     Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3 => 4,
-                    Arch::Llama | Arch::Granite | Arch::Phi3 => heads,
+                    Arch::Llama | Arch::Granite | Arch::Phi3 | Arch::Olmo2 => heads,
                 },
                 |c| c.0,
             ),
@@ -1032,7 +1036,11 @@ impl ModelConfig {
                 Arch::Gemma3 => 1e6,
                 _ => 10000.0,
             }),
-            rms_norm_eps: hf.rms_norm_eps.unwrap_or(1e-6),
+            // Olmo2Config's 1e-5, the others' 1e-6.
+            rms_norm_eps: hf.rms_norm_eps.unwrap_or(match arch {
+                Arch::Olmo2 => 1e-5,
+                _ => 1e-6,
+            }),
             tie_word_embeddings: hf
                 .tie_word_embeddings
                 .unwrap_or(matches!(arch, Arch::SmolLM3 | Arch::Gemma2 | Arch::Gemma3)),
@@ -1041,12 +1049,12 @@ impl ModelConfig {
                     Arch::Qwen3 | Arch::Qwen2 | Arch::SmolLM3 => 32768,
                     Arch::Mistral | Arch::Ministral | Arch::Gemma3 => 4096 * 32,
                     Arch::Gemma2 => 8192,
-                    Arch::Llama | Arch::Granite => 2048,
+                    Arch::Llama | Arch::Granite | Arch::Olmo2 => 2048,
                     Arch::Phi3 => 4096,
                 },
                 |c| c.0,
             ),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Olmo2),
             bos_token_id: hf.bos_token_id.filter(|v| !v.is_null()),
             eos_token_id: hf.eos_token_id.filter(|v| !v.is_null()),
             pad_token_id: hf.pad_token_id.filter(|v| !v.is_null()),
@@ -1231,7 +1239,11 @@ impl ModelConfig {
     pub fn layer(&self) -> LayerSpec {
         LayerSpec {
             mixer: Mixer::Attention {
-                qk_norm: self.qk_norm,
+                qk_norm: match (self.qk_norm, self.arch) {
+                    (false, _) => QkNorm::None,
+                    (true, Arch::Olmo2) => QkNorm::Whole,
+                    (true, _) => QkNorm::PerHead,
+                },
                 qkv_bias: self.arch == Arch::Qwen2,
             },
             mlp: match self.arch {
@@ -1240,6 +1252,7 @@ impl ModelConfig {
             },
             norms: match self.arch {
                 Arch::Gemma2 | Arch::Gemma3 => Norms::Sandwich,
+                Arch::Olmo2 => Norms::Post,
                 _ => Norms::Pre,
             },
         }
@@ -1483,15 +1496,15 @@ mod tests {
 
         let e = ModelConfig::from_json(
             &QWEN3
-                .replace("qwen3\"", "olmo2\"")
-                .replace("Qwen3ForCausalLM", "Olmo2ForCausalLM"),
+                .replace("qwen3\"", "olmo\"")
+                .replace("Qwen3ForCausalLM", "OlmoForCausalLM"),
         )
         .unwrap_err()
         .to_string();
         assert!(
-            e.contains("'olmo2'")
+            e.contains("'olmo'")
                 && e.contains(
-                    "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text"
+                    "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, gemma2, olmo2, phi3"
                 ),
             "{e}"
         );
@@ -1594,6 +1607,22 @@ mod tests {
         }
     }
 
+    /// Every published shape in testdata/configs/ is read as transformers
+    /// reads it: its parameter count equals the one transformers builds
+    /// (`scripts/count_params.py`, testdata/configs/params.json).
+    #[test]
+    fn published_configs_have_transformers_parameter_counts() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/configs");
+        let counts: std::collections::BTreeMap<String, u64> =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("params.json")).unwrap())
+                .unwrap();
+        assert!(counts.len() >= 17, "{counts:?}");
+        for (name, want) in counts {
+            let c = ModelConfig::from_file(&dir.join(format!("{name}.json"))).unwrap();
+            assert_eq!(c.num_params() as u64, want, "{name}");
+        }
+    }
+
     /// Gemma 2 2B as published: windowed and full layers in turn, both
     /// soft caps, √D embeddings and the query scalar, 2,614,341,888
     /// parameters (transformers' Gemma2ForCausalLM of that config); caps
@@ -1606,12 +1635,18 @@ mod tests {
             "/../../testdata/configs/gemma-2-2b.json"
         );
         let c = ModelConfig::from_file(Path::new(path)).unwrap();
-        assert_eq!((c.arch, c.head_dim, c.num_params()), (Arch::Gemma2, 256, 2_614_341_888));
+        assert_eq!(
+            (c.arch, c.head_dim, c.num_params()),
+            (Arch::Gemma2, 256, 2_614_341_888)
+        );
         assert_eq!(
             (c.scales.attention_cap, c.scales.logits_cap),
             (Some(50.0), Some(30.0))
         );
-        assert_eq!(c.full_attention_layers, (1..26).step_by(2).collect::<Vec<_>>());
+        assert_eq!(
+            c.full_attention_layers,
+            (1..26).step_by(2).collect::<Vec<_>>()
+        );
         assert_eq!((c.sliding_window, c.local_rope_theta), (Some(4096), None));
         assert_eq!(c.score_scale(), 1.0 / 16.0);
         assert_eq!(c.scales.embedding, (2304f64).sqrt() as f32 as f64);
@@ -1630,9 +1665,10 @@ mod tests {
         assert!(e.contains("must be a positive number"), "{e}");
         let e = format!(
             "{:#}",
-            ModelConfig::from_json(
-                &QWEN3.replace("\"rope_scaling\": null", "\"final_logit_softcapping\": 30.0")
-            )
+            ModelConfig::from_json(&QWEN3.replace(
+                "\"rope_scaling\": null",
+                "\"final_logit_softcapping\": 30.0"
+            ))
             .unwrap_err()
         );
         assert!(e.contains("is Gemma 2's"), "{e}");
@@ -1645,6 +1681,34 @@ mod tests {
             .unwrap_err()
         );
         assert!(e.contains("is Gemma's"), "{e}");
+    }
+
+    /// OLMo 2 1B as published: norms after each sublayer only, QK-norm over
+    /// the whole projections (weights `[heads·HD]`), 1,484,916,736
+    /// parameters (transformers' Olmo2ForCausalLM of that config).
+    #[test]
+    fn olmo2_configs_are_read_with_post_norms_and_whole_qk_norms() {
+        use crate::model::layer::{Role, Sublayer};
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../testdata/configs/olmo-2-1b.json"
+        );
+        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        assert_eq!((c.arch, c.num_params()), (Arch::Olmo2, 1_484_916_736));
+        let spec = c.layer();
+        assert_eq!(
+            (spec.norms, spec.qk_norm_kind()),
+            (Norms::Post, QkNorm::Whole)
+        );
+        let params = spec.params(&c.layer_dims());
+        assert!(!params.iter().any(|p| matches!(p.role, Role::Norm(_))));
+        let named = |role| params.iter().find(|p| p.role == role).unwrap();
+        assert_eq!(named(Role::QNorm).shape, vec![2048]);
+        assert_eq!(
+            named(Role::PostNorm(Sublayer::Mlp)).name,
+            "post_feedforward_layernorm.weight"
+        );
+        assert_eq!(c.norm_offset(), 0.0);
     }
 
     /// Phi-4-mini's shape: RoPE on 96 of 128 dimensions, LongRoPE with

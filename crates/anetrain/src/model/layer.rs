@@ -5,6 +5,7 @@
 //! architecture adds a part where it differs, not a branch in each.
 //!   pre-norm:  h = x + α·mixer(rmsnorm(x)·w₁),  x' = h + α·mlp(rmsnorm(h)·w₂)
 //!   sandwich:  h = x + rmsnorm(mixer(rmsnorm(x)·w₁))·v₁,  x' = h + rmsnorm(mlp(rmsnorm(h)·w₂))·v₂
+//!   post-norm: h = x + rmsnorm(mixer(x))·v₁,  x' = h + rmsnorm(mlp(h))·v₂
 //!   mixer = attention(rope(qknorm(Wq·)), rope(qknorm(Wk·)), Wv·)·Wo,  mlp = W_down·(act(W_gate·) ⊙ W_up·)
 
 use serde::Serialize;
@@ -28,15 +29,17 @@ pub struct LayerDims {
 /// ([`LayerSpec`]).
 #[derive(Clone, Copy, Debug)]
 pub struct LayerIds {
-    /// The RMSNorm weights before the mixer and before the MLP.
-    pub mixer_norm: usize,
-    pub mlp_norm: usize,
+    /// The RMSNorm weights before the mixer and before the MLP, where the
+    /// layer has them (not [`Norms::Post`]).
+    pub mixer_norm: Option<usize>,
+    pub mlp_norm: Option<usize>,
     /// The RMSNorm weights on the mixer's and the MLP's outputs, where
-    /// the layer has them ([`Norms::Sandwich`]).
+    /// the layer has them ([`Norms::Sandwich`], [`Norms::Post`]).
     pub post_norms: [Option<usize>; 2],
     /// The weight projections, by [`Projection::index`].
     pub projections: [usize; 7],
-    /// The mixer's per-head query and key norms (QK-norm).
+    /// The mixer's query and key norms (QK-norm: per head, or over the
+    /// whole projection, [`QkNorm`]).
     pub q_norm: Option<usize>,
     pub k_norm: Option<usize>,
     /// The projections' biases `[out]`, by [`Projection::index`] (Qwen2's
@@ -242,10 +245,23 @@ pub struct LayerSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Mixer {
     /// Causal grouped-query attention with rotary positions (Hugging
-    /// Face's `rotate_half`) on queries and keys; `qk_norm`: a per-head
-    /// RMSNorm on each before RoPE (Qwen3); `qkv_bias`: biases on the q, k
-    /// and v projections (Qwen2).
-    Attention { qk_norm: bool, qkv_bias: bool },
+    /// Face's `rotate_half`) on queries and keys; `qk_norm`: an RMSNorm on
+    /// each before RoPE ([`QkNorm`]); `qkv_bias`: biases on the q, k and v
+    /// projections (Qwen2).
+    Attention { qk_norm: QkNorm, qkv_bias: bool },
+}
+
+/// Where the attention normalises its queries and keys before RoPE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    /// Each head's vector over its `head_dim`, one weight `[HD]` shared by
+    /// the heads (Qwen3, Gemma 3).
+    PerHead,
+    /// The whole projection of a position, every head at once, a weight
+    /// `[heads·HD]` (OLMo 2's `q_norm`, `k_norm`).
+    Whole,
 }
 
 /// The position-wise MLP.
@@ -270,12 +286,21 @@ pub enum Norms {
     /// normed output (Gemma's `input_layernorm`, `post_attention_layernorm`,
     /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
     Sandwich,
+    /// One after each sublayer only: the sublayer reads the residual
+    /// stream as it is (OLMo 2's `post_attention_layernorm`,
+    /// `post_feedforward_layernorm`).
+    Post,
 }
 
 impl Norms {
     /// Whether a norm follows each sublayer's output.
     pub fn after(self) -> bool {
-        self == Norms::Sandwich
+        matches!(self, Norms::Sandwich | Norms::Post)
+    }
+
+    /// Whether a norm precedes each sublayer.
+    pub fn before(self) -> bool {
+        matches!(self, Norms::Pre | Norms::Sandwich)
     }
 }
 
@@ -313,10 +338,25 @@ pub struct LayerParam {
 }
 
 impl LayerSpec {
-    /// Whether the mixer normalises queries and keys per head.
+    /// Whether the mixer normalises queries and keys (per head or whole).
     pub fn qk_norm(&self) -> bool {
+        self.qk_norm_kind() != QkNorm::None
+    }
+
+    /// How the mixer normalises queries and keys.
+    pub fn qk_norm_kind(&self) -> QkNorm {
         match self.mixer {
             Mixer::Attention { qk_norm, .. } => qk_norm,
+        }
+    }
+
+    /// The widths the query and key norms' weights hold (`[HD]` each per
+    /// head, the projections' widths over the whole), given the head
+    /// dimension and the q and kv widths.
+    pub fn qk_norm_widths(&self, hd: usize, q: usize, kv: usize) -> (usize, usize) {
+        match self.qk_norm_kind() {
+            QkNorm::Whole => (q, kv),
+            QkNorm::PerHead | QkNorm::None => (hd, hd),
         }
     }
 
@@ -336,7 +376,9 @@ impl LayerSpec {
     pub fn params(&self, dims: &LayerDims) -> Vec<LayerParam> {
         let mut out = Vec::new();
         for sub in [Sublayer::Mixer, Sublayer::Mlp] {
-            out.push(self.norm(dims, Role::Norm(sub)));
+            if self.norms.before() {
+                out.push(self.norm(dims, Role::Norm(sub)));
+            }
             match sub {
                 Sublayer::Mixer => out.extend(self.mixer_params(dims)),
                 Sublayer::Mlp => out.extend(self.mlp_params(dims)),
@@ -366,16 +408,16 @@ impl LayerSpec {
     }
 
     fn mixer_params(&self, dims: &LayerDims) -> Vec<LayerParam> {
-        let hd = dims.head_dim;
+        let (qw, kw) = self.qk_norm_widths(dims.head_dim, dims.q, dims.kv);
         let matrix = |p: Projection| dims.matrix(p);
-        let norm = |role, name| LayerParam {
+        let norm = |role, name, width| LayerParam {
             role,
             name,
-            shape: vec![hd],
+            shape: vec![width],
             decay: false,
         };
         match self.mixer {
-            Mixer::Attention { qk_norm, .. } => {
+            Mixer::Attention { .. } => {
                 let mut out = vec![];
                 for p in [Projection::Q, Projection::K, Projection::V, Projection::O] {
                     out.push(matrix(p));
@@ -383,9 +425,9 @@ impl LayerSpec {
                         out.push(dims.bias(p));
                     }
                 }
-                if qk_norm {
-                    out.push(norm(Role::QNorm, "self_attn.q_norm.weight"));
-                    out.push(norm(Role::KNorm, "self_attn.k_norm.weight"));
+                if self.qk_norm() {
+                    out.push(norm(Role::QNorm, "self_attn.q_norm.weight", qw));
+                    out.push(norm(Role::KNorm, "self_attn.k_norm.weight", kw));
                 }
                 out
             }
@@ -408,14 +450,16 @@ impl LayerSpec {
         let (d, q, kv, h) = (dims.hidden, dims.q, dims.kv, dims.intermediate);
         // Each sublayer's input and its normed input (and, normed
         // after, its output).
+        // (Post-norm layers keep their inputs twice: the sublayer's input
+        // is its "normed" input.)
         let host = match self.norms {
             Norms::Pre => 4 * d,
-            Norms::Sandwich => 6 * d,
+            Norms::Sandwich | Norms::Post => 6 * d,
         };
         let mixer = match self.mixer {
             // attn, q_rope, k_rope, v (+ q and k before RoPE, for QK-norm's backward)
-            Mixer::Attention { qk_norm, .. } => {
-                let raw = usize::from(qk_norm);
+            Mixer::Attention { .. } => {
+                let raw = usize::from(self.qk_norm());
                 (2 + raw) * q + (2 + raw) * kv
             }
         };

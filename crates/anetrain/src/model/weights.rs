@@ -70,8 +70,8 @@ fn layout(cfg: &ModelConfig) -> Model {
     let (spec, dims) = (cfg.layer(), cfg.layer_dims());
     for i in 0..cfg.num_hidden_layers {
         let mut ids = LayerIds {
-            mixer_norm: 0,
-            mlp_norm: 0,
+            mixer_norm: None,
+            mlp_norm: None,
             post_norms: [None; 2],
             projections: [0; 7],
             q_norm: None,
@@ -81,8 +81,8 @@ fn layout(cfg: &ModelConfig) -> Model {
         for p in spec.params(&dims) {
             let id = add(format!("model.layers.{i}.{}", p.name), p.shape, p.decay);
             match p.role {
-                Role::Norm(Sublayer::Mixer) => ids.mixer_norm = id,
-                Role::Norm(Sublayer::Mlp) => ids.mlp_norm = id,
+                Role::Norm(Sublayer::Mixer) => ids.mixer_norm = Some(id),
+                Role::Norm(Sublayer::Mlp) => ids.mlp_norm = Some(id),
                 Role::PostNorm(sub) => ids.post_norms[sub as usize] = Some(id),
                 Role::Projection(t) => ids.projections[t.index()] = id,
                 Role::QNorm => ids.q_norm = Some(id),
@@ -137,7 +137,7 @@ impl Model {
             .layers
             .iter()
             .flat_map(|l| {
-                [Some(l.mixer_norm), Some(l.mlp_norm), l.q_norm, l.k_norm]
+                [l.mixer_norm, l.mlp_norm, l.q_norm, l.k_norm]
                     .into_iter()
                     .chain(l.post_norms)
                     .flatten()
@@ -882,7 +882,7 @@ fn text_config_json(c: &ModelConfig, dtype: StoredDtype) -> String {
             }
             f
         }
-        Arch::Llama | Arch::Qwen3 | Arch::Qwen2 => serde_json::json!({}),
+        Arch::Llama | Arch::Qwen3 | Arch::Qwen2 | Arch::Olmo2 => serde_json::json!({}),
     };
     if let (Some(v), serde_json::Value::Object(f)) = (v.as_object_mut(), family) {
         v.extend(f);

@@ -378,7 +378,7 @@ pub fn predict(
     // A norm after each sublayer: one more pass over its output each way.
     let post = match spec.norms {
         Norms::Pre => 0.0,
-        Norms::Sandwich => 3.0 * d * s,
+        Norms::Sandwich | Norms::Post => 3.0 * d * s,
     };
     let mut forward = Clock::default();
     forward.add(&p.host_passes(2.0 * d * s), 1.0);

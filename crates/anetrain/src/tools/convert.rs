@@ -205,14 +205,14 @@ fn model_from_tensors(
     m.params[m.embed].data = embed;
     for i in 0..l {
         let ids = m.layers[i];
-        m.params[ids.mixer_norm].data = per(&rms_att, i, d);
+        m.params[ids.mixer_norm.expect("a Llama layer's norms")].data = per(&rms_att, i, d);
         m.params[Projection::Q.base(&ids)].data =
             permute_rope_rows(&per(&wq, i, q * d), cfg.num_attention_heads, hd, d);
         m.params[Projection::K.base(&ids)].data =
             permute_rope_rows(&per(&wk, i, kv * d), cfg.num_key_value_heads, hd, d);
         m.params[Projection::V.base(&ids)].data = per(&wv, i, kv * d);
         m.params[Projection::O.base(&ids)].data = per(&wo, i, d * q);
-        m.params[ids.mlp_norm].data = per(&rms_ffn, i, d);
+        m.params[ids.mlp_norm.expect("a Llama layer's norms")].data = per(&rms_ffn, i, d);
         m.params[Projection::Gate.base(&ids)].data = per(&w1, i, h * d);
         m.params[Projection::Down.base(&ids)].data = per(&w2, i, d * h);
         m.params[Projection::Up.base(&ids)].data = per(&w3, i, h * d);

@@ -368,6 +368,7 @@ fn arch_name(arch: Arch) -> &'static str {
         Arch::SmolLM3 => "smollm3",
         Arch::Gemma3 => "gemma3",
         Arch::Gemma2 => "gemma2",
+        Arch::Olmo2 => "olmo2",
         Arch::Phi3 => "phi3",
     }
 }
@@ -378,7 +379,7 @@ fn arch_name(arch: Arch) -> &'static str {
 fn rotates_adjacent_pairs(arch: Arch) -> bool {
     match arch {
         Arch::Llama | Arch::Mistral | Arch::Ministral | Arch::Granite | Arch::SmolLM3 => true,
-        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma2 | Arch::Gemma3 | Arch::Phi3 => false,
+        Arch::Qwen3 | Arch::Qwen2 | Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2 | Arch::Phi3 => false,
     }
 }
 
@@ -462,9 +463,9 @@ fn model_metadata(model: &Model, ty: ExportType, name: &str) -> Vec<(String, Met
     meta
 }
 
-/// GGUF names of a Gemma layer's norms where they differ from
-/// [`LAYER_TENSORS`] (Gemma's `post_attention_layernorm` follows the
-/// attention; its MLP's norms are `pre_`/`post_feedforward_layernorm`).
+/// GGUF names of a Gemma or OLMo 2 layer's norms where they differ from
+/// [`LAYER_TENSORS`] (their `post_attention_layernorm` follows the
+/// attention; the MLP's norms are `pre_`/`post_feedforward_layernorm`).
 const GEMMA_NORMS: [(&str, &str); 3] = [
     (
         "post_attention_layernorm.weight",
@@ -508,7 +509,7 @@ pub fn gguf_name(hf: &str, arch: Arch) -> Option<String> {
     let (layer, suffix) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let gemma = match arch {
-        Arch::Gemma2 | Arch::Gemma3 => &GEMMA_NORMS[..],
+        Arch::Gemma2 | Arch::Gemma3 | Arch::Olmo2 => &GEMMA_NORMS[..],
         _ => &[],
     };
     let (_, g) = gemma

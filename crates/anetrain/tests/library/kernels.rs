@@ -134,6 +134,32 @@ fn gemma_kernels_match_their_cpu_twins() {
     }
 }
 
+/// OLMo 2's attention — QK-norm over the whole q and k projections — each
+/// program against its twin, untiled and in a block of queries (the only
+/// cut its sdpa_forward takes).
+#[test]
+fn whole_projection_qk_norm_kernels_match_their_cpu_twins() {
+    let mut cfg = config(48, 96, 4, 2, 16, true);
+    cfg.arch = Arch::Olmo2;
+    let o = KernelOptions::hf(&cfg);
+    assert_eq!(o.layer.qk_norm_widths(16, 64, 32), (64, 32));
+    let mut block = Shape::new(&cfg, 32);
+    block.queries = 8;
+    for s in [Shape::new(&cfg, 16), block] {
+        for kind in KernelKind::ALL {
+            if s.query_block() && !kind.name().starts_with("sdpa") {
+                continue;
+            }
+            let r = check_kernel(kind, &s, &o, 17).unwrap();
+            eprintln!(
+                "olmo2 {kind:?} queries {}: fp32 {:.1e} fp16 {:.1e}",
+                s.queries, r.fp32_rel, r.fp16_rel
+            );
+            assert!(r.passed(), "{kind:?} queries {}: {r:?}", s.queries);
+        }
+    }
+}
+
 /// Phi-3's attention — RoPE on 12 of 16 dimensions a head, LongRoPE's
 /// factors and attention factor, a window — each program against its twin,
 /// untiled and in query blocks.
@@ -436,16 +462,19 @@ fn attention_f64(
     let mut q = mm(&t["wq"], x, s.q_dim(), d, seq);
     let mut k = mm(&t["wk"], x, s.kv_dim(), d, seq);
     let v = mm(&t["wv"], x, s.kv_dim(), d, seq);
+    // Over groups of the weight's width: each head's, or the whole
+    // projection's (OLMo 2).
     let norm = |m: &mut M, w: &M| {
-        for h in 0..m.len() / (hd * seq) {
+        let n = w.len();
+        for h in 0..m.len() / (n * seq) {
             for p in 0..seq {
-                let ms: f64 = (0..hd)
-                    .map(|e| m[(h * hd + e) * seq + p].powi(2))
+                let ms: f64 = (0..n)
+                    .map(|e| m[(h * n + e) * seq + p].powi(2))
                     .sum::<f64>()
-                    / hd as f64;
+                    / n as f64;
                 let r = 1.0 / (ms + eps).sqrt();
-                for e in 0..hd {
-                    m[(h * hd + e) * seq + p] *= r * w[e];
+                for e in 0..n {
+                    m[(h * n + e) * seq + p] *= r * w[e];
                 }
             }
         }
@@ -513,15 +542,18 @@ fn fd_check(name: &str, analytic: &[f32], f: &mut dyn FnMut(usize, f64) -> f64, 
 
 #[test]
 fn attention_backward_pieces_match_finite_differences() {
-    // (The last with Gemma 2's soft-capped scores.)
-    for (heads, kv, qk_norm, cap) in [
-        (4, 2, true, None),
-        (2, 2, false, None),
-        (4, 1, true, None),
-        (2, 1, false, Some(2.0)),
+    // (Gemma 2's soft-capped scores; OLMo 2's QK-norm over the whole
+    // projections.)
+    for (heads, kv, qk_norm, cap, arch) in [
+        (4, 2, true, None, Arch::Qwen3),
+        (2, 2, false, None, Arch::Llama),
+        (4, 1, true, None, Arch::Qwen3),
+        (2, 1, false, Some(2.0), Arch::Gemma2),
+        (4, 2, true, None, Arch::Olmo2),
     ] {
         let mut cfg = config(24, 20, heads, kv, 8, qk_norm);
         cfg.scales.attention_cap = cap;
+        cfg.arch = arch;
         let s = Shape::new(&cfg, 6);
         let o = KernelOptions::hf(&cfg);
         let mut rng = Rng::new(11);
@@ -531,16 +563,17 @@ fn attention_backward_pieces_match_finite_differences() {
         t.insert("wq", to64(&rng.normals(q * d, 0.3)));
         t.insert("wk", to64(&rng.normals(kvd * d, 0.3)));
         t.insert("wv", to64(&rng.normals(kvd * d, 0.3)));
+        let (qw, kw) = o.layer.qk_norm_widths(hd, q, kvd);
         t.insert(
             "q_norm",
-            rng.normals(hd, 0.3)
+            rng.normals(qw, 0.3)
                 .iter()
                 .map(|v| 1.0 + *v as f64)
                 .collect(),
         );
         t.insert(
             "k_norm",
-            rng.normals(hd, 0.3)
+            rng.normals(kw, 0.3)
                 .iter()
                 .map(|v| 1.0 + *v as f64)
                 .collect(),
@@ -567,14 +600,14 @@ fn attention_backward_pieces_match_finite_differences() {
         let (cos, sin) = o.rope_tables(seq, hd);
         let mut dq = maths::apply_rope(&r2[&p("dq")], hd, seq, &cos, &sin, o.rope, -1.0);
         let mut dk = maths::apply_rope(&r2[&p("dk")], hd, seq, &cos, &sin, o.rope, -1.0);
-        let (mut dwqn, mut dwkn) = (vec![0f32; hd], vec![0f32; hd]);
+        let (mut dwqn, mut dwkn) = (vec![0f32; qw], vec![0f32; kw]);
         if qk_norm {
             let eps = o.eps as f32;
             dq = maths::rms_norm_backward(
                 &fwd[&p("q_raw")],
                 &tt[&p("q_norm")],
                 &dq,
-                hd,
+                qw,
                 seq,
                 eps,
                 &mut dwqn,
@@ -583,7 +616,7 @@ fn attention_backward_pieces_match_finite_differences() {
                 &fwd[&p("k_raw")],
                 &tt[&p("k_norm")],
                 &dk,
-                hd,
+                kw,
                 seq,
                 eps,
                 &mut dwkn,

@@ -280,7 +280,7 @@ fn a_model_with_residual_outliers_trains_on_a_simulated_m1() {
     }
     let mut norms = vec![model.final_norm];
     for l in &model.layers {
-        norms.extend([l.mixer_norm, l.mlp_norm]);
+        norms.extend([l.mixer_norm, l.mlp_norm].into_iter().flatten());
     }
     for n in norms {
         model.params[n].data[c] = 0.0;

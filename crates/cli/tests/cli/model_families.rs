@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::{bin, fails, fixture, records, run, tmp};
 
-const FAMILIES: [&str; 11] = [
+const FAMILIES: [&str; 12] = [
     "qwen3",
     "llama",
     "mistral",
@@ -22,6 +22,7 @@ const FAMILIES: [&str; 11] = [
     "phi3",
     "gemma3mm",
     "gemma2",
+    "olmo2",
 ];
 
 /// A raw u16 token file of `n` ids below 90 (every fixture's vocabulary
@@ -210,18 +211,18 @@ fn a_resume_with_other_lora_layers_names_them() {
 #[test]
 fn a_family_not_read_is_refused_naming_those_that_are() {
     let d = tmp();
-    let dir = d.path().join("olmo2");
+    let dir = d.path().join("olmo");
     std::fs::create_dir(&dir).unwrap();
     let config = std::fs::read_to_string(fixture("llama/model/config.json"))
         .unwrap()
-        .replace("\"llama\"", "\"olmo2\"")
-        .replace("LlamaForCausalLM", "Olmo2ForCausalLM");
+        .replace("\"llama\"", "\"olmo\"")
+        .replace("LlamaForCausalLM", "OlmoForCausalLM");
     std::fs::write(dir.join("config.json"), config).unwrap();
     fails(
         &["eval", "--model", dir.to_str().unwrap()],
         &[
-            "olmo2",
-            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, gemma2, phi3",
+            "olmo",
+            "qwen3, qwen2, llama, mistral, granite, smollm3, ministral, gemma3_text, gemma2, olmo2, phi3",
         ],
     );
 }

@@ -18,7 +18,14 @@ pub(super) fn candidates(kind: KernelKind, full: &Shape, o: &KernelOptions) -> V
         // Seed-compatible layouts pass values through that tiles would sum.
         return vec![vec![]];
     }
-    let axes = kind.tile_axes();
+    // A norm over the whole q and k projections (OLMo 2's) needs every
+    // head of a position in one program: sdpa_forward is not cut by heads.
+    let whole_rows = kind == KernelKind::SdpaForward
+        && o.layer.qk_norm_kind() == crate::model::layer::QkNorm::Whole;
+    let axes = kind
+        .tile_axes()
+        .iter()
+        .filter(|&&a| !(whole_rows && a == Axis::KvGroups));
     let mut grids: Vec<Vec<Split>> = vec![vec![]];
     for &axis in axes {
         let mut counts = axis.block_counts(full);

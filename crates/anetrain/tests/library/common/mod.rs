@@ -85,7 +85,7 @@ pub fn batch_loss<R: anetrain::device::KernelRunner>(
 /// Every transformers fixture (`scripts/make_fixtures.py`): one per family,
 /// Llama with Llama 3.1's RoPE scaling and Qwen3 with YaRN's.
 #[allow(dead_code)]
-pub const FAMILIES: [&str; 13] = [
+pub const FAMILIES: [&str; 14] = [
     "qwen3",
     "llama",
     "mistral",
@@ -99,6 +99,7 @@ pub const FAMILIES: [&str; 13] = [
     "phi3",
     "gemma3mm",
     "gemma2",
+    "olmo2",
 ];
 
 /// Per-parameter values (in `model.params` order) from tensors in Hugging
