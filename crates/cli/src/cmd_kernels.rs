@@ -121,6 +121,8 @@ pub struct PlanArgs {
     pub model: String,
     pub seq: usize,
     pub lora_rank: Option<usize>,
+    /// LoRA on the last this many layers only (`train --lora-layers`).
+    pub lora_layers: Option<usize>,
     pub backend: Backend,
     pub memory: MemoryOptions,
     pub json: bool,
@@ -145,7 +147,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     } = &a;
     let (model, seq, lora_rank) = (model.as_str(), *seq, *lora_rank);
     let (cfg, shape, mut opts) = setup(model, seq, false, !a.json, a.family)?;
-    let lora = lora_rank.map(LoraConfig::every_projection);
+    let lora = lora_rank.map(|r| LoraConfig {
+        layers: a.lora_layers,
+        ..LoraConfig::every_projection(r)
+    });
     opts = opts.with_lora(lora.as_ref());
     let source = anetrain::model::source::ModelSource::resolve(model)?;
     let pair = a.pair;
@@ -206,7 +211,14 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         shape.head_dim,
         cfg.num_hidden_layers,
         seq,
-        lora_rank.map_or(String::new(), |r| format!(", LoRA rank {r} on all projections")),
+        match (lora_rank, a.lora_layers) {
+            (None, _) => String::new(),
+            (Some(r), None) => format!(", LoRA rank {r} on all projections"),
+            (Some(r), Some(n)) => format!(
+                ", LoRA rank {r} on all projections of the last {} layers (the backward stops below them)",
+                n.min(cfg.num_hidden_layers)
+            ),
+        },
         plan.limits.max_spatial,
         plan.limits.max_channel,
         if std::env::var_os(ane::family::MAX_DIM_ENV).is_some() {
@@ -494,6 +506,10 @@ enum KernelsCommand {
         /// Plan for LoRA adapters of this rank on all seven projections.
         #[arg(long, value_name = "R")]
         lora_rank: Option<usize>,
+        /// Adapt the last N layers only, as `train --lora-layers` does: the
+        /// backward stops below them [default: every layer].
+        #[arg(long, value_name = "N", requires = "lora_rank")]
+        lora_layers: Option<usize>,
         /// The engine whose memory plan to show.
         #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>(), default_value = "ane")]
         backend: anetrain::device::backend::Backend,
@@ -574,6 +590,7 @@ pub fn run(a: Args) -> Result<()> {
             model,
             seq,
             lora_rank,
+            lora_layers,
             backend,
             memory,
             json,
@@ -585,6 +602,7 @@ pub fn run(a: Args) -> Result<()> {
             model: resolve(&model, Need::Config)?,
             seq,
             lora_rank,
+            lora_layers,
             backend,
             memory: memory.options(),
             json,

@@ -48,8 +48,9 @@ pub struct HeadStatistics {
 
 /// The input gradient of a frozen LM head (LoRA), gathered in the
 /// statistics pass, so each chunk's logits are computed once, not twice:
-///   u_s = Σ_v exp(z_vs − m_s)·E_v  (rescaled by exp(m_old − m_new) as m_s grows)
-///   dxf_s = w_s·(u_s/Σ_s − E_{t_s})  once the weights w_s are known
+///   u_s = Σ_v exp(z_vs − m_s)·g_vs·E_v  (rescaled by exp(m_old − m_new) as m_s grows)
+///   dxf_s = w_s·(u_s/Σ_s − g_{t_s}·E_{t_s})  once the weights w_s are known
+/// (g the logits' slope through a soft cap, 1 − (z/c)²; 1 without one).
 /// A head that trains needs each chunk's normalised gradient for its own
 /// weight gradient dE_c = dz_c·xfᵀ, so it keeps the second pass.
 struct FrozenHeadGradient {
@@ -147,7 +148,8 @@ fn scale_columns(lt: &mut [f32], scale: &[f32], seq: usize) {
 }
 
 /// dxf `[D, S]` of a frozen head from its gathered u (see
-/// [`FrozenHeadGradient`]): w_s·(u_s/Σ_s − E_{t_s}), the target's row in f32.
+/// [`FrozenHeadGradient`]): w_s·(u_s/Σ_s − g_{t_s}·E_{t_s}), the target's row
+/// in f32, g its logit's slope through the soft cap (1 without one).
 fn frozen_head_input_gradient(
     model: &Model,
     f: &FrozenHeadGradient,
@@ -165,9 +167,11 @@ fn frozen_head_input_gradient(
         }
         let row = head.rows(t as usize..t as usize + 1, &mut scratch);
         let inv = 1.0 / stats.sum[s];
+        // The target's logit through the soft cap, where there is one.
+        let slope = cap_slope(&model.cfg, &stats.target_logit[s..s + 1]).map_or(1.0, |v| v[0]);
         for (c, &e) in row.iter().enumerate() {
             let p = (f.u[c * seq + s] as f64 * inv) as f32;
-            dxf[c * seq + s] = w * (p - e);
+            dxf[c * seq + s] = w * (p - slope * e);
         }
     }
     dxf
@@ -298,12 +302,7 @@ impl<R: KernelRunner> Engine<R> {
         }
         let chunks = self.runner.head_chunks(model, targets.len())?;
         let ranges: Vec<_> = (0..chunks.chunks).map(|c| chunks.range(c, v)).collect();
-        // (A capped head's input gradient needs each logit's slope, which
-        // the gathered sum does not keep: it takes the second pass.)
-        let gather = gradient
-            && ranges.len() > 1
-            && !head_trains(model)
-            && model.cfg.scales.logits_cap.is_none();
+        let gather = gradient && ranges.len() > 1 && !head_trains(model);
         let (stats, last, frozen) = self.softmax_statistics(model, xf, targets, &ranges, gather)?;
         Ok(HeadStatistics {
             nll: stats.nll(),
@@ -389,6 +388,12 @@ impl<R: KernelRunner> Engine<R> {
                     st.target_logit[s] = lt[(t as usize - r.start) * seq + s];
                 }
             }
+            // Soft-capped logits: each one's slope, for the gathered
+            // gradient (Σ_v exp(z_v − m)·g_v·E_v).
+            let slope = frozen
+                .is_some()
+                .then(|| cap_slope(&model.cfg, &lt))
+                .flatten();
             let chunk_max = column_max(&lt, seq);
             let mut rescale = vec![1f32; seq];
             for (s, &cm) in chunk_max.iter().enumerate() {
@@ -402,6 +407,9 @@ impl<R: KernelRunner> Engine<R> {
             let part = exp_shifted(&mut lt, &st.max, seq);
             st.sum.iter_mut().zip(&part).for_each(|(s, p)| *s += p);
             if let Some(f) = frozen.as_mut() {
+                if let Some(slope) = &slope {
+                    lt.iter_mut().zip(slope).for_each(|(e, g)| *e *= g);
+                }
                 let to_device: Vec<f32> = part
                     .iter()
                     .map(|&p| if p > 0.0 { (k as f64 / p) as f32 } else { 0.0 })
@@ -626,54 +634,59 @@ mod tests {
     /// per-position weights given after the statistics (as DPO does).
     #[test]
     fn a_frozen_head_computes_each_chunk_once_for_the_same_input_gradient() {
-        let mut cfg = crate::model::config::ModelConfig::preset("tiny").unwrap();
-        cfg.vocab_size = 700;
-        let mut model = Model::init(&cfg, 3).unwrap();
-        let (d, v, seq) = (cfg.hidden_size, cfg.vocab_size, 9);
-        let mut rng = Rng::new(5);
-        let xf = rng.normals(d * seq, 3.0);
-        let targets: Vec<u32> = (0..seq).map(|_| rng.below(v) as u32).collect();
-        let weights: Vec<f32> = (0..seq).map(|s| [0.0, 0.5, -0.25][s % 3]).collect();
-        let run = |model: &Model, chunk: usize| {
-            let opts = KernelOptions::for_model(model);
-            let mut inner = CpuKernels::new(opts.clone());
-            inner.head_rows = chunk;
-            let runner = CountingHeads {
-                inner,
-                head_forwards: 0,
+        // Without and with Gemma 2's soft cap on the logits (the gathered
+        // gradient then weighs each logit by its slope).
+        for cap in [None, Some(2.0)] {
+            let mut cfg = crate::model::config::ModelConfig::preset("tiny").unwrap();
+            cfg.vocab_size = 700;
+            cfg.scales.logits_cap = cap;
+            let mut model = Model::init(&cfg, 3).unwrap();
+            let (d, v, seq) = (cfg.hidden_size, cfg.vocab_size, 9);
+            let mut rng = Rng::new(5);
+            let xf = rng.normals(d * seq, 3.0);
+            let targets: Vec<u32> = (0..seq).map(|_| rng.below(v) as u32).collect();
+            let weights: Vec<f32> = (0..seq).map(|s| [0.0, 0.5, -0.25][s % 3]).collect();
+            let run = |model: &Model, chunk: usize| {
+                let opts = KernelOptions::for_model(model);
+                let mut inner = CpuKernels::new(opts.clone());
+                inner.head_rows = chunk;
+                let runner = CountingHeads {
+                    inner,
+                    head_forwards: 0,
+                };
+                let mut eng = Engine::with_runner(runner, opts);
+                let mut g = zero_grads(model);
+                g.reset();
+                let head = eng.head_statistics(model, &xf, &targets, true).unwrap();
+                let nll = head.nll.clone();
+                let dxf = eng
+                    .head_backward(model, &xf, &targets, head, &weights, &mut g)
+                    .unwrap();
+                (nll, dxf, eng.runner.head_forwards)
             };
-            let mut eng = Engine::with_runner(runner, opts);
-            let mut g = zero_grads(model);
-            g.reset();
-            let head = eng.head_statistics(model, &xf, &targets, true).unwrap();
-            let nll = head.nll.clone();
-            let dxf = eng
-                .head_backward(model, &xf, &targets, head, &weights, &mut g)
-                .unwrap();
-            (nll, dxf, eng.runner.head_forwards)
-        };
-        let (nll, trained, forwards) = run(&model, 256);
-        assert_eq!(forwards, 6, "a head that trains: 3 chunks, twice");
-        let lora = crate::model::lora::LoraConfig::every_projection(4);
-        model.lora = Some(crate::model::lora::Lora::init(&cfg, lora, 1).unwrap());
-        for chunk in [7, 256, 699] {
-            let (nll_f, frozen, forwards) = run(&model, chunk);
-            assert_eq!(forwards, v.div_ceil(chunk), "chunk {chunk}: once each");
-            for (a, b) in nll_f.iter().zip(&nll) {
-                assert!(
-                    (a - b).abs() <= 1e-6 * b.abs(),
-                    "chunk {chunk}: nll {a} vs {b}"
-                );
+            let (nll, trained, forwards) = run(&model, 256);
+            assert_eq!(forwards, 6, "a head that trains: 3 chunks, twice");
+            let lora = crate::model::lora::LoraConfig::every_projection(4);
+            model.lora = Some(crate::model::lora::Lora::init(&cfg, lora, 1).unwrap());
+            for chunk in [7, 256, 699] {
+                let (nll_f, frozen, forwards) = run(&model, chunk);
+                assert_eq!(forwards, v.div_ceil(chunk), "chunk {chunk}: once each");
+                for (a, b) in nll_f.iter().zip(&nll) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * b.abs(),
+                        "cap {cap:?}, chunk {chunk}: nll {a} vs {b}"
+                    );
+                }
+                let scale = trained.iter().fold(0f32, |m, x| m.max(x.abs()));
+                for (i, (a, b)) in frozen.iter().zip(&trained).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * scale,
+                        "cap {cap:?}, chunk {chunk}: dxf[{i}] {a} vs {b}"
+                    );
+                }
+                // Unweighted positions get no gradient.
+                assert!((0..d).all(|c| frozen[c * seq] == 0.0));
             }
-            let scale = trained.iter().fold(0f32, |m, x| m.max(x.abs()));
-            for (i, (a, b)) in frozen.iter().zip(&trained).enumerate() {
-                assert!(
-                    (a - b).abs() <= 1e-5 * scale,
-                    "chunk {chunk}: dxf[{i}] {a} vs {b}"
-                );
-            }
-            // Unweighted positions get no gradient.
-            assert!((0..d).all(|c| frozen[c * seq] == 0.0));
         }
     }
 }

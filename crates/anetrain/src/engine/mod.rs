@@ -526,7 +526,7 @@ impl<R: KernelRunner> Engine<R> {
         for (name, raw) in [("query", &a.q_raw), ("key", &a.k_raw)] {
             let Some(raw) = raw else { continue };
             let ms = maths::max_mean_square(raw, shape.seq);
-            if !(ms <= bound) {
+            if ms.is_nan() || ms > bound {
                 bail!(
                     "layer {i}: the {name} projection's mean square reaches {ms:.0} at a position, past the {bound:.0} the Neural Engine's fp16 norm over a whole projection holds with ε {} (OLMo 2's QK-norm); train this model with --backend cpu",
                     self.opts.eps

@@ -339,6 +339,10 @@ pub struct LoraKernel {
     pub rank: usize,
     pub scale: f64,
     pub targets: Vec<Projection>,
+    /// The last layers adapted (`--lora-layers`), `None` every one: the
+    /// programs are the same, the backward stops below them (what the
+    /// plan counts).
+    pub layers: Option<usize>,
 }
 
 impl LoraKernel {
@@ -348,7 +352,13 @@ impl LoraKernel {
             rank: cfg.rank,
             scale: cfg.scale(),
             targets: cfg.targets.clone(),
+            layers: cfg.layers,
         }
+    }
+
+    /// The layers of `n` whose backward runs: the adapted ones.
+    pub fn backward_layers(&self, n: usize) -> usize {
+        self.layers.map_or(n, |l| l.min(n))
     }
 }
 

@@ -330,7 +330,9 @@ fn trainable_params(cfg: &ModelConfig, lora: Option<&LoraConfig>) -> f64 {
         (None, true) => cfg.vocab_size * d,
         (None, false) => 2 * cfg.vocab_size * d,
     };
-    (per_layer * cfg.num_hidden_layers + embeddings) as f64
+    let n = cfg.num_hidden_layers;
+    let layers = lora.map_or(n, |l| n - l.first_layer(n));
+    (per_layer * layers + embeddings) as f64
 }
 
 /// AdamW's passes per parameter: the gradient norm reads g; the update
@@ -453,8 +455,12 @@ pub fn predict(
             loss.add(&p.host_passes(4.0 * v * s), 1.0);
         }
     }
+    // LoRA on the last layers only: the backward stops below them.
+    let adapted = lora.map_or(cfg.num_hidden_layers, |l| {
+        cfg.num_hidden_layers - l.first_layer(cfg.num_hidden_layers)
+    });
     let mut bwd = Clock::default();
-    bwd.add(&backward, layers);
+    bwd.add(&backward, adapted as f64);
     if let Some(sd) = seed {
         // The queue of weight gradients runs beside the whole backward;
         // what it has left when the layers are done is waited for.
@@ -758,7 +764,11 @@ mod tests {
         use crate::kernels::{tiling, KernelOptions, Shape};
         let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
         let seq = 1024;
-        for lora in [None, Some(LoraConfig::every_projection(16))] {
+        let last_8 = LoraConfig {
+            layers: Some(8),
+            ..LoraConfig::every_projection(16)
+        };
+        for lora in [None, Some(LoraConfig::every_projection(16)), Some(last_8)] {
             for grad_checkpoint in [false, true] {
                 let mut o = KernelOptions::hf(&cfg).with_lora(lora.as_ref());
                 o.cost_family = ane::family::Family::M4;
@@ -782,6 +792,23 @@ mod tests {
                     p.evaluations, work.device_evaluations,
                     "full {full}, checkpointing {grad_checkpoint}"
                 );
+                // The last 8 of 28 layers adapted: their backward alone.
+                if lora.as_ref().is_some_and(|l| l.layers.is_some()) {
+                    let all = LoraConfig::every_projection(16);
+                    let every = predict(
+                        &cfg,
+                        &plan,
+                        &StepSetup {
+                            lora: Some(all.clone()),
+                            ..setup.clone()
+                        },
+                        &Rates::of(o.cost_family),
+                        None,
+                    );
+                    let r = p.passes.backward_ms / every.passes.backward_ms;
+                    assert!((r - 8.0 / 28.0).abs() < 1e-9, "{r}");
+                    assert_eq!(p.passes.forward_ms, every.passes.forward_ms);
+                }
             }
         }
     }

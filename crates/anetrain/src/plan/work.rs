@@ -71,6 +71,18 @@ impl StepWork {
         let (flop, evaluations) = plan.work_per_layer(grad_checkpoint);
         let (head_flop, head_evaluations) = plan.head_work(tiling::HeadPass::gradient(full));
         let layers = cfg.num_hidden_layers;
+        // LoRA on the last layers only: the layers below run their forward
+        // and no backward (`--lora-layers`).
+        let (fwd_flop, fwd_evaluations) = plan.forward_work_per_layer();
+        let below = layers
+            - opts
+                .lora
+                .as_ref()
+                .map_or(layers, |l| l.backward_layers(layers));
+        let (below_flop, below_evaluations) = (
+            (flop - fwd_flop) * below as f64,
+            (evaluations - fwd_evaluations) * below,
+        );
         let (d, v) = (cfg.hidden_size as f64, cfg.vocab_size as f64);
         let tokens = (seq * batch) as f64;
         // dE = dz·xfᵀ, one product over the head.
@@ -86,8 +98,9 @@ impl StepWork {
         let softmax = per_logit * v * tokens;
         let dxf_sums = 2.0 * (plan.head.chunks as f64) * d * tokens;
         Ok(StepWork {
-            device_flop: (flop * layers as f64 + head_flop) * batch as f64,
-            device_evaluations: (evaluations * layers + head_evaluations) * batch,
+            device_flop: (flop * layers as f64 - below_flop + head_flop) * batch as f64,
+            device_evaluations: (evaluations * layers - below_evaluations + head_evaluations)
+                * batch,
             host_flop: softmax + dxf_sums,
             host_weight_gradient_flop: weight_gradients,
             compiled_seq: compiled,

@@ -101,6 +101,7 @@ fn every_kernel_stays_within_fp16_tolerance_under_every_family() {
             rank: 8,
             scale: 2.0,
             targets: anetrain::model::Projection::ALL.to_vec(),
+            layers: None,
         });
         o
     };

@@ -303,6 +303,7 @@ fn kernels_with_lora_adapters_match_their_cpu_twins() {
             rank: 4,
             scale: 2.0,
             targets: Projection::ALL.to_vec(),
+            layers: None,
         });
         let s = Shape::new(&cfg, 16);
         for kind in KernelKind::ALL {
@@ -400,6 +401,7 @@ fn every_preset_at_every_engine_length_passes_the_default_rules() {
             rank: 8,
             scale: 2.0,
             targets: Projection::ALL.to_vec(),
+            layers: None,
         });
         for seq in [32, 64, 128, 256] {
             let s = Shape::new(&cfg, seq);

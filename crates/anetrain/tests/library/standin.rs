@@ -140,6 +140,7 @@ fn every_kernel_gives_the_simulators_bits() {
                 rank: 4,
                 scale: 2.0,
                 targets: Projection::ALL.to_vec(),
+                layers: None,
             });
             // Without concat: one output per block, in device-sized
             // surfaces of one size that AneDevice gathers into the buffer.

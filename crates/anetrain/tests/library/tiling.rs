@@ -46,6 +46,7 @@ fn plan_for(what: &str, cfg: &ModelConfig, seq: usize, limits: Limits, lora: boo
             rank: 16,
             scale: 2.0,
             targets: Projection::ALL.to_vec(),
+            layers: None,
         });
     }
     let full = Shape::new(cfg, seq);
