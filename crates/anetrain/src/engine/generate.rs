@@ -1,8 +1,8 @@
 //! Autoregressive generation with a KV cache: one position at a time
-//! through the layer's description, as the engine composes it — the same
-//! norms, residuals and MLP forward (the engine's own, at one position),
-//! and the attention of the new position against the cached keys and
-//! values — with greedy, temperature and nucleus (top-p) sampling.
+//! through the layer the sequence's forward composes (`compose_layer`:
+//! the same norms, residuals and MLP forward, at one position), its
+//! attention the new position's against the cached keys and values —
+//! with greedy, temperature and nucleus (top-p) sampling.
 
 use std::borrow::Cow;
 
@@ -13,7 +13,7 @@ use crate::device::CpuKernels;
 use crate::kernels::maths::{apply_rope, rms_norm, w_x};
 use crate::kernels::{KernelOptions, Shape};
 use crate::model::generation::Sampling;
-use crate::model::layer::{Mixer, Norms};
+use crate::model::layer::Mixer;
 use crate::model::{LayerIds, Model, Projection};
 use crate::util::rng::Rng;
 
@@ -108,36 +108,18 @@ impl<'a> Decoder<'a> {
             .map(|v| m_e * v)
             .collect();
         let one = Shape::new(c, 1);
-        // A sublayer's input and output normed where the layer norms them.
-        let norm = |x: Vec<f32>, norm: Option<usize>| match norm {
-            Some(v) => rms_norm(&x, w(v), d, 1, eps),
-            None => x,
-        };
+        // Each layer as the sequence's forward composes it, its attention
+        // the new position's against the cache.
         for (i, l) in m.layers.iter().enumerate() {
-            let xn = norm(x.clone(), l.mixer_norm);
-            let o = match spec.mixer {
-                Mixer::Attention { .. } => {
-                    let cache = (&mut keys[i], &mut values[i]);
-                    let opts = &engine.opts.for_layer(c, i);
-                    cached_attention(m, l, opts, (*pos, len), &xn, cache)
-                }
+            let mut parts = CachedToken {
+                engine,
+                model: m,
+                layer: (i, l),
+                one: &one,
+                at: (*pos, len),
+                cache: (&mut keys[i], &mut values[i]),
             };
-            let o = norm(o, l.post_norms[0]);
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += alpha * b);
-            let x2n = norm(x.clone(), l.mlp_norm);
-            let masks = dropout_masks(m, i, 1, None);
-            x = match spec.norms {
-                Norms::Pre => {
-                    engine
-                        .mlp_forward(&spec, m, i, &one, &masks, &x2n, Some(&x))?
-                        .1
-                }
-                Norms::Sandwich | Norms::Post => {
-                    let out = engine.mlp_forward(&spec, m, i, &one, &masks, &x2n, None)?.1;
-                    let mo = norm(out, l.post_norms[1]);
-                    x.iter().zip(&mo).map(|(a, b)| a + alpha * b).collect()
-                }
-            };
+            x = super::compose_layer(&spec, m, l, 1, alpha, x, &mut parts)?.x_next;
         }
         let mut xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
         super::scale_head_input(c, &mut xf);
@@ -145,6 +127,44 @@ impl<'a> Decoder<'a> {
         let mut z = w_x(&m.lm_head(), &xf, c.vocab_size, d, 1);
         super::head::cap_logits(c, &mut z);
         Ok(z)
+    }
+}
+
+/// One cached token's sublayers for layer `i`: the attention against the
+/// layer's cache, the engine's MLP at one position.
+struct CachedToken<'d, 'm> {
+    engine: &'d mut Engine<CpuKernels>,
+    model: &'m Model,
+    layer: (usize, &'m LayerIds),
+    one: &'m Shape,
+    /// The position and the sequence's length.
+    at: (usize, usize),
+    cache: (&'d mut Vec<f32>, &'d mut Vec<f32>),
+}
+
+impl super::Sublayers for CachedToken<'_, '_> {
+    type Mixer = ();
+    type Mlp = ();
+
+    fn mixer(&mut self, xn: &[f32]) -> Result<((), Vec<f32>)> {
+        let (m, (i, l)) = (self.model, self.layer);
+        Ok(match self.engine.opts.layer.mixer {
+            Mixer::Attention { .. } => {
+                let opts = &self.engine.opts.for_layer(&m.cfg, i);
+                let cache = (&mut *self.cache.0, &mut *self.cache.1);
+                ((), cached_attention(m, l, opts, self.at, xn, cache))
+            }
+        })
+    }
+
+    fn mlp(&mut self, x2n: &[f32], residual: Option<&[f32]>) -> Result<((), Vec<f32>)> {
+        let (m, i) = (self.model, self.layer.0);
+        let spec = self.engine.opts.layer;
+        let masks = dropout_masks(m, i, 1, None);
+        let (_, y) = self
+            .engine
+            .mlp_forward(&spec, m, i, self.one, &masks, x2n, residual)?;
+        Ok(((), y))
     }
 }
 

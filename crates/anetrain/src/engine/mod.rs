@@ -253,6 +253,123 @@ fn add_scaled(dst: &mut [f32], src: &[f32], alpha: f32) {
     dst.iter_mut().zip(src).for_each(|(d, s)| *d += alpha * s);
 }
 
+/// A layer's two sublayers as a composition runs them: over a sequence
+/// (the kernels, keeping what the backward needs) or over one cached
+/// token (the decoder's attention against its cache).
+trait Sublayers {
+    /// What the mixer's and the MLP's backward need (nothing when decoding).
+    type Mixer;
+    type Mlp;
+    /// The token mixer over its (normed) input `xn`: its output before
+    /// the residual.
+    fn mixer(&mut self, xn: &[f32]) -> Result<(Self::Mixer, Vec<f32>)>;
+    /// The MLP over its (normed) input `x2n`; given `residual`, the MLP's
+    /// kernel adds it (`x2 + α·mlp(x2n)`), else its output alone.
+    fn mlp(&mut self, x2n: &[f32], residual: Option<&[f32]>) -> Result<(Self::Mlp, Vec<f32>)>;
+}
+
+/// One layer's forward as [`compose_layer`] leaves it.
+struct Composed<M, A> {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    mixer: M,
+    mixer_out: Vec<f32>,
+    x2: Vec<f32>,
+    x2n: Vec<f32>,
+    mlp: A,
+    mlp_out: Vec<f32>,
+    x_next: Vec<f32>,
+}
+
+/// One layer of `seq` positions from its input `x`, composed as its
+/// description `spec` says over `parts`: the sequence's forward and the
+/// decoder's cached token run this one function.
+///   pre-norm:  x2 = x + α·mixer(rmsnorm(x)),  x' = x2 + α·mlp(rmsnorm(x2))
+///   sandwich:  x2 = x + α·rmsnorm(mixer(rmsnorm(x))),  x' = x2 + α·rmsnorm(mlp(rmsnorm(x2)))
+///   post-norm: x2 = x + α·rmsnorm(mixer(x)),  x' = x2 + α·rmsnorm(mlp(x2))
+fn compose_layer<S: Sublayers>(
+    spec: &LayerSpec,
+    model: &Model,
+    l: &LayerIds,
+    seq: usize,
+    alpha: f32,
+    x: Vec<f32>,
+    parts: &mut S,
+) -> Result<Composed<S::Mixer, S::Mlp>> {
+    let d = model.cfg.hidden_size;
+    let eps = model.cfg.rms_norm_eps as f32;
+    let w = |id: usize| model.params[id].data.as_slice();
+    // A sublayer's input normed where the layer norms it (not OLMo 2).
+    let pre = |x: &[f32], norm: Option<usize>| match norm {
+        Some(v) => maths::rms_norm(x, w(v), d, seq, eps),
+        None => x.to_vec(),
+    };
+    // A sublayer's output as the residual adds it: normed (Gemma, OLMo 2),
+    // or as is (kept: nothing).
+    let post = |out: Vec<f32>, norm: Option<usize>| match norm {
+        Some(v) => (maths::rms_norm(&out, w(v), d, seq, eps), out),
+        None => (out, vec![]),
+    };
+    let xn = pre(&x, l.mixer_norm);
+    let (mixer, o) = parts.mixer(&xn)?;
+    let (o, mixer_out) = post(o, l.post_norms[0]);
+    let mut x2 = x.clone();
+    add_scaled(&mut x2, &o, alpha);
+    let x2n = pre(&x2, l.mlp_norm);
+    let (mlp, x_next, mlp_out) = match spec.norms {
+        // The kernel adds the residual.
+        Norms::Pre => {
+            let (mlp, x_next) = parts.mlp(&x2n, Some(&x2))?;
+            (mlp, x_next, vec![])
+        }
+        Norms::Sandwich | Norms::Post => {
+            let (mlp, out) = parts.mlp(&x2n, None)?;
+            let (m, mlp_out) = post(out, l.post_norms[1]);
+            let mut x_next = x2.clone();
+            add_scaled(&mut x_next, &m, alpha);
+            (mlp, x_next, mlp_out)
+        }
+    };
+    Ok(Composed {
+        x,
+        xn,
+        mixer,
+        mixer_out,
+        x2,
+        x2n,
+        mlp,
+        mlp_out,
+        x_next,
+    })
+}
+
+/// A sequence's sublayers: the runner's kernels for layer `i`.
+struct SequenceParts<'e, 'm, R: KernelRunner> {
+    engine: &'e mut Engine<R>,
+    model: &'m Model,
+    i: usize,
+    shape: &'m Shape,
+    masks: &'m Dropout,
+}
+
+impl<R: KernelRunner> Sublayers for SequenceParts<'_, '_, R> {
+    type Mixer = MixerActs;
+    type Mlp = MlpActs;
+
+    fn mixer(&mut self, xn: &[f32]) -> Result<(MixerActs, Vec<f32>)> {
+        let spec = self.engine.opts.layer;
+        let (model, i, shape, masks) = (self.model, self.i, self.shape, self.masks);
+        self.engine.mixer_forward(&spec, model, i, shape, masks, xn)
+    }
+
+    fn mlp(&mut self, x2n: &[f32], residual: Option<&[f32]>) -> Result<(MlpActs, Vec<f32>)> {
+        let spec = self.engine.opts.layer;
+        let (model, i, shape, masks) = (self.model, self.i, self.shape, self.masks);
+        self.engine
+            .mlp_forward(&spec, model, i, shape, masks, x2n, residual)
+    }
+}
+
 /// The transformer over a kernel runner.
 pub struct Engine<R: KernelRunner> {
     pub runner: R,
@@ -399,8 +516,9 @@ impl<R: KernelRunner> Engine<R> {
         })
     }
 
-    /// One layer's forward from its input `x`, composed as its description
-    /// says: what its backward needs, and the layer's output.
+    /// One layer's forward from its input `x` over the sequence's kernels,
+    /// composed as its description says ([`compose_layer`]): what its
+    /// backward needs, and the layer's output.
     fn layer_forward(
         &mut self,
         model: &Model,
@@ -409,55 +527,36 @@ impl<R: KernelRunner> Engine<R> {
         x: Vec<f32>,
         masks: Dropout,
     ) -> Result<(LayerActs, Vec<f32>)> {
-        let (d, seq) = (shape.dim, shape.seq);
-        let eps = model.cfg.rms_norm_eps as f32;
+        let spec = self.opts.layer;
         let alpha = self.opts.residual_scale as f32;
-        let (l, spec) = (&model.layers[i], self.opts.layer);
-        let w = |id: usize| model.params[id].data.as_slice();
-        // A sublayer's output as the residual adds it: normed (α is 1 for
-        // every family that norms there, Gemma), or as is (kept: nothing).
-        let post = |out: Vec<f32>, norm: Option<usize>| match norm {
-            Some(v) => (maths::rms_norm(&out, w(v), d, seq, eps), out),
-            None => (out, vec![]),
+        let mut parts = SequenceParts {
+            engine: self,
+            model,
+            i,
+            shape,
+            masks: &masks,
         };
-        // A sublayer's input normed where the layer norms it (not OLMo 2).
-        let pre = |x: &[f32], norm: Option<usize>| match norm {
-            Some(v) => maths::rms_norm(x, w(v), d, seq, eps),
-            None => x.to_vec(),
-        };
-        let xn = pre(&x, l.mixer_norm);
-        let (mixer, o) = self.mixer_forward(&spec, model, i, shape, &masks, &xn)?;
-        let (o, mixer_out) = post(o, l.post_norms[0]);
-        let mut x2 = x.clone();
-        add_scaled(&mut x2, &o, alpha);
-        let x2n = pre(&x2, l.mlp_norm);
-        let (mlp, x_next, mlp_out) = match spec.norms {
-            // The kernel adds the residual.
-            Norms::Pre => {
-                let (mlp, x_next) =
-                    self.mlp_forward(&spec, model, i, shape, &masks, &x2n, Some(&x2))?;
-                (mlp, x_next, vec![])
-            }
-            Norms::Sandwich | Norms::Post => {
-                let (mlp, out) = self.mlp_forward(&spec, model, i, shape, &masks, &x2n, None)?;
-                let (m, mlp_out) = post(out, l.post_norms[1]);
-                let mut x_next = x2.clone();
-                add_scaled(&mut x_next, &m, alpha);
-                (mlp, x_next, mlp_out)
-            }
-        };
-        let acts = LayerActs {
+        let c = compose_layer(
+            &spec,
+            model,
+            &model.layers[i],
+            shape.seq,
+            alpha,
             x,
-            xn,
-            mixer,
-            mixer_out,
-            x2,
-            x2n,
-            mlp,
-            mlp_out,
+            &mut parts,
+        )?;
+        let acts = LayerActs {
+            x: c.x,
+            xn: c.xn,
+            mixer: c.mixer,
+            mixer_out: c.mixer_out,
+            x2: c.x2,
+            x2n: c.x2n,
+            mlp: c.mlp,
+            mlp_out: c.mlp_out,
             masks,
         };
-        Ok((acts, x_next))
+        Ok((acts, c.x_next))
     }
 
     /// The token mixer over the normed input `xn`: what its backward needs,
