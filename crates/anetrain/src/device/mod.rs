@@ -6,6 +6,7 @@ pub mod backend;
 mod buffers;
 mod cpu;
 mod neural;
+mod surface;
 
 pub use buffers::DeviceBuffers;
 pub use cpu::{CpuKernels, HEAD_CHUNK_ROWS};

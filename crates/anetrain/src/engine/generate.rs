@@ -8,6 +8,7 @@ use std::borrow::Cow;
 
 use anyhow::{bail, Result};
 
+use super::layer::{compose_layer, Sublayers};
 use super::{dropout_masks, Engine};
 use crate::device::CpuKernels;
 use crate::kernels::maths::{apply_rope, rms_norm, w_x};
@@ -119,7 +120,7 @@ impl<'a> Decoder<'a> {
                 at: (*pos, len),
                 cache: (&mut keys[i], &mut values[i]),
             };
-            x = super::compose_layer(&spec, m, l, 1, alpha, x, &mut parts)?.x_next;
+            x = compose_layer(&spec, m, l, 1, alpha, x, &mut parts)?.x_next;
         }
         let mut xf = rms_norm(&x, w(m.final_norm), d, 1, eps);
         super::scale_head_input(c, &mut xf);
@@ -142,7 +143,7 @@ struct CachedToken<'d, 'm> {
     cache: (&'d mut Vec<f32>, &'d mut Vec<f32>),
 }
 
-impl super::Sublayers for CachedToken<'_, '_> {
+impl Sublayers for CachedToken<'_, '_> {
     type Mixer = ();
     type Mlp = ();
 

@@ -5,6 +5,7 @@ pub mod adapter_base;
 pub mod config;
 pub mod dtype;
 pub mod generation;
+pub mod hf_config;
 pub mod hub;
 pub mod layer;
 pub mod lora;
@@ -14,4 +15,5 @@ pub mod source;
 pub mod tensor_file;
 mod weights;
 
+pub use hf_config::hf_config_json;
 pub use weights::*;

@@ -333,6 +333,24 @@ fn absolute(from: &SourceFile, path: &str) -> Option<Vec<String>> {
 /// paths name; a folder's index re-exporting its children (`pub use` in
 /// `mod.rs` or `lib.rs`) does not use them. Each circle found is named
 /// with its files.
+/// No library source file holds more than 900 lines before its tests: a
+/// file that grows past it is split along what it does.
+#[test]
+fn no_library_file_passes_900_lines() {
+    let files = workspace_files();
+    let library: Vec<&SourceFile> = files
+        .iter()
+        .filter(|f| f.krate.ends_with("anetrain/src"))
+        .collect();
+    assert!(library.len() > 40, "{} library files", library.len());
+    let long: Vec<String> = library
+        .iter()
+        .filter(|f| f.code.lines().count() > 900)
+        .map(|f| format!("{}: {} lines", f.path.display(), f.code.lines().count()))
+        .collect();
+    assert!(long.is_empty(), "{}", long.join("\n"));
+}
+
 #[test]
 fn no_import_circle_between_files() {
     let files = workspace_files();
