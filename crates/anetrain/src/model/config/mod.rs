@@ -613,6 +613,16 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A published config of testdata/configs/.
+    fn published(name: &str) -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../testdata/configs/{name}.json"))
+    }
+
+    /// The one-line refusal of config JSON `text`.
+    fn refused(text: &str) -> String {
+        format!("{:#}", ModelConfig::from_json(text).unwrap_err())
+    }
     use crate::model::layer::Projection;
 
     const QWEN3: &str = r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
@@ -671,7 +681,7 @@ mod tests {
             ("{\"hidden".to_string(), "invalid JSON"),
         ];
         for (text, want) in cases {
-            let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
+            let e = refused(&text);
             assert!(e.contains(want), "{want}: {e}");
         }
     }
@@ -861,7 +871,7 @@ mod tests {
                 "\"rope_scaling\": null",
                 &format!("\"rope_scaling\": {bad}"),
             );
-            let e = format!("{:#}", ModelConfig::from_json(&text).unwrap_err());
+            let e = refused(&text);
             assert!(e.contains(want), "{want}: {e}");
         }
     }
@@ -889,11 +899,8 @@ mod tests {
     /// another family is refused by name.
     #[test]
     fn gemma2_configs_are_read_with_their_soft_caps() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/configs/gemma-2-2b.json"
-        );
-        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        let path = published("gemma-2-2b");
+        let c = ModelConfig::from_file(&path).unwrap();
         assert_eq!(
             (c.arch, c.head_dim, c.num_params()),
             (Arch::Gemma2, 256, 2_614_341_888)
@@ -920,25 +927,17 @@ mod tests {
             (None, Some(30.0))
         );
         v["attn_logit_softcapping"] = serde_json::json!(-1.0);
-        let e = format!("{:#}", ModelConfig::from_json(&v.to_string()).unwrap_err());
+        let e = refused(&v.to_string());
         assert!(e.contains("must be a positive number"), "{e}");
-        let e = format!(
-            "{:#}",
-            ModelConfig::from_json(&QWEN3.replace(
-                "\"rope_scaling\": null",
-                "\"final_logit_softcapping\": 30.0"
-            ))
-            .unwrap_err()
-        );
+        let e = refused(&QWEN3.replace(
+            "\"rope_scaling\": null",
+            "\"final_logit_softcapping\": 30.0",
+        ));
         assert!(e.contains("is Gemma 2's"), "{e}");
-        let e = format!(
-            "{:#}",
-            ModelConfig::from_json(&QWEN3.replace(
-                "\"rope_scaling\": null",
-                "\"rope_local_base_freq\": 10000.0"
-            ))
-            .unwrap_err()
-        );
+        let e = refused(&QWEN3.replace(
+            "\"rope_scaling\": null",
+            "\"rope_local_base_freq\": 10000.0",
+        ));
         assert!(e.contains("is Gemma's"), "{e}");
     }
 
@@ -948,11 +947,8 @@ mod tests {
     #[test]
     fn olmo2_configs_are_read_with_post_norms_and_whole_qk_norms() {
         use crate::model::layer::{Role, Sublayer};
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/configs/olmo-2-1b.json"
-        );
-        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        let path = published("olmo-2-1b");
+        let c = ModelConfig::from_file(&path).unwrap();
         assert_eq!((c.arch, c.num_params()), (Arch::Olmo2, 1_484_916_736));
         let spec = c.layer();
         assert_eq!(
@@ -976,10 +972,7 @@ mod tests {
     /// by name.
     #[test]
     fn phi3_configs_are_read_with_what_changes_the_maths() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/configs/phi-4-mini.json"
-        );
+        let path = published("phi-4-mini");
         let mut v: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
         v["rope_scaling"] = serde_json::json!({"type": "longrope",
@@ -1018,10 +1011,7 @@ mod tests {
                     );
                 }
                 want => {
-                    let e = format!(
-                        "{:#}",
-                        ModelConfig::from_json(&bad.to_string()).unwrap_err()
-                    );
+                    let e = refused(&bad.to_string());
                     assert!(e.contains(want), "{key}: {e}");
                 }
             }
@@ -1029,18 +1019,9 @@ mod tests {
         let mut short = v.clone();
         short["rope_scaling"]["short_factor"] = serde_json::json!(vec![1.0; 64]);
         short["rope_scaling"]["long_factor"] = serde_json::json!(vec![1.0; 64]);
-        let e = format!(
-            "{:#}",
-            ModelConfig::from_json(&short.to_string()).unwrap_err()
-        );
+        let e = refused(&short.to_string());
         assert!(e.contains("must hold 48 numbers"), "{e}");
-        let e = format!(
-            "{:#}",
-            ModelConfig::from_json(
-                &QWEN3.replace("\"rope_scaling\": null", "\"partial_rotary_factor\": 0.5")
-            )
-            .unwrap_err()
-        );
+        let e = refused(&QWEN3.replace("\"rope_scaling\": null", "\"partial_rotary_factor\": 0.5"));
         assert!(e.contains("is Phi-3's"), "{e}");
     }
 
@@ -1051,11 +1032,8 @@ mod tests {
     /// another multimodal type refused by name.
     #[test]
     fn a_multimodal_gemma3_config_is_read_as_its_text_model() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../testdata/configs/gemma-3-4b.json"
-        );
-        let c = ModelConfig::from_file(Path::new(path)).unwrap();
+        let path = published("gemma-3-4b");
+        let c = ModelConfig::from_file(&path).unwrap();
         assert_eq!(
             (c.arch, c.vocab_size, c.hidden_size),
             (Arch::Gemma3, 262_208, 2560)
@@ -1075,7 +1053,7 @@ mod tests {
         assert_eq!(c.tensor_prefix(), "language_model.");
         assert_eq!(c.layer_paths().0, "model.language_model.layers");
         let other = r#"{"model_type": "llava", "text_config": {"model_type": "llama"}}"#;
-        let e = format!("{:#}", ModelConfig::from_json(other).unwrap_err());
+        let e = refused(other);
         assert!(
             e.contains("'llava'") && e.contains("gemma3 checkpoints only"),
             "{e}"
