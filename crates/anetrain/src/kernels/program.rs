@@ -536,10 +536,12 @@ impl<'a> Gen<'a> {
         self.b.mul(&format!("{pre}scaled"), &scores, &sc)
     }
 
-    /// t = tanh(x/c) of scaled scores `x` capped at `c`. The device's
-    /// `tanh` is an elementwise activation of the ANE compiler
-    /// (coremltools' MIL `tanh`, iOS 15 activation ops); the capped score
-    /// c·t keeps fp16's relative precision near zero, where the
+    /// t = tanh(x/c) of scaled scores `x` capped at `c`, with MIL's
+    /// elementwise `tanh` (coremltools `mil.ops.defs.iOS15.activation`).
+    /// The ANE trainers our notes digest never run it, so how the chip
+    /// evaluates it is unmeasured here (a first Mac run of a Gemma 2 says;
+    /// the sigmoid the SwiGLU programs use is the fallback). The capped
+    /// score c·t keeps fp16's relative precision near zero, where the
     /// 2c·σ(2x/c) − c form would round every score to fp16's steps at c.
     pub fn score_tanh(&mut self, pre: &str, x: &Value, c: f64) -> Result<Value> {
         let inv = self.scalar(&format!("{pre}inv_cap"), 1.0 / c)?;
