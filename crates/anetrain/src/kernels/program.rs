@@ -540,7 +540,8 @@ impl<'a> Gen<'a> {
     /// elementwise `tanh` (coremltools `mil.ops.defs.iOS15.activation`).
     /// The ANE trainers our notes digest never run it, so how the chip
     /// evaluates it is unmeasured here (a first Mac run of a Gemma 2 says;
-    /// the sigmoid the SwiGLU programs use is the fallback). The capped
+    /// were it refused, 2σ(2u) − 1 with the SwiGLU programs' sigmoid would
+    /// stand in, at the precision cost below). The capped
     /// score c·t keeps fp16's relative precision near zero, where the
     /// 2c·σ(2x/c) − c form would round every score to fp16's steps at c.
     pub fn score_tanh(&mut self, pre: &str, x: &Value, c: f64) -> Result<Value> {
