@@ -91,6 +91,31 @@ pub const FITTED: Fitted = Fitted {
 /// every family, until `doctor` measures it).
 pub const SCRATCH_SHARE: &str = "scratch share";
 
+/// What each name in [`Rates::unmeasured`] stands for, and what stands in
+/// for it: printed under a prediction that carries one.
+pub const UNMEASURED: &[(&str, &str)] = &[
+    (
+        "gemm curve",
+        "no published GEMM curve of this family's engine: the M1's, scaled to the M2 Pro's lower peak",
+    ),
+    (
+        "dispatch",
+        "no published dispatch time: the M1's 0.23 ms, the slowest published",
+    ),
+    (
+        "on-chip bytes",
+        "no published working-set threshold: the M1's 2 MB, the smallest published",
+    ),
+    (
+        "compile",
+        "no published compile time: the M1 Pro's, the slowest published",
+    ),
+    (
+        SCRATCH_SHARE,
+        "whether a program's intermediate matrices (the fused attention backward's P, dP, dS) count in its working set as its surfaces do: no source has measured it, so they all count (the slower prediction); `anetrain doctor` on the Mac measures it and its profile replaces the assumption",
+    ),
+];
+
 /// Numbers fitted to whole-step measurements rather than measured alone.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Fitted {
@@ -377,6 +402,16 @@ mod tests {
         // (32 / 12.5)^0.6 = 1.76: PR #25's 3.53 → 1.89 TFLOP/s is 1.87.
         assert!((ratio - (32.0f64 / 12.5).powf(0.6)).abs() < 1e-9, "{ratio}");
         assert_eq!(small.dispatch_ms, 0.095);
+    }
+
+    /// Every name a family's row can give as unmeasured is explained.
+    #[test]
+    fn every_unmeasured_name_is_explained() {
+        for f in Family::ALL {
+            for name in Rates::of(f).unmeasured {
+                assert!(UNMEASURED.iter().any(|(n, _)| *n == name), "{name}");
+            }
+        }
     }
 
     #[test]

@@ -133,6 +133,12 @@ pub struct PlanArgs {
     pub pair: Option<anetrain::plan::memory::PairStep>,
     /// A whole run of this many steps to predict too.
     pub steps: Option<u64>,
+    /// The data a run would train on, and the tokenizer to read it with
+    /// (the model's unless given): its tokens a step, and an epoch's
+    /// steps when `steps` is not given.
+    pub data: Option<(PathBuf, Option<PathBuf>)>,
+    /// What the step trains (the data is read for it).
+    pub objective: anetrain::train::objective::Objective,
 }
 
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
@@ -157,7 +163,18 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let memory = RunPlan::new(&source, seq, lora.as_ref(), a.backend, &a.memory, pair)?;
     let plan = tiling::plan(&shape, &opts)?;
     // One example, or one pair: its two sequences and the reference's.
-    let setup = anetrain::plan::timeline::StepSetup::new(
+    // The data, read as `train` reads it: its tokens in a row.
+    let fill = match &a.data {
+        Some((data, tokenizer)) => {
+            let s = anetrain::train::TrainSettings::reading(model, data, seq, a.objective.clone());
+            Some((
+                data,
+                anetrain::train::data_fill(&s, &source, tokenizer.as_deref())?,
+            ))
+        }
+        None => None,
+    };
+    let mut setup = anetrain::plan::timeline::StepSetup::new(
         seq,
         1,
         pair,
@@ -165,6 +182,11 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         a.memory.grad_checkpoint,
         memory.buffers,
     );
+    if let Some((_, f)) = &fill {
+        setup = setup.with_row_tokens(f.row_tokens);
+    }
+    // A run of --steps, or one epoch of the data (a step an example).
+    let steps = a.steps.or(fill.map(|(_, f)| f.examples as u64));
     let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
@@ -184,13 +206,30 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         let runs: serde_json::Map<String, serde_json::Value> = predicted
             .iter()
             .filter_map(|p| {
-                let steps = a.steps? as f64;
+                let steps = steps? as f64;
                 let s = (p.step_ms * steps + p.compile_ms) / 1e3;
                 Some((p.family.clone(), s.into()))
             })
             .collect();
+        // The same chip's CPU: its products alone (a floor of a cpu step).
+        let cpu: serde_json::Map<String, serde_json::Value> = predicted
+            .iter()
+            .map(|p| {
+                let f = ane::family::Family::parse(&p.family)?;
+                Ok((
+                    p.family.clone(),
+                    work.cpu_products_ms(&ane::cost::Rates::of(f)).into(),
+                ))
+            })
+            .collect::<Result<_>>()?;
         let v = serde_json::json!({
-            "steps": a.steps,
+            "cpu_products_ms": cpu,
+            "steps": steps,
+            "data": fill.map(|(path, f)| serde_json::json!({
+                "path": path,
+                "examples": f.examples,
+                "row_tokens": f.row_tokens,
+            })),
             "run_s": runs,
             "shape": shape,
             "plan": plan,
@@ -309,6 +348,23 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         plan.head_work(tiling::HeadPass::gradient(lora.is_none())).1
     );
     println!("{}", work.describe());
+    if let Some((path, f)) = &fill {
+        println!(
+            "data: '{}', {} training {} of {:.0} tokens on average in rows of {seq} ({:.0}% padding); {}",
+            path.display(),
+            f.examples,
+            match pair {
+                Some(_) => "pairs (two rows each)",
+                None => "examples",
+            },
+            f.row_tokens,
+            100.0 * (1.0 - f.row_tokens / seq as f64),
+            match a.steps {
+                Some(_) => "the run's tokens per second count the data's, not the padding",
+                None => "the run below is one epoch, a step an example",
+            }
+        );
+    }
     let family = match a.family {
         Some(f) => Some(f),
         None => ane::family::Profile::in_force()?.family,
@@ -327,14 +383,42 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             plan.programs_for(&cfg.layer_classes()),
             p.compile_ms / 1e3
         );
-        if let Some(steps) = a.steps {
+        // The same chip's CPU, for comparison: its products alone.
+        let f = ane::family::Family::parse(&p.family)?;
+        let cpu = work.cpu_products_ms(&ane::cost::Rates::of(f));
+        println!(
+            "    on its CPU instead (--backend cpu): ≥ {cpu:.0} ms/step for the matrix products alone (Accelerate's fp32 sgemm as ANEForge measured it{}; the CPU engine's norms, softmax and AdamW come on top)",
+            match f {
+                ane::family::Family::M2 | ane::family::Family::M3 => " on the M1, no other curve published",
+                _ => "",
+            }
+        );
+        if let Some(steps) = steps {
             let s = (p.step_ms * steps as f64 + p.compile_ms) / 1e3;
             println!(
-                "    {steps} steps ≈ {} with the compiles ({:.0} tokens a step)",
+                "    {steps} steps ≈ {} with the compiles ({:.0} tokens of data a step)",
                 duration(s),
                 p.tokens_per_s * p.step_ms / 1e3
             );
         }
+    }
+    // What an "unmeasured" in the lines above stands for.
+    let mut named: Vec<&str> = vec![];
+    for p in predicted
+        .iter()
+        .filter(|p| family.is_none_or(|f| f.name() == p.family))
+    {
+        for u in &p.unmeasured {
+            if !named.contains(u) {
+                named.push(u);
+            }
+        }
+    }
+    for (name, what) in ane::cost::UNMEASURED
+        .iter()
+        .filter(|(n, _)| named.contains(n))
+    {
+        println!("  unmeasured {name}: {what}");
     }
     println!(
         "\nmemory of a training run on {}{}{}:",
@@ -535,6 +619,15 @@ enum KernelsCommand {
         /// one sequence at --seq; the programs compiled once).
         #[arg(long, value_name = "N")]
         steps: Option<u64>,
+        /// The data a run would train on (as `train --data` reads it): the
+        /// predicted tokens a second count its tokens, not the padding of
+        /// records shorter than --seq, and without --steps the run shown
+        /// is one epoch of it.
+        #[arg(long, value_name = "PATH")]
+        data: Option<PathBuf>,
+        /// The tokenizer.json to read --data with [default: the model's].
+        #[arg(long, value_name = "FILE", requires = "data")]
+        tokenizer: Option<PathBuf>,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -598,6 +691,8 @@ pub fn run(a: Args) -> Result<()> {
             objective,
             precompute_ref,
             steps,
+            data,
+            tokenizer,
         } => show_plan(PlanArgs {
             model: resolve(&model, Need::Config)?,
             seq,
@@ -609,6 +704,13 @@ pub fn run(a: Args) -> Result<()> {
             family,
             pair: objective.pair_step(precompute_ref),
             steps,
+            data: data.map(|d| (d, tokenizer)),
+            objective: anetrain::train::objective::Objective::new(
+                objective,
+                anetrain::train::objective::DpoLoss::Sigmoid,
+                anetrain::train::objective::DEFAULT_BETA,
+                precompute_ref,
+            )?,
         }),
     }
 }

@@ -117,7 +117,7 @@ pub struct TrainArgs {
     sample: Sample,
     /// Fraction of the data (from the end) held out for validation, when
     /// there is no valid.jsonl.
-    #[arg(long, default_value_t = 0.02)]
+    #[arg(long, default_value_t = anetrain::train::DEFAULT_VAL_FRAC)]
     val_frac: f64,
     /// Validate every N steps (0 disables).
     #[arg(long, default_value_t = 50)]

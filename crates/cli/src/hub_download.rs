@@ -80,7 +80,7 @@ mod download {
         ));
         let info = repo
             .info()
-            .map_err(|e| explain(e, id, &endpoint, cache, None))?;
+            .map_err(|e| explain(e, id, need, &endpoint, cache, None))?;
         let listing: Vec<String> = info.siblings.into_iter().map(|s| s.rfilename).collect();
         let mut files = wanted(&listing, need);
         if need == Need::Model
@@ -99,7 +99,7 @@ mod download {
         let mut i = 0;
         while i < files.len() {
             let f = files[i].clone();
-            let path = fetch(&repo, &f, id, &endpoint, cache)?;
+            let path = fetch(&repo, &f, (id, need), &endpoint, cache)?;
             if f == "model.safetensors.index.json" {
                 let names = shards(&path).ok_or_else(|| {
                     anyhow::anyhow!("'{id}': model.safetensors.index.json has no weight_map")
@@ -125,7 +125,13 @@ mod download {
 
     /// One file, from the cache when there, else downloaded (a line on
     /// stderr for each; a progress bar on a terminal).
-    fn fetch(repo: &ApiRepo, f: &str, id: &HubId, endpoint: &str, cache: &Path) -> Result<PathBuf> {
+    fn fetch(
+        repo: &ApiRepo,
+        f: &str,
+        (id, need): (&HubId, Need),
+        endpoint: &str,
+        cache: &Path,
+    ) -> Result<PathBuf> {
         // `get` looks in the cache first, so only missing files travel.
         let cached = hf_hub::Cache::new(cache.to_path_buf())
             .repo(Repo::with_revision(
@@ -139,13 +145,14 @@ mod download {
         }
         eprintln!("downloading {id}: {f}");
         repo.get(f)
-            .map_err(|e| explain(e, id, endpoint, cache, Some(f)))
+            .map_err(|e| explain(e, id, need, endpoint, cache, Some(f)))
     }
 
     /// One line for a failed Hub request: what failed and what to do.
     fn explain(
         e: ApiError,
         id: &HubId,
+        need: Need,
         endpoint: &str,
         cache: &Path,
         file: Option<&str>,
@@ -173,7 +180,8 @@ mod download {
                     format!("'{id}': {endpoint} answered {code}; try again later")
                 }
                 ureq::Error::Transport(t) => format!(
-                    "'{id}' is not in the Hugging Face cache ({}) and {endpoint} cannot be reached: {t}",
+                    "'{id}': {} ({}) and {endpoint} cannot be reached: {t}",
+                    anetrain::model::hub::absence(cache, id, need),
                     cached.display()
                 ),
             },
@@ -191,9 +199,10 @@ mod download {
 mod download {
     use super::*;
 
-    pub fn snapshot(cache: &Path, id: &HubId, _need: Need) -> Result<PathBuf> {
+    pub fn snapshot(cache: &Path, id: &HubId, need: Need) -> Result<PathBuf> {
         bail!(
-            "'{id}' is not in the Hugging Face cache ({}) and this build cannot download (built without the `hub-download` feature); download it with `huggingface-cli download {}`",
+            "'{id}': {} ({}) and this build cannot download (built without the `hub-download` feature); download it with `huggingface-cli download {}`",
+            anetrain::model::hub::absence(cache, id, need),
             cache.join(id.folder()).display(),
             id.repo
         )

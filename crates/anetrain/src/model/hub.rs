@@ -145,13 +145,7 @@ fn snapshot(id: &HubId, need: Need) -> Result<PathBuf> {
         }
     }
     if offline() {
-        let what = match &cached {
-            Some(dir) => format!(
-                "its cached snapshot lacks {}",
-                missing(dir, need).join(", ")
-            ),
-            None => "it is not in the Hugging Face cache".into(),
-        };
+        let what = absence(&cache, id, need);
         bail!(
             "'{id}': {what} ({}) and HF_HUB_OFFLINE is set; run once with network access, or unset HF_HUB_OFFLINE",
             cache.join(id.folder()).display()
@@ -160,10 +154,24 @@ fn snapshot(id: &HubId, need: Need) -> Result<PathBuf> {
     match DOWNLOADER.get() {
         Some(download) => download(&cache, id, need),
         None => bail!(
-            "'{id}' is not in the Hugging Face cache ({}) and this program cannot download; download it with `huggingface-cli download {}`",
+            "'{id}': {} ({}) and this program cannot download; download it with `huggingface-cli download {}`",
+            absence(&cache, id, need),
             cache.join(id.folder()).display(),
             id.repo
         ),
+    }
+}
+
+/// Why the cache at `cache` cannot serve `need` of `id`: "it is not in
+/// the Hugging Face cache", or what its cached snapshot lacks (a download
+/// cut short, or one made for a command that needed less).
+pub fn absence(cache: &Path, id: &HubId, need: Need) -> String {
+    match cached_snapshot(cache, id) {
+        Some(dir) => format!(
+            "its cached snapshot lacks {}",
+            missing(&dir, need).join(", ")
+        ),
+        None => "it is not in the Hugging Face cache".into(),
     }
 }
 

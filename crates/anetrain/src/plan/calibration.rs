@@ -130,14 +130,7 @@ pub fn predict_seed(
     rates: &Rates,
 ) -> anyhow::Result<Predicted> {
     let plan = seed_plan(cfg, seq, rates.family)?;
-    let setup = StepSetup {
-        seq,
-        batch: 1,
-        lora: None,
-        grad_checkpoint: false,
-        buffers: DeviceBuffers::Persistent,
-        reference_forwards: 0,
-    };
+    let setup = StepSetup::new(seq, 1, None, None, false, DeviceBuffers::Persistent);
     Ok(predict(cfg, &plan, &setup, rates, Some(step)))
 }
 

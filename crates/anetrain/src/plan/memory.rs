@@ -586,6 +586,13 @@ impl RunPlan {
         .map_err(anyhow::Error::from)
     }
 
+    /// The plan with the model named `name` in what it prints (a Hub id
+    /// in place of its snapshot's path).
+    pub fn named(mut self, name: &str) -> RunPlan {
+        self.model = name.to_string();
+        self
+    }
+
     /// The plan, or an error in one line when it exceeds the limit, naming
     /// the single changes that would fit.
     pub fn refuse_over_limit(self) -> anyhow::Result<RunPlan> {

@@ -43,6 +43,10 @@ pub struct StepSetup {
     /// Forward-only sequences a step runs besides its rows (DPO's
     /// reference: two a pair).
     pub reference_forwards: usize,
+    /// Of a row's `seq` positions, how many hold the data's tokens on
+    /// average (records shorter than `seq` leave the rest padding, which
+    /// the device computes all the same); `seq` unless told.
+    pub row_tokens: f64,
 }
 
 impl StepSetup {
@@ -66,7 +70,15 @@ impl StepSetup {
             lora,
             grad_checkpoint,
             buffers,
+            row_tokens: seq as f64,
         }
+    }
+
+    /// The step with rows holding `mean` tokens of data each on average
+    /// (at most `seq`): its tokens per second count those, not padding.
+    pub fn with_row_tokens(mut self, mean: f64) -> StepSetup {
+        self.row_tokens = mean.min(self.seq as f64);
+        self
     }
 }
 
@@ -114,7 +126,11 @@ pub struct Predicted {
     /// Host work on the critical path: norms and the loss between
     /// kernels, weight gradients the device did not hide, AdamW.
     pub host_ms: f64,
+    /// The data's tokens a second (padding not counted).
     pub tokens_per_s: f64,
+    /// Positions a second, padding included (`tokens_per_s` when the
+    /// rows are full).
+    pub positions_per_s: f64,
     pub evaluations: usize,
     /// Compiling the plan's programs, once per run (not in `step_ms`).
     pub compile_ms: f64,
@@ -130,7 +146,7 @@ impl Predicted {
     /// `m4: 412 ms/step (dispatch 27, device 290, staging 40, host 55 ms), 621 tok/s`.
     pub fn describe(&self) -> String {
         format!(
-            "{}: {:.0} ms/step (dispatch {:.0}, device {:.0}, staging {:.0}, host {:.0} ms; {} dominates), {:.0} tok/s{}",
+            "{}: {:.0} ms/step (dispatch {:.0}, device {:.0}, staging {:.0}, host {:.0} ms; {} dominates), {}{}",
             self.family,
             self.step_ms,
             self.dispatch_ms,
@@ -138,12 +154,26 @@ impl Predicted {
             self.staging_ms,
             self.host_ms,
             self.dominant,
-            self.tokens_per_s,
+            self.throughput(),
             match self.unmeasured.is_empty() {
                 true => String::new(),
                 false => format!(" (unmeasured: {})", self.unmeasured.join(", ")),
             }
         )
+    }
+}
+
+impl Predicted {
+    /// `384 tok/s`, or with padding in the rows `41 tok/s of data (384
+    /// positions/s with the padding)`.
+    pub fn throughput(&self) -> String {
+        match self.positions_per_s > self.tokens_per_s * 1.005 {
+            false => format!("{:.0} tok/s", self.tokens_per_s),
+            true => format!(
+                "{:.0} tok/s of data ({:.0} positions/s with the padding)",
+                self.tokens_per_s, self.positions_per_s
+            ),
+        }
     }
 }
 
@@ -531,7 +561,8 @@ pub fn predict(
         device_ms: out.device,
         staging_ms: out.staging,
         host_ms: out.host,
-        tokens_per_s: (setup.seq * setup.batch) as f64 / step_ms * 1e3,
+        tokens_per_s: setup.row_tokens * setup.batch as f64 / step_ms * 1e3,
+        positions_per_s: (setup.seq * setup.batch) as f64 / step_ms * 1e3,
         evaluations: out.evaluations,
         compile_ms: programs as f64 * rates.compile_ms,
         dominant,
@@ -658,11 +689,11 @@ pub fn run_estimate(
         .iter()
         .map(|p| {
             format!(
-                "{} {:.2} s/step ({} dominates, {:.0} tok/s), {} steps ≈ {}",
+                "{} {:.2} s/step ({} dominates, {}), {} steps ≈ {}",
                 p.family,
                 p.step_ms / 1e3,
                 p.dominant,
-                p.tokens_per_s,
+                p.throughput(),
                 steps,
                 run(p)
             )
@@ -709,14 +740,7 @@ mod tests {
             o.cost_measured = measured.map(|m| (Family::M4, m));
             let rates = o.cost_rates();
             let plan = tiling::plan(&Shape::new(&cfg, 4096), &o).unwrap();
-            let setup = StepSetup {
-                seq: 4096,
-                batch: 1,
-                lora: None,
-                grad_checkpoint: true,
-                buffers: DeviceBuffers::Persistent,
-                reference_forwards: 0,
-            };
+            let setup = StepSetup::new(4096, 1, None, None, true, DeviceBuffers::Persistent);
             (
                 rates.scratch_share,
                 predict(&cfg, &plan, &setup, &rates, None).step_ms,
@@ -775,14 +799,14 @@ mod tests {
                 o.limits = ane::family::Family::M4.limits();
                 let plan = tiling::plan(&Shape::new(&cfg, seq), &o).unwrap();
                 assert!(plan.head.chunks > 1);
-                let setup = StepSetup {
+                let setup = StepSetup::new(
                     seq,
-                    batch: 1,
-                    lora: lora.clone(),
+                    1,
+                    None,
+                    lora.clone(),
                     grad_checkpoint,
-                    buffers: DeviceBuffers::Persistent,
-                    reference_forwards: 0,
-                };
+                    DeviceBuffers::Persistent,
+                );
                 let p = predict(&cfg, &plan, &setup, &Rates::of(o.cost_family), None);
                 let full = lora.is_none();
                 let work =

@@ -132,6 +132,17 @@ impl StepWork {
         Ok(self)
     }
 
+    /// The step's matrix products on the chip's CPU instead (`--backend
+    /// cpu`, Accelerate's fp32 `sgemm` at `rates`' published curve): the
+    /// device's products at the mean evaluation's size, the weight
+    /// gradients at their own. A floor of the CPU engine's step — its
+    /// norms, softmax and AdamW come on top, and nothing overlaps.
+    pub fn cpu_products_ms(&self, rates: &ane::cost::Rates) -> f64 {
+        let evals = self.device_evaluations.max(1) as f64;
+        evals * rates.host_gemm_ms(self.device_flop / evals)
+            + rates.host_gemm_ms(self.host_weight_gradient_flop)
+    }
+
     /// One line for `kernels plan`.
     pub fn describe(&self) -> String {
         let g = |f: f64| format!("{:.1} GFLOP", f / 1e9);

@@ -383,14 +383,14 @@ fn report(
     let predicted = match a.backend {
         Backend::Cpu => None,
         _ => {
-            let setup = crate::plan::timeline::StepSetup {
-                seq: a.seq,
-                batch: a.batch,
-                lora: model.lora.as_ref().map(|l| l.cfg.clone()),
-                grad_checkpoint: a.memory.grad_checkpoint,
-                buffers: plan.buffers,
-                reference_forwards: 0,
-            };
+            let setup = crate::plan::timeline::StepSetup::new(
+                a.seq,
+                a.batch,
+                None,
+                model.lora.as_ref().map(|l| l.cfg.clone()),
+                a.memory.grad_checkpoint,
+                plan.buffers,
+            );
             let opts = crate::kernels::KernelOptions::for_model(model);
             let all = crate::plan::timeline::predict_families(&model.cfg, &setup, &opts)?;
             let family = backend::predicted_family(a.backend)?;

@@ -65,6 +65,34 @@ impl Source {
         }
     }
 
+    /// What a step's rows of `seq` positions hold from the training split.
+    pub(super) fn fill(&self, seq: usize) -> DataFill {
+        let mean = |lens: &mut dyn Iterator<Item = usize>| {
+            let (n, sum) = lens.fold((0usize, 0usize), |(n, s), l| (n + 1, s + l));
+            sum as f64 / n.max(1) as f64
+        };
+        match self {
+            Source::Stream { train_end, .. } => DataFill {
+                examples: train_end / seq,
+                row_tokens: seq as f64,
+            },
+            // A row reads every token of its example but the last.
+            Source::Records { train, .. } => DataFill {
+                examples: train.len(),
+                row_tokens: mean(&mut train.iter().map(|e| e.tokens.len() - 1)),
+            },
+            Source::Pairs { train, .. } => DataFill {
+                examples: train.len(),
+                row_tokens: mean(
+                    &mut train
+                        .iter()
+                        .flat_map(|p| p.sequences())
+                        .map(|e| e.tokens.len() - 1),
+                ),
+            },
+        }
+    }
+
     /// Tokens in the training and the validation split.
     pub(super) fn sizes(&self) -> (usize, usize) {
         match self {
@@ -83,6 +111,34 @@ impl Source {
             }
         }
     }
+}
+
+/// What the training split puts in a step's rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DataFill {
+    /// Examples (records, pairs, or windows of a token stream) in an epoch.
+    pub examples: usize,
+    /// Tokens of data in a row of `--seq` positions on average (a pair's
+    /// two sequences counted as two rows); the rest is padding.
+    pub row_tokens: f64,
+}
+
+/// Reads `s.data` as a run of `s` would (with the model's tokenizer, or
+/// `tokenizer`) and says what its training split puts in a step's rows:
+/// `kernels plan --data` predicts the run from it.
+pub fn data_fill(
+    s: &TrainSettings,
+    model: &ModelSource,
+    tokenizer: Option<&Path>,
+) -> Result<DataFill> {
+    let tok = match (tokenizer, model.tokenizer_file()) {
+        (Some(t), _) => Some(Tokenizer::load(t)?),
+        (None, Some(t)) => Some(Tokenizer::load(&t)?),
+        _ => None,
+    };
+    let mut cfg = model.config.clone();
+    let corpus = load_corpus(s, model, &mut cfg, true, tok, &mut |_| {})?;
+    Ok(corpus.source.fill(s.seq))
 }
 
 /// Reads JSONL records for training: `train.jsonl` (and `valid.jsonl`) of

@@ -17,6 +17,9 @@ mod settings;
 pub mod step;
 
 pub use event::{Event, Interrupted};
+pub use feed::{data_fill, DataFill};
 pub use run::train;
 pub use run_dir::{abandon_fresh_run, default_out};
-pub use settings::{settings_differences, MemoryOptions, Sample, TrainRequest, TrainSettings};
+pub use settings::{
+    settings_differences, MemoryOptions, Sample, TrainRequest, TrainSettings, DEFAULT_VAL_FRAC,
+};

@@ -67,14 +67,20 @@ pub fn train(
     };
     report(&Event::Note(pre.plan.plan.line()));
     if r.settings.backend != Backend::Cpu {
-        report(&Event::Note(predicted_line(&r, &pre)?));
+        let fill = start.corpus.source.fill(r.settings.seq);
+        report(&Event::Note(predicted_line(&r, &pre, fill)?));
     }
     run_steps(&r, pre, start, report, stop)
 }
 
 /// The predicted step and run on the chip family in force (the one the
-/// simulator plays, if set) before the first step.
-fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
+/// simulator plays, if set) before the first step, its tokens a second
+/// those of the data's rows (`fill`).
+fn predicted_line(
+    r: &TrainRequest,
+    pre: &Preflight,
+    fill: super::feed::DataFill,
+) -> Result<String> {
     let s = &r.settings;
     let setup = crate::plan::timeline::StepSetup::new(
         s.seq,
@@ -83,7 +89,8 @@ fn predicted_line(r: &TrainRequest, pre: &Preflight) -> Result<String> {
         s.lora.clone(),
         r.memory.grad_checkpoint,
         pre.plan.buffers,
-    );
+    )
+    .with_row_tokens(fill.row_tokens);
     let family = backend::predicted_family(s.backend)?;
     let cfg = &pre.source.config;
     crate::plan::timeline::run_estimate(cfg, &setup, &pre.opts, family, r.steps)
@@ -112,14 +119,17 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
             bail!("--quantize-base quantizes a pretrained base for LoRA: give --model DIR|ORG/NAME and --lora-rank R");
         }
         if source.config.quantization.is_some() {
-            bail!("'{}' is already quantized; drop --quantize-base", s.model);
+            bail!(
+                "'{}' is already quantized; drop --quantize-base",
+                s.model_name()
+            );
         }
         source = source.quantized_on_load(spec);
     }
     if source.base_quantization().is_some() && s.lora.is_none() {
         bail!(
             "'{}' is quantized: a quantized base trains LoRA adapters only (add --lora-rank R); full fine-tuning needs the unquantized weights",
-            s.model
+            s.model_name()
         );
     }
     if s.seq > source.config.max_position_embeddings {
@@ -144,6 +154,7 @@ fn preflight(r: &TrainRequest) -> Result<Preflight> {
         &r.memory,
         s.objective.pair_step(),
     )?
+    .named(s.model_name())
     .refuse_over_limit()?;
     let device = s.backend.open()?;
     let out = &r.out;
@@ -448,7 +459,7 @@ impl Run<'_> {
             (self.report)(&Event::Note(line));
         }
         (self.report)(&Event::Started {
-            model: s.model.clone(),
+            model: s.model_name().to_string(),
             params: model.num_params(),
             train_tokens,
             val_tokens,

@@ -98,7 +98,50 @@ pub struct TrainSettings {
     pub objective: Objective,
 }
 
+/// The share of the data held out for validation when there is no
+/// `valid.jsonl` (`train --val-frac`'s default).
+pub const DEFAULT_VAL_FRAC: f64 = 0.02;
+
 impl TrainSettings {
+    /// The settings with which `train` would read `data` for `model` at
+    /// `seq` under `objective` and its defaults otherwise: what `kernels
+    /// plan --data` counts the data's tokens with ([`crate::train::data_fill`]).
+    /// The fields that do not touch the data are neutral.
+    pub fn reading(model: &str, data: &Path, seq: usize, objective: Objective) -> TrainSettings {
+        TrainSettings {
+            model: model.to_string(),
+            hub_id: None,
+            backend: Backend::Cpu,
+            data: Some(data.to_path_buf()),
+            token_dtype: TokenDtype::U16,
+            seq,
+            batch: 1,
+            accum: 1,
+            lr: 0.0,
+            warmup: None,
+            min_lr_frac: 0.0,
+            clip: 0.0,
+            seed: 0,
+            sample: Sample::Random,
+            val_frac: DEFAULT_VAL_FRAC,
+            eval_every: 0,
+            eval_windows: 0,
+            lora: None,
+            init_adapter: None,
+            quantize_base: None,
+            mask_prompt: false,
+            keys: Default::default(),
+            loss_scale: None,
+            objective,
+        }
+    }
+
+    /// The model as a person names it: the Hub id it was given as, else
+    /// the preset or directory (never a snapshot's path in the cache).
+    pub fn model_name(&self) -> &str {
+        self.hub_id.as_deref().unwrap_or(&self.model)
+    }
+
     /// The learning rate a run takes unless given one: 2e-4 for LoRA
     /// (mlx-lm's and PEFT's usual), 3e-3 for the `tiny` preset, 5e-4 for
     /// the other presets trained from scratch, 2e-5 to fine-tune every

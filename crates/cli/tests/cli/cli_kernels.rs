@@ -312,3 +312,71 @@ fn a_plan_predicts_the_whole_run() {
         "{text}"
     );
 }
+
+/// `kernels plan --data` reads the records as `train` would: the tokens
+/// a second it predicts count the records' tokens, not the padding of
+/// rows shorter than --seq, and without --steps the run is one epoch;
+/// every family's line says what its CPU's products alone would take,
+/// and every constant a line calls unmeasured is explained.
+#[test]
+fn a_plan_counts_the_datas_tokens_and_explains_itself() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/chat");
+    let run = |extra: &[&str]| {
+        let o = bin()
+            .env_remove("ANETRAIN_ANE_FAMILY")
+            .args(["kernels", "plan", "--seq", "128", "--lora-rank", "8"])
+            .arg("--model")
+            .arg(root.join("model"))
+            .arg("--data")
+            .arg(root.join("data/chat"))
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    let (examples, row_tokens) = (
+        v["data"]["examples"].as_u64().unwrap(),
+        v["data"]["row_tokens"].as_f64().unwrap(),
+    );
+    assert!(
+        examples > 10 && row_tokens > 5.0 && row_tokens < 100.0,
+        "{v}"
+    );
+    assert_eq!(v["steps"].as_u64(), Some(examples), "one epoch");
+    for (family, p) in v["predicted"].as_object().unwrap() {
+        let ratio = p["tokens_per_s"].as_f64().unwrap() / p["positions_per_s"].as_f64().unwrap();
+        assert!(
+            (ratio - row_tokens / 128.0).abs() < 1e-9,
+            "{family}: {ratio}"
+        );
+        assert!(
+            v["cpu_products_ms"][family].as_f64().unwrap() > 0.0,
+            "{family}"
+        );
+    }
+    let text = run(&[]);
+    assert!(text.contains("tok/s of data ("), "{text}");
+    assert!(
+        text.contains("on its CPU instead (--backend cpu): ≥ "),
+        "{text}"
+    );
+    // Every "(unmeasured: a, b)" has its explanation below.
+    let mut names = 0;
+    for line in text.lines() {
+        if let Some((_, rest)) = line.split_once("(unmeasured: ") {
+            for name in rest.split(')').next().unwrap().split(", ") {
+                names += 1;
+                assert!(
+                    text.contains(&format!("unmeasured {name}: ")),
+                    "{name}: {text}"
+                );
+            }
+        }
+    }
+    assert!(
+        names > 0,
+        "the M2/M3 lines name their unmeasured constants: {text}"
+    );
+}

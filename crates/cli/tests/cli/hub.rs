@@ -308,6 +308,23 @@ fn a_hub_model_downloads_trains_chats_and_then_runs_from_the_cache() {
         err.contains("anetrain generate --model test-org/chat-tiny --adapter"),
         "{err}"
     );
+    assert!(
+        err.contains("training test-org/chat-tiny (") && !err.contains("snapshots/"),
+        "the run names the model by its id: {err}"
+    );
+    let refused = hub_bin(&hf, &server.endpoint)
+        .args(["train", "--model", "test-org/chat-tiny", "--data"])
+        .arg(chat_data())
+        .args(["--lora-rank", "8", "--max-memory", "1M", "--backend", "cpu"])
+        .arg("--out")
+        .arg(t.path().join("refused"))
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        e.contains("`anetrain kernels plan --model test-org/chat-tiny --seq"),
+        "the refusal's hint names the id: {e}"
+    );
     for f in [
         "config.json",
         "tokenizer.json",
@@ -465,6 +482,16 @@ fn hub_failures_are_one_line_errors() {
             "test-org/missing",
             "cannot be reached",
             "models--test-org--missing",
+        ],
+    );
+    // Partly cached (the download stopped at the lost shard): what the
+    // snapshot lacks, not "not in the cache".
+    one_line_error(
+        &generate("test-org/lost-shard", &endpoint),
+        "partly cached, no server",
+        &[
+            "'test-org/lost-shard': its cached snapshot lacks model-00001-of-00002.safetensors",
+            "cannot be reached",
         ],
     );
 }
