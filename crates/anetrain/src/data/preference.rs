@@ -92,6 +92,17 @@ fn split_prompt(obj: &Map<String, Value>) -> Result<(Value, Value, Value)> {
             }
             return Ok((prompt.clone(), chosen.clone(), rejected.clone()));
         }
+        // TRL extracts the prompt from the answers when its layout is not
+        // theirs; where they share none, the layouts are what to fix.
+        return extract_prompt(chosen, rejected).map_err(|_| {
+            let (p, a) = match conversational {
+                true => ("a string", "lists of messages"),
+                false => ("a list of messages", "strings"),
+            };
+            anyhow!(
+                "\"prompt\" is {p} but \"chosen\" and \"rejected\" are {a}: give all three as strings, or all three as lists of messages (the prompt as [{{\"role\": \"user\", \"content\": ...}}])"
+            )
+        });
     }
     extract_prompt(chosen, rejected)
 }
@@ -334,6 +345,34 @@ mod tests {
             (json!("Sky is"), json!(" blue"), json!(" green"))
         );
         assert!(extract_prompt(&json!("abc"), &json!("xbc")).is_err());
+    }
+
+    /// A string prompt before message-list answers (or the reverse) that
+    /// share no start: the error names the layouts, not a missing prompt.
+    #[test]
+    fn a_prompt_of_another_layout_is_named() {
+        let pair = |v: serde_json::Value| v.as_object().unwrap().clone();
+        let e = split_prompt(&pair(json!({
+            "prompt": "Hi",
+            "chosen": [{"role": "assistant", "content": "Hello"}],
+            "rejected": [{"role": "assistant", "content": "Go"}],
+        })))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(
+                "\"prompt\" is a string but \"chosen\" and \"rejected\" are lists of messages"
+            ),
+            "{e}"
+        );
+        let e = split_prompt(&pair(json!({
+            "prompt": [{"role": "user", "content": "Hi"}],
+            "chosen": "Hello",
+            "rejected": "Go",
+        })))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("\"prompt\" is a list of messages but"), "{e}");
     }
 
     #[test]
