@@ -34,6 +34,13 @@ def plan(config, seq, lora, *extra):
     return json.loads(out)
 
 
+def ms(p):
+    """A family's ms/step; where its published curves disagree (the M1's
+    two), the range from the table's curve to the other."""
+    other = p.get("other_curve")
+    return f"{p['step_ms']:,.0f}" + (f"–{other[1]:,.0f}" if other else "")
+
+
 def families():
     print("| model (bf16 base) | " + " | ".join(f"{f} ms/step (tok/s)" for f in ("m1", "m4", "m5")) +
           " | evaluations | memory plan |")
@@ -41,7 +48,7 @@ def families():
     for name, config in FAMILIES:
         v = plan(config, 1024, True, "--device-buffers", "streamed", "--backend", "ane-sim")
         p = v["predicted"]
-        cells = [f"{p[f]['step_ms']:,.0f} ({p[f]['tokens_per_s']:,.0f})" for f in ("m1", "m4", "m5")]
+        cells = [f"{ms(p[f])} ({p[f]['tokens_per_s']:,.0f})" for f in ("m1", "m4", "m5")]
         print(f"| {name} | " + " | ".join(cells) +
               f" | {p['m4']['evaluations']:,} | {v['memory']['total'] / 1e9:.2f} GB |")
     return 0
@@ -57,7 +64,7 @@ def main():
         for seq in (256, 1024, 4096):
             for lora in (False, True):
                 p = plan(config, seq, lora)["predicted"]
-                cells = [f"{p[f]['step_ms']:,.0f} ({p[f]['tokens_per_s']:,.0f}, {p[f]['dominant']})"
+                cells = [f"{ms(p[f])} ({p[f]['tokens_per_s']:,.0f}, {p[f]['dominant']})"
                          for f in ("m1", "m4", "m5")]
                 print(f"| {name} | {seq} | {'LoRA r16' if lora else 'full'} | "
                       f"{p['m4']['evaluations']:,} | " + " | ".join(cells) + " |")

@@ -57,25 +57,62 @@ const M4_CPU_GEMM: GemmTable = &[
 // ANEForge `bench/results/rooflines/roofline-apple-m5-Mac17_3-019d3ac27339-dd5e5c95.json`
 // (Apple M5, Mac17,3, macOS 26.5.2). Its CPU row at 512 (0.77 ms, a
 // quarter of its neighbours' rate) is a cold start and left out: the 1024
-// row's rate holds below it.
-const M5_ANE_GEMM: GemmTable = &[
-    (512.0, 0.1162),
-    (1024.0, 0.4339),
-    (2048.0, 1.9965),
-    (4096.0, 18.930),
-];
+// row's rate holds below it. Its engine rows (512: 0.1162, 1024: 0.4339,
+// 2048: 1.9965, 4096: 18.930 ms) are a compiled GEMM's and are not used
+// (see `Rates::of`).
 const M5_CPU_GEMM: GemmTable = &[(1024.0, 1.1453), (2048.0, 8.2080), (4096.0, 67.082)];
 
-/// Peak fp16 GEMM of the M1 (MacBook Air) and of the M2 Pro, TFLOP/s:
-/// ANEForge `bench/results/ROOFLINES.md` ("Peak fp16 GEMM"). The M2 and M3
-/// have no published curve; they take the M1's, scaled to the M2 Pro's
-/// lower peak (the most conservative row published).
-const M1_PEAK: f64 = 4.3;
-const M2_PRO_PEAK: f64 = 3.4;
+// The other M1 ANEForge publishes: `roofline-apple-m1-MacBookPro17_1-dcf5b8a7dd09-4b3e72c0.json`
+// (Apple M1, MacBook Pro, macOS 26.5.2), 1.5–2.3× slower than the Air's
+// engine at every size and the slowest engine curve published, which the
+// unmeasured M3 takes. The sources disagree, so M1 predictions show both
+// ([`Rates::other_published`]).
+const M1_PRO17_ANE_GEMM: GemmTable = &[
+    (512.0, 0.73929),
+    (1024.0, 2.26083),
+    (2048.0, 9.71204),
+    (4096.0, 50.9442),
+];
+const M1_PRO17_CPU_GEMM: GemmTable = &[
+    (512.0, 0.34858),
+    (1024.0, 1.86217),
+    (2048.0, 18.5352),
+    (4096.0, 158.707),
+];
+// ANEForge `roofline-apple-m2-pro-Mac14_12-723396ad9091-370b3d53.json`
+// (Apple M2 Pro, Mac mini, macOS 26.5.2): the one M2 engine curve
+// published, between the two M1s'. Its CPU rows (15.5 ms at 1024, 8× the M1's) are not used: the M2 and
+// M3 take the M1 Air's host curve.
+const M2_PRO_ANE_GEMM: GemmTable = &[
+    (512.0, 0.66742),
+    (1024.0, 2.06783),
+    (2048.0, 9.56129),
+    (4096.0, 42.1142),
+];
+// ANEForge `roofline-apple-m4-max-Mac16_6-c77b1414be16-d11ec8da.json`
+// (Apple M4 Max): the chip rustane's published step ran on
+// ([`Rates::m4_max`]; the M4 family's table keeps the base M4's curve).
+const M4_MAX_ANE_GEMM: GemmTable = &[
+    (512.0, 0.13908),
+    (1024.0, 0.37083),
+    (2048.0, 1.93658),
+    (4096.0, 20.5641),
+    (6144.0, 123.737),
+    (8192.0, 296.526),
+];
+const M4_MAX_CPU_GEMM: GemmTable = &[
+    (512.0, 0.31229),
+    (1024.0, 0.68879),
+    (2048.0, 5.23313),
+    (4096.0, 45.8928),
+    (6144.0, 136.135),
+    (8192.0, 328.493),
+];
 
 /// The two fitted numbers (see the module comment), from maderix/ANE's
-/// M4 steps (README: Stories110M 91 ms, Qwen3-0.6B 412 ms at seq 256)
-/// costed with the seed's own programs and host work. PR #35 of
+/// dynamic pipeline on the M4 (`training/README.md`: Stories110M 111 ms,
+/// Qwen3-0.6B 412 ms at seq 256, ten evaluations a layer) costed with the
+/// seed's own programs and host work. PR #35 of
 /// maderix/ANE measured a dynamic-weight matmul at 4096 on an M5 at
 /// 1.66–1.76 TFLOP/s, 0.23–0.24 of ANEForge's compiled GEMM at 4096 on
 /// the same chip: an independent check of η, not used to fit it, which
@@ -83,7 +120,7 @@ const M2_PRO_PEAK: f64 = 3.4;
 /// are 32 MB, past the cliff, where our kernels at seq ≤ 1024 never go:
 /// `doctor` measures η at our own shapes).
 pub const FITTED: Fitted = Fitted {
-    dynamic_efficiency: 0.657,
+    dynamic_efficiency: 0.723,
     host_ms_per_eval: 0.222,
 };
 
@@ -96,7 +133,7 @@ pub const SCRATCH_SHARE: &str = "scratch share";
 pub const UNMEASURED: &[(&str, &str)] = &[
     (
         "gemm curve",
-        "no published GEMM curve of this family's engine: the M1's, scaled to the M2 Pro's lower peak",
+        "no published GEMM curve of this family's engine: the M1 MacBook Pro's, the slowest published",
     ),
     (
         "dispatch",
@@ -137,8 +174,6 @@ pub struct Rates {
     /// The dispatch inside each `ane_gemm` measurement (the table's, kept
     /// when `doctor`'s measured dispatch replaces `dispatch_ms`).
     pub gemm_dispatch_ms: f64,
-    /// Scales `ane_gemm`'s rate (an unmeasured family's stand-in curve).
-    pub ane_scale: f64,
     /// The host's fp32 `sgemm` (Accelerate) by size.
     #[serde(skip)]
     pub cpu_gemm: GemmTable,
@@ -174,15 +209,27 @@ pub struct EvalCost {
 impl Rates {
     /// The table's row for `family`.
     pub fn of(family: Family) -> Rates {
-        let (ane_gemm, cpu_gemm, ane_scale) = match family {
-            Family::M1 => (M1_ANE_GEMM, M1_CPU_GEMM, 1.0),
-            Family::M2 | Family::M3 => (M1_ANE_GEMM, M1_CPU_GEMM, M2_PRO_PEAK / M1_PEAK),
-            Family::M4 => (M4_ANE_GEMM, M4_CPU_GEMM, 1.0),
-            Family::M5 => (M5_ANE_GEMM, M5_CPU_GEMM, 1.0),
+        let (ane_gemm, cpu_gemm) = match family {
+            Family::M1 => (M1_ANE_GEMM, M1_CPU_GEMM),
+            Family::M2 => (M2_PRO_ANE_GEMM, M1_CPU_GEMM),
+            // Unmeasured: the slowest engine curve published, at every size.
+            Family::M3 => (M1_PRO17_ANE_GEMM, M1_PRO17_CPU_GEMM),
+            Family::M4 => (M4_ANE_GEMM, M4_CPU_GEMM),
+            // The M5's engine is the M4's H16 and trains no faster: its
+            // `ane_ms` is "essentially flat across M4/M5/M5 Max", the step's
+            // gains coming from the CPU (maderix/ANE PR #50), and its ANE
+            // benchmark runs 9.1–9.8 ms against the M4 Pro's 8.9 and M4
+            // Max's 10.2 (maderix/ANE `benchmarks/ANE_BENCHMARK_REPORT.md`).
+            // ANEForge's M5 GEMM curve (1.3–1.75× the M4's) is a compiled
+            // GEMM's, not what training measured: not used.
+            Family::M5 => (M4_ANE_GEMM, M5_CPU_GEMM),
         };
         let mut unmeasured = vec![];
+        if family == Family::M3 {
+            unmeasured.push("gemm curve");
+        }
         if matches!(family, Family::M2 | Family::M3) {
-            unmeasured.extend(["gemm curve", "dispatch", "on-chip bytes"]);
+            unmeasured.extend(["dispatch", "on-chip bytes"]);
         }
         if family == Family::M2 {
             unmeasured.push("compile");
@@ -191,20 +238,20 @@ impl Rates {
         let dispatch_ms = match family {
             Family::M1 | Family::M2 | Family::M3 => 0.23,
             Family::M4 => 0.095,
-            Family::M5 => 0.07,
+            Family::M5 => 0.08,
         };
         Rates {
             family,
             // M1: "a 0.23 ms floor" (the ANE guide, arXiv 2606.22283,
             // roofline chapter), also the value for the unmeasured M2/M3.
             // M4: 0.095 of 0.101 ms is XPC + IOKit (maderix, "Inside the M4
-            // Apple Neural Engine"; rustane README "~0.095ms"). M5: 0.06–0.08 ms
-            // averaged over ten evaluations at every QoS (maderix/ANE
+            // Apple Neural Engine"; rustane README "~0.095ms"). M5: 0.08 ms
+            // averaged over ten evaluations at QoS 21, the QoS our runtime
+            // asks for (0.06–0.08 at QoS 1–63, 0.11 at QoS 0: maderix/ANE
             // `training/m5result.md`, test_qos_sweep).
             dispatch_ms,
             gemm_dispatch_ms: dispatch_ms,
             ane_gemm,
-            ane_scale,
             cpu_gemm,
             // M4 (Max): best at a 12.5 MB working set, 32 MB at 0.54 of it,
             // 128 MB at 0.29 (maderix/ANE PR #25 `docs/BENCHMARK_RESULTS.md`):
@@ -218,10 +265,13 @@ impl Rates {
             },
             cliff_exponent: 0.6,
             scratch_share: 1.0,
-            // 2560×2560 fp16 weights (13.1 MB) copied into a surface in
-            // 0.27 ms (apple-neural-engine-field-guide README, measured on
-            // an M3 Max; no other family is published).
-            copy_gbs: 13.1e6 / 0.27e-3 / 1e9,
+            // 2560×2560 fp16 weights (13.1 MB) tiled and written into a
+            // surface in 0.39 ms, 33.6 GB/s (apple-neural-engine-field-guide
+            // README, measured on an M3 Max; its plain fp16 copy, 0.27 ms,
+            // leaves out the tiling our staging does). No other family is
+            // published; 33.6 GB/s is within every family's DRAM bandwidth
+            // (the base M1's is 68 GB/s).
+            copy_gbs: 13.1e6 / 0.39e-3 / 1e9,
             // The static pipeline recompiles its 60 weight-bearing kernels
             // every 10 steps: M1 Pro 7.9–8.5 s, M3 Ultra ~3.7 s, M4 Pro ~3.5 s,
             // M5 3.2–3.4 s (maderix/ANE `benchmarks/ANE_BENCHMARK_REPORT.md`,
@@ -234,6 +284,33 @@ impl Rates {
             },
             fitted: FITTED,
             unmeasured,
+        }
+    }
+
+    /// The M4 family's row on the M4 Max's curves (ANEForge): what a step
+    /// published on an M4 Max is costed with.
+    pub fn m4_max() -> Rates {
+        Rates {
+            ane_gemm: M4_MAX_ANE_GEMM,
+            cpu_gemm: M4_MAX_CPU_GEMM,
+            ..Rates::of(Family::M4)
+        }
+    }
+
+    /// Where published curves of one family disagree, the row on the other
+    /// curve, named: the M1's MacBook Pro (the table's is the MacBook
+    /// Air's, the faster).
+    pub fn other_published(family: Family) -> Option<(&'static str, Rates)> {
+        match family {
+            Family::M1 => Some((
+                "the M1 MacBook Pro's curve",
+                Rates {
+                    ane_gemm: M1_PRO17_ANE_GEMM,
+                    cpu_gemm: M1_PRO17_CPU_GEMM,
+                    ..Rates::of(Family::M1)
+                },
+            )),
+            _ => None,
         }
     }
 
@@ -304,7 +381,7 @@ impl Rates {
     /// taken out), from the family's curve at the GEMM of equal work.
     pub fn compiled_ms(&self, flop: f64) -> f64 {
         let n = (flop / 2.0).cbrt();
-        let rate = rate_at(self.ane_gemm, n, self.gemm_dispatch_ms) * self.ane_scale;
+        let rate = rate_at(self.ane_gemm, n, self.gemm_dispatch_ms);
         flop / rate
     }
 
@@ -423,6 +500,19 @@ mod tests {
         let f = 1e10;
         assert!(m2.compiled_ms(f) >= m1.compiled_ms(f));
         assert!(m2.dispatch_ms >= m1.dispatch_ms);
+        // The M3, with no curve of its own, is no faster than any engine
+        // curve published (it takes the slowest, the M1 MacBook Pro's);
+        // the M1's two curves disagree, the table's is the faster.
+        let (_, m1_pro) = Rates::other_published(Family::M1).unwrap();
+        let m3 = Rates::of(Family::M3);
+        for n in [512.0, 1024.0, 2048.0, 4096.0f64] {
+            let f = 2.0 * n.powi(3);
+            for r in [&m1, &m2, &Rates::of(Family::M4), &Rates::m4_max()] {
+                assert!(m3.compiled_ms(f) >= 0.99 * r.compiled_ms(f), "{n}");
+            }
+            assert!(m1_pro.compiled_ms(f) > m1.compiled_ms(f), "{n}");
+        }
+        assert!(m3.unmeasured.contains(&"gemm curve") && !m2.unmeasured.contains(&"gemm curve"));
     }
 
     #[test]

@@ -140,6 +140,10 @@ pub struct Predicted {
     pub passes: Passes,
     /// Table constants no source measured on this family.
     pub unmeasured: Vec<&'static str>,
+    /// The same step on another published curve of the family, where the
+    /// sources disagree (the M1's two): its name and ms a step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub other_curve: Option<(&'static str, f64)>,
 }
 
 impl Predicted {
@@ -159,7 +163,10 @@ impl Predicted {
                 true => String::new(),
                 false => format!(" (unmeasured: {})", self.unmeasured.join(", ")),
             }
-        )
+        ) + &match self.other_curve {
+            Some((name, ms)) => format!("; {ms:.0} ms/step on {name}"),
+            None => String::new(),
+        }
     }
 }
 
@@ -574,6 +581,7 @@ pub fn predict(
             .copied()
             .filter(|&u| u != ane::cost::SCRATCH_SHARE || plan.used().any(|k| k.scratch_bytes > 0))
             .collect(),
+        other_curve: None,
     }
 }
 
@@ -632,13 +640,22 @@ pub fn predict_families(
         o.limits = family.limits();
         o.cost_family = family;
         let plan = crate::kernels::tiling::plan(&shape, &o)?;
-        out.push(predict(
-            cfg,
-            &plan,
-            setup,
-            &rates_for(family, &profile),
-            None,
-        ));
+        let rates = rates_for(family, &profile);
+        let mut p = predict(cfg, &plan, setup, &rates, None);
+        // Where the family's published curves disagree, the other one too
+        // (unless this chip's own measurements replaced the table's).
+        if let (Some((name, other)), true) = (
+            Rates::other_published(family),
+            profile.timing.is_none() || profile.family != Some(family),
+        ) {
+            let r = Rates {
+                fitted: rates.fitted,
+                scratch_share: rates.scratch_share,
+                ..other
+            };
+            p.other_curve = Some((name, predict(cfg, &plan, setup, &r, None).step_ms));
+        }
+        out.push(p);
     }
     Ok(out)
 }
