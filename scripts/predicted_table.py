@@ -3,9 +3,10 @@
 plan --json` for Qwen3-0.6B/1.7B/4B at seq 256/1024/4096, full fine-tuning
 and LoRA rank 16, on the M1, M4 and M5 rows of the cost model; with
 `--families`, one shape of each model family (LoRA r16, seq 1024, streamed
-device buffers) with its memory plan.
+device buffers) with its memory plan; with `--energy`, tokens a second and
+millijoules a token of LoRA recipes people run with mlx-lm on the GPU.
 
-    cargo build --release && python3 scripts/predicted_table.py [--families]
+    cargo build --release && python3 scripts/predicted_table.py [--families | --energy]
 """
 import json
 import subprocess
@@ -54,9 +55,33 @@ def families():
     return 0
 
 
+ENERGY = [("Qwen3-0.6B", "qwen3-0.6b", 256, []),
+          ("Qwen3-0.6B", "qwen3-0.6b", 1024, []),
+          ("Qwen3-0.6B", "qwen3-0.6b", 1024, ["--lora-layers", "16"]),
+          ("Qwen3-4B", "qwen3-4b", 1024, []),
+          ("Qwen3-4B", "qwen3-4b", 1024, ["--lora-layers", "16"]),
+          ("Mistral-7B-v0.3", "mistral-7b-v0.3", 1024, ["--lora-layers", "16"])]
+
+
+def energy():
+    print("| model, LoRA r16, streamed buffers | seq | layers adapted | " +
+          " | ".join(f"{f} tok/s, mJ/token" for f in ("m1", "m4", "m5")) + " |")
+    print("|---|---:|---|" + "---:|" * 3)
+    for name, config, seq, extra in ENERGY:
+        args = [str(BIN), "kernels", "plan", "--model", str(ROOT / "testdata/configs" / f"{config}.json"),
+                "--seq", str(seq), "--json", "--lora-rank", "16", "--device-buffers", "streamed",
+                "--max-memory", "1T", *extra]
+        p = json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)["predicted"]
+        cells = [f"{p[f]['tokens_per_s']:,.0f}, {p[f]['mj_per_token']:,.0f}" for f in ("m1", "m4", "m5")]
+        print(f"| {name} | {seq} | {'last ' + extra[1] if extra else 'all'} | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main():
     if "--families" in sys.argv[1:]:
         return families()
+    if "--energy" in sys.argv[1:]:
+        return energy()
     print("| model | seq | training | evaluations | " +
           " | ".join(f"{f} ms/step (tok/s, dominant)" for f in ("m1", "m4", "m5")) + " |")
     print("|---|---:|---|---:|" + "---|" * 3)

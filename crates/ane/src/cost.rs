@@ -128,6 +128,10 @@ pub const FITTED: Fitted = Fitted {
 /// every family, until `doctor` measures it).
 pub const SCRATCH_SHARE: &str = "scratch share";
 
+/// The name [`Rates::unmeasured`] gives the power readings of a family no
+/// source has read (`doctor` does not measure power).
+pub const POWER: &str = "power";
+
 /// What each name in [`Rates::unmeasured`] stands for, and what stands in
 /// for it: printed under a prediction that carries one.
 pub const UNMEASURED: &[(&str, &str)] = &[
@@ -146,6 +150,10 @@ pub const UNMEASURED: &[(&str, &str)] = &[
     (
         "compile",
         "no published compile time: the M1 Pro's, the slowest published",
+    ),
+    (
+        POWER,
+        "no published power readings of this family: the highest published, the M5's (8.5 W while its engine runs, 12.5 W while its CPU does)",
     ),
     (
         SCRATCH_SHARE,
@@ -193,6 +201,11 @@ pub struct Rates {
     pub copy_gbs: f64,
     /// Compiling and loading one program (ms).
     pub compile_ms: f64,
+    /// Active package power (W) while the engine runs a GEMM of our
+    /// programs' sizes, and while the CPU runs one: what a step's device
+    /// time and its host time draw ([`Rates::joules`]).
+    pub ane_package_w: f64,
+    pub cpu_package_w: f64,
     pub fitted: Fitted,
     /// The constants no source measured on this family (each took the
     /// most conservative published value).
@@ -226,7 +239,7 @@ impl Rates {
         };
         let mut unmeasured = vec![];
         if family == Family::M3 {
-            unmeasured.push("gemm curve");
+            unmeasured.extend(["gemm curve", POWER]);
         }
         if matches!(family, Family::M2 | Family::M3) {
             unmeasured.extend(["dispatch", "on-chip bytes"]);
@@ -289,6 +302,26 @@ impl Rates {
                 Family::M4 => 3.5e3 / 60.0,
                 Family::M5 => 3.3e3 / 60.0,
             },
+            // powermetrics' active package power in ANEForge's rooflines
+            // (the files the GEMM curves above come from, `power` →
+            // `active_pkg_W`), the mean of the 1024 and 2048 GEMM rows, our
+            // programs' sizes: the engine's row (its rail and the CPU thread
+            // feeding it) and the CPU's `sgemm` row. M1 (Air): 5.09, 6.40 W
+            // and 7.88, 5.60 W; M2 Pro: 2.66, 1.59 W for its engine, its CPU
+            // rows not used (see its curve), the M1's in their place; M4:
+            // 4.87, 5.26 W and 8.97, 8.71 W; M5: 8.76, 8.18 W and 13.23,
+            // 11.76 W. The M3, unmeasured, takes the highest published.
+            ane_package_w: match family {
+                Family::M1 => (5.0865 + 6.396) / 2.0,
+                Family::M2 => (2.664 + 1.5895) / 2.0,
+                Family::M4 => (4.874 + 5.258) / 2.0,
+                Family::M3 | Family::M5 => (8.7625 + 8.1835) / 2.0,
+            },
+            cpu_package_w: match family {
+                Family::M1 | Family::M2 => (7.881 + 5.597) / 2.0,
+                Family::M4 => (8.9725 + 8.7145) / 2.0,
+                Family::M3 | Family::M5 => (13.2275 + 11.757) / 2.0,
+            },
             fitted: FITTED,
             unmeasured,
         }
@@ -344,7 +377,8 @@ impl Rates {
         self.dispatch_ms = m.dispatch_ms;
         self.copy_gbs = m.write_gbs;
         self.compile_ms = m.compile_ms;
-        self.unmeasured.clear();
+        // `doctor` times the chip; it does not read its power.
+        self.unmeasured.retain(|&u| u == POWER);
         match &m.scratch {
             Some(p) => self.scratch_share = self.scratch_share_of(p),
             // A profile from before the scratch probe.
@@ -422,6 +456,15 @@ impl Rates {
         }
         let n = (flop / 2.0).cbrt();
         flop / rate_at(self.cpu_gemm, n, 0.0)
+    }
+
+    /// Joules of a step that keeps the engine busy `device_ms` (its
+    /// dispatches included) and the CPU `host_ms` (staging and host work
+    /// on the critical path), at the family's active package power. Work
+    /// the host does beside the engine (weight gradients on the worker)
+    /// draws more than this says.
+    pub fn joules(&self, device_ms: f64, host_ms: f64) -> f64 {
+        (self.ane_package_w * device_ms + self.cpu_package_w * host_ms) / 1e3
     }
 
     /// Host copies or elementwise passes over `bytes`.

@@ -202,7 +202,8 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             .iter()
             .map(|p| Ok((p.family.clone(), serde_json::to_value(p)?)))
             .collect::<Result<_>>()?;
-        // The whole run: its steps and the programs' compiles, once.
+        // The whole run: its steps and the programs' compiles, once, and
+        // the steps' energy.
         let runs: serde_json::Map<String, serde_json::Value> = predicted
             .iter()
             .filter_map(|p| {
@@ -210,6 +211,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
                 let s = (p.step_ms * steps + p.compile_ms) / 1e3;
                 Some((p.family.clone(), s.into()))
             })
+            .collect();
+        let run_wh: serde_json::Map<String, serde_json::Value> = predicted
+            .iter()
+            .filter_map(|p| Some((p.family.clone(), p.watt_hours(steps?).into())))
             .collect();
         // The same chip's CPU: its products alone (a floor of a cpu step).
         let cpu: serde_json::Map<String, serde_json::Value> = predicted
@@ -225,6 +230,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         let v = serde_json::json!({
             "cpu_products_ms": cpu,
             "steps": steps,
+            "run_wh": run_wh,
             "data": fill.map(|(path, f)| serde_json::json!({
                 "path": path,
                 "examples": f.examples,
@@ -396,9 +402,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         if let Some(steps) = steps {
             let s = (p.step_ms * steps as f64 + p.compile_ms) / 1e3;
             println!(
-                "    {steps} steps ≈ {} with the compiles ({:.0} tokens of data a step)",
+                "    {steps} steps ≈ {} with the compiles ({:.0} tokens of data a step), {}",
                 duration(s),
-                p.tokens_per_s * p.step_ms / 1e3
+                p.tokens_per_s * p.step_ms / 1e3,
+                anetrain::plan::timeline::watt_hours(p.watt_hours(steps))
             );
         }
     }
@@ -578,8 +585,10 @@ enum KernelsCommand {
     /// or blocks of queries, their results concatenated or summed); the
     /// programs to compile and the device evaluations and FLOPs of a step;
     /// the predicted step on each chip family, from a cost model of
-    /// published measurements (docs/benchmarks.md), not of this machine;
-    /// and the memory plan of a training run with these settings.
+    /// published measurements (docs/benchmarks.md), not of this machine,
+    /// with its energy at the family's published package power and the
+    /// same step's matrix products on that Mac's CPU; and the memory plan
+    /// of a training run with these settings.
     Plan {
         /// A preset, a model directory with config.json, or a Hub id.
         #[arg(long, default_value = "tiny")]

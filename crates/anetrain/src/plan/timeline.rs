@@ -131,6 +131,10 @@ pub struct Predicted {
     /// Positions a second, padding included (`tokens_per_s` when the
     /// rows are full).
     pub positions_per_s: f64,
+    /// Energy of a step at the family's published package power
+    /// ([`Rates::joules`]), and per token of data.
+    pub joules_per_step: f64,
+    pub mj_per_token: f64,
     pub evaluations: usize,
     /// Compiling the plan's programs, once per run (not in `step_ms`).
     pub compile_ms: f64,
@@ -171,16 +175,25 @@ impl Predicted {
 }
 
 impl Predicted {
-    /// `384 tok/s`, or with padding in the rows `41 tok/s of data (384
-    /// positions/s with the padding)`.
+    /// `384 tok/s, 12.1 mJ/token`, or with padding in the rows `41 tok/s
+    /// of data (384 positions/s with the padding), 113 mJ/token`.
     pub fn throughput(&self) -> String {
+        let energy = match self.mj_per_token {
+            e if e < 10.0 => format!("{e:.1} mJ/token"),
+            e => format!("{e:.0} mJ/token"),
+        };
         match self.positions_per_s > self.tokens_per_s * 1.005 {
-            false => format!("{:.0} tok/s", self.tokens_per_s),
+            false => format!("{:.0} tok/s, {energy}", self.tokens_per_s),
             true => format!(
-                "{:.0} tok/s of data ({:.0} positions/s with the padding)",
+                "{:.0} tok/s of data ({:.0} positions/s with the padding), {energy}",
                 self.tokens_per_s, self.positions_per_s
             ),
         }
+    }
+
+    /// The watt-hours of `steps` steps.
+    pub fn watt_hours(&self, steps: u64) -> f64 {
+        self.joules_per_step * steps as f64 / 3600.0
     }
 }
 
@@ -545,6 +558,7 @@ pub fn predict(
         optimizer_ms: update.total(),
     };
     let step_ms = out.total();
+    let joules = rates.joules(out.device + out.dispatch, out.staging + out.host);
     let phases = [
         ("dispatch", out.dispatch),
         ("device", out.device),
@@ -570,6 +584,8 @@ pub fn predict(
         host_ms: out.host,
         tokens_per_s: setup.row_tokens * setup.batch as f64 / step_ms * 1e3,
         positions_per_s: (setup.seq * setup.batch) as f64 / step_ms * 1e3,
+        joules_per_step: joules,
+        mj_per_token: joules * 1e3 / (setup.row_tokens * setup.batch as f64),
         evaluations: out.evaluations,
         compile_ms: programs as f64 * rates.compile_ms,
         dominant,
@@ -681,6 +697,15 @@ pub fn shown(all: Vec<Predicted>, family: Option<ane::family::Family>) -> Vec<Pr
         .collect()
 }
 
+/// `0.8 Wh`, `35 Wh`, `12 mWh`: energy as a person reads it.
+pub fn watt_hours(wh: f64) -> String {
+    match wh {
+        w if w < 0.1 => format!("{:.0} mWh", w * 1e3),
+        w if w < 10.0 => format!("{w:.2} Wh"),
+        w => format!("{w:.0} Wh"),
+    }
+}
+
 /// The line `train` prints before its first step on a device backend:
 /// the predicted step on `family` (every measured family when none is
 /// known) and the whole run of `steps` optimizer steps.
@@ -706,18 +731,19 @@ pub fn run_estimate(
         .iter()
         .map(|p| {
             format!(
-                "{} {:.2} s/step ({} dominates, {}), {} steps ≈ {}",
+                "{} {:.2} s/step ({} dominates, {}), {} steps ≈ {} and {}",
                 p.family,
                 p.step_ms / 1e3,
                 p.dominant,
                 p.throughput(),
                 steps,
-                run(p)
+                run(p),
+                watt_hours(p.watt_hours(steps))
             )
         })
         .collect();
     Ok(format!(
-        "predicted on the Neural Engine{}: {} (a cost model of published measurements, not of this machine: docs/benchmarks.md)",
+        "predicted on the Neural Engine{}: {} (a cost model of published measurements and power readings, not of this machine: docs/benchmarks.md)",
         if family.is_none() { " (no chip family known)" } else { "" },
         each.join("; ")
     ))
@@ -771,6 +797,37 @@ mod tests {
             "{with_measured} vs {with_table}"
         );
         assert_eq!(step(Some(measured), Family::M5), step(None, Family::M5));
+    }
+
+    /// A step's energy is the engine's package power over its device
+    /// time and the CPU's over the host's, as published per family; per
+    /// token it counts the data's tokens.
+    #[test]
+    fn a_steps_energy_is_its_phases_at_the_published_power() {
+        use crate::kernels::{tiling, KernelOptions, Shape};
+        use ane::family::Family;
+        let cfg = ModelConfig::preset("qwen3-0.6b").unwrap();
+        let lora = Some(LoraConfig::every_projection(16));
+        let mut o = KernelOptions::hf(&cfg).with_lora(lora.as_ref());
+        (o.cost_family, o.limits) = (Family::M4, Family::M4.limits());
+        let plan = tiling::plan(&Shape::new(&cfg, 256), &o).unwrap();
+        let rates = Rates::of(Family::M4);
+        let setup = StepSetup::new(256, 1, None, lora, false, DeviceBuffers::Streamed);
+        let p = predict(&cfg, &plan, &setup, &rates, None);
+        let j = (rates.ane_package_w * (p.device_ms + p.dispatch_ms)
+            + rates.cpu_package_w * (p.staging_ms + p.host_ms))
+            / 1e3;
+        assert!((p.joules_per_step - j).abs() < 1e-12, "{p:?}");
+        assert!((p.mj_per_token - j * 1e3 / 256.0).abs() < 1e-9);
+        // Rows a quarter full: the same joules over a quarter of the tokens.
+        let quarter = predict(
+            &cfg,
+            &plan,
+            &setup.clone().with_row_tokens(64.0),
+            &rates,
+            None,
+        );
+        assert!((quarter.mj_per_token - 4.0 * p.mj_per_token).abs() < 1e-9);
     }
 
     /// A queued job starts when it is queued or when the worker is free,

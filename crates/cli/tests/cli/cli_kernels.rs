@@ -306,9 +306,25 @@ fn a_plan_predicts_the_whole_run() {
         (run_s - (1000.0 * step_ms + compile_ms) / 1e3).abs() < 1e-9,
         "{run_s}"
     );
+    // Its energy: the steps' joules in watt-hours, each step's per token.
+    let (joules, mj) = (
+        m4["joules_per_step"].as_f64().unwrap(),
+        m4["mj_per_token"].as_f64().unwrap(),
+    );
+    let wh = v["run_wh"]["m4"].as_f64().unwrap();
+    assert!((wh - 1000.0 * joules / 3600.0).abs() < 1e-9, "{wh}");
+    let tokens = m4["tokens_per_s"].as_f64().unwrap() * step_ms / 1e3;
+    assert!(
+        (mj - joules * 1e3 / tokens).abs() < 1e-9 && mj > 0.0,
+        "{mj}"
+    );
     let text = run(&["--family", "m4"]);
     assert!(
         text.contains("1000 steps ≈ ") && text.contains("with the compiles"),
+        "{text}"
+    );
+    assert!(
+        text.contains(" mJ/token") && text.contains("Wh\n"),
         "{text}"
     );
 }

@@ -64,7 +64,7 @@ fn doctor_probes_each_simulated_family_and_leaves_no_profile_behind() {
             .contains("not measured"));
         assert_eq!(
             r["timing"]["table"]["dispatch_ms"],
-            if family == "m1" { 0.23 } else { 0.07 }
+            ane::cost::Rates::of(ane::family::Family::parse(family).unwrap()).dispatch_ms
         );
         assert!(md.contains("| dispatch per evaluation (ms) |") && md.contains("not measured"));
         // The simulator plays the table back: nothing is saved for later
