@@ -123,6 +123,10 @@ pub struct PlanArgs {
     pub lora_rank: Option<usize>,
     /// LoRA on the last this many layers only (`train --lora-layers`).
     pub lora_layers: Option<usize>,
+    /// The projections LoRA adapts (`train --lora-targets`).
+    pub lora_targets: Vec<anetrain::model::Projection>,
+    /// Examples (or pairs) a step (`train --batch` × `--accum`).
+    pub batch: usize,
     pub backend: Backend,
     pub memory: MemoryOptions,
     pub json: bool,
@@ -141,6 +145,56 @@ pub struct PlanArgs {
     pub objective: anetrain::train::objective::Objective,
 }
 
+/// `anetrain kernels plan --seed-compat`: the validation of the cost
+/// model (every published step beside its prediction, on its own chip's
+/// curves) and the seed's programs for `model` at `seq` on each family,
+/// with the seed's host work (maderix/ANE's dynamic pipeline).
+pub fn show_seed_plan(model: &str, seq: usize, json: bool) -> Result<()> {
+    use anetrain::plan::calibration::{predict_seed, validate};
+    use anetrain::plan::timeline::SeedStep;
+    let cfg = ModelConfig::resolve(model)?;
+    let rows = validate()?;
+    let step = SeedStep {
+        vocab: 9200.min(cfg.vocab_size),
+        optimizer: false,
+        fused_mha: false,
+    };
+    let mine: Vec<_> = ane::family::Family::ALL
+        .iter()
+        .map(|&f| predict_seed(&cfg, seq, step, &ane::cost::Rates::of(f)))
+        .collect::<Result<_>>()?;
+    if json {
+        let v = serde_json::json!({ "validation": rows, "seed_step": mine });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("the cost model against published steps (the seed's programs and host work; docs/benchmarks.md):");
+    for v in &rows {
+        println!(
+            "  {:<14} {} on {}: predicted {:.1} ms, published {:.1} ms ({:+.1}%){}{}",
+            v.published.name,
+            v.published.family.name(),
+            v.published.curve,
+            v.predicted.step_ms,
+            v.published.ms,
+            100.0 * v.error,
+            if v.published.fitted { ", fitted" } else { "" },
+            v.published
+                .known_miss
+                .map_or(String::new(), |why| format!("; missed: {why}"))
+        );
+        println!("    source: {}", v.published.source);
+    }
+    println!(
+        "\nthe seed's programs for {model} at seq {seq} (its host work: the classifier on the CPU over a {}-token vocabulary, no optimizer counted):",
+        step.vocab
+    );
+    for p in &mine {
+        println!("  {}", p.describe());
+    }
+    Ok(())
+}
+
 /// `anetrain kernels plan`: how each kernel is tiled for this model under
 /// the device limits in force, what that costs, and the memory plan of a
 /// training run with these settings.
@@ -155,7 +209,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     let (cfg, shape, mut opts) = setup(model, seq, false, !a.json, a.family)?;
     let lora = lora_rank.map(|r| LoraConfig {
         layers: a.lora_layers,
-        ..LoraConfig::every_projection(r)
+        ..LoraConfig::new(r, None, 0.0, a.lora_targets.clone())
     });
     opts = opts.with_lora(lora.as_ref());
     let source = anetrain::model::source::ModelSource::resolve(model)?;
@@ -176,7 +230,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     };
     let mut setup = anetrain::plan::timeline::StepSetup::new(
         seq,
-        1,
+        a.batch,
         pair,
         lora.clone(),
         a.memory.grad_checkpoint,
@@ -185,8 +239,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     if let Some((_, f)) = &fill {
         setup = setup.with_row_tokens(f.row_tokens);
     }
-    // A run of --steps, or one epoch of the data (a step an example).
-    let steps = a.steps.or(fill.map(|(_, f)| f.examples as u64));
+    // A run of --steps, or one epoch of the data (--batch examples a step).
+    let steps = a
+        .steps
+        .or(fill.map(|(_, f)| f.examples.div_ceil(a.batch) as u64));
     let work = anetrain::plan::work::StepWork::plan(
         &cfg,
         seq,
@@ -256,13 +312,28 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
         shape.head_dim,
         cfg.num_hidden_layers,
         seq,
-        match (lora_rank, a.lora_layers) {
-            (None, _) => String::new(),
-            (Some(r), None) => format!(", LoRA rank {r} on all projections"),
-            (Some(r), Some(n)) => format!(
-                ", LoRA rank {r} on all projections of the last {} layers (the backward stops below them)",
-                n.min(cfg.num_hidden_layers)
-            ),
+        {
+            let on = match lora.as_ref().map(|l| l.targets.len()) {
+                Some(7) => "all projections".to_string(),
+                _ => a
+                    .lora_targets
+                    .iter()
+                    .map(|p| p.name())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            };
+            let batch = match a.batch {
+                1 => String::new(),
+                b => format!(", {b} examples a step"),
+            };
+            match (lora_rank, a.lora_layers) {
+                (None, _) => batch,
+                (Some(r), None) => format!(", LoRA rank {r} on {on}{batch}"),
+                (Some(r), Some(n)) => format!(
+                    ", LoRA rank {r} on {on} of the last {} layers (the backward stops below them){batch}",
+                    n.min(cfg.num_hidden_layers)
+                ),
+            }
         },
         plan.limits.max_spatial,
         plan.limits.max_channel,
@@ -367,7 +438,7 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             100.0 * (1.0 - f.row_tokens / seq as f64),
             match a.steps {
                 Some(_) => "the run's tokens per second count the data's, not the padding",
-                None => "the run below is one epoch, a step an example",
+                None => "the run below is one epoch",
             }
         );
     }
@@ -603,6 +674,19 @@ enum KernelsCommand {
         /// backward stops below them [default: every layer].
         #[arg(long, value_name = "N", requires = "lora_rank")]
         lora_layers: Option<usize>,
+        /// The projections that get adapters, as `train --lora-targets`.
+        #[arg(
+            long,
+            value_parser = crate::choice::<anetrain::model::Projection>(),
+            value_delimiter = ',',
+            default_value = "q,k,v,o,gate,up,down",
+            requires = "lora_rank"
+        )]
+        lora_targets: Vec<anetrain::model::Projection>,
+        /// Examples (or pairs) a step, as `train --batch` × `--accum`: the
+        /// step runs them one after another.
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        batch: u64,
         /// The engine whose memory plan to show.
         #[arg(long, value_parser = crate::choice::<anetrain::device::backend::Backend>(), default_value = "ane")]
         backend: anetrain::device::backend::Backend,
@@ -637,6 +721,12 @@ enum KernelsCommand {
         /// The tokenizer.json to read --data with [default: the model's].
         #[arg(long, value_name = "FILE", requires = "data")]
         tokenizer: Option<PathBuf>,
+        /// Reproduce the cost model's validation: every published step
+        /// (maderix/ANE, rustane) beside its prediction on its own chip's
+        /// curves, and the seed's programs for --model at --seq on each
+        /// family.
+        #[arg(long, conflicts_with_all = ["lora_rank", "data", "steps", "objective"])]
+        seed_compat: bool,
     },
     /// Run every kernel through the interpreter (fp32 and fp16) against its
     /// CPU twin on random inputs; exit non-zero when one is out of tolerance.
@@ -691,8 +781,17 @@ pub fn run(a: Args) -> Result<()> {
         KernelsCommand::Plan {
             model,
             seq,
+            json,
+            seed_compat: true,
+            ..
+        } => show_seed_plan(&resolve(&model, Need::Config)?, seq, json),
+        KernelsCommand::Plan {
+            model,
+            seq,
             lora_rank,
             lora_layers,
+            lora_targets,
+            batch,
             backend,
             memory,
             json,
@@ -702,11 +801,14 @@ pub fn run(a: Args) -> Result<()> {
             steps,
             data,
             tokenizer,
+            seed_compat: false,
         } => show_plan(PlanArgs {
             model: resolve(&model, Need::Config)?,
             seq,
             lora_rank,
             lora_layers,
+            lora_targets,
+            batch: batch as usize,
             backend,
             memory: memory.options(),
             json,

@@ -55,7 +55,14 @@ pub fn stop_flag() -> &'static AtomicBool {
                 } else {
                     say!("\nstopped at once; the last saved checkpoint is intact");
                 }
-                std::process::exit(130);
+                // At once, without the process's exit handlers: exit()
+                // from this thread runs OpenBLAS's, which joins its idle
+                // workers and was seen to hang there for good while the
+                // run's thread waited on the checkpoint lock this one
+                // holds. Nothing is left to flush: stderr is unbuffered,
+                // and the run writes its files by rename.
+                // SAFETY: `_exit` ends the process; it takes no pointers.
+                unsafe { libc::_exit(130) };
             }
         });
     });

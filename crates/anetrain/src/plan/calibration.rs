@@ -62,10 +62,8 @@ pub fn published() -> Vec<(Published, ModelConfig, usize, SeedStep)> {
     };
     let table = |family| -> (&'static str, fn() -> Rates) {
         match family {
-            M4 => ("M4 (the table's)", || Rates::of(M4)),
-            _ => ("M5 (the table's: the M4's engine, PR #50)", || {
-                Rates::of(M5)
-            }),
+            M4 => ("the M4's table", || Rates::of(M4)),
+            _ => ("the M5's table (the M4's engine: PR #50)", || Rates::of(M5)),
         }
     };
     let row = |name, family, ms, source, fitted| {
@@ -137,10 +135,10 @@ pub fn published() -> Vec<(Published, ModelConfig, usize, SeedStep)> {
         ),
         (
             Published {
-                curve: "M4 Max (ANEForge)",
+                curve: "the M4 Max's curves (ANEForge)",
                 rates: Rates::m4_max,
                 known_miss: Some(
-                    "η, fitted to maderix/ANE's programs: rustane's leave less of the compiled curve (the held-out rows want 0.49–0.52, PR #35 measured 0.23–0.24 at 4096), and its AdamW on the Metal GPU (55 ms) is not costed; `doctor` measures η at our own shapes",
+                    "η, fitted to maderix/ANE's programs (0.563): rustane's leave less of the compiled curve (the one direct measurement of a dynamic-weight matmul, maderix/ANE PR #35, is 0.23–0.24 of it at 4096), and its AdamW on the Metal GPU (55 ms) is not costed; `doctor` measures η at our own shapes",
                 ),
                 ..row("rustane 600M", M4, 865.0, "rustane README (M4 Max)", false)
             },

@@ -396,3 +396,75 @@ fn a_plan_counts_the_datas_tokens_and_explains_itself() {
         "the M2/M3 lines name their unmeasured constants: {text}"
     );
 }
+
+/// `kernels plan --batch N` plans N examples a step (run one after
+/// another: N times the evaluations, the optimizer once), and
+/// `--lora-targets` adapts only the projections named: mlx-lm's recipe
+/// (q and v on the last layers) is cheaper than every projection.
+#[test]
+fn a_plan_takes_the_batch_and_the_adapted_projections() {
+    let plan = |extra: &[&str]| -> serde_json::Value {
+        let o = bin()
+            .env_remove("ANETRAIN_ANE_FAMILY")
+            .args(["kernels", "plan", "--model", "tiny", "--seq", "128"])
+            .args(["--lora-rank", "8", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let (one, four) = (plan(&[]), plan(&["--batch", "4"]));
+    let evals = |v: &serde_json::Value| v["work"]["device_evaluations"].as_u64().unwrap();
+    assert_eq!(evals(&four), 4 * evals(&one));
+    let tps = |v: &serde_json::Value| v["predicted"]["m4"]["tokens_per_s"].as_f64().unwrap();
+    assert!(tps(&four) >= tps(&one), "{} vs {}", tps(&four), tps(&one));
+    let qv = plan(&["--lora-targets", "q,v"]);
+    let flop = |v: &serde_json::Value| v["work"]["device_flop"].as_f64().unwrap();
+    assert!(flop(&qv) < flop(&one), "{} vs {}", flop(&qv), flop(&one));
+    let o = bin()
+        .args(["kernels", "plan", "--model", "tiny", "--lora-rank", "8"])
+        .args(["--lora-targets", "q,x"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+}
+
+/// `kernels plan --seed-compat` reproduces the cost model's validation:
+/// every published step beside its prediction (the fitted ones met, the
+/// rows said to miss with their reason), and the seed's programs for the
+/// model asked for on each family.
+#[test]
+fn the_seed_compat_plan_reproduces_the_validation() {
+    let run = |extra: &[&str]| {
+        let o = bin()
+            .args(["kernels", "plan", "--seed-compat", "--model", "stories110m"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8(o.stdout).unwrap()
+    };
+    let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
+    let rows = v["validation"].as_array().unwrap();
+    assert_eq!(rows.len(), 5, "{v}");
+    for r in rows {
+        let error = r["error"].as_f64().unwrap();
+        match (
+            r["published"]["fitted"].as_bool().unwrap(),
+            r["published"]["known_miss"].is_null(),
+        ) {
+            (true, _) => assert!(error.abs() < 0.02, "{r}"),
+            (false, true) => assert!(error.abs() <= 0.35, "{r}"),
+            (false, false) => assert!(error.abs() > 0.35, "{r}"),
+        }
+    }
+    assert_eq!(v["seed_step"].as_array().unwrap().len(), 5);
+    let text = run(&[]);
+    assert!(
+        text.contains(
+            "Stories110M    m4 on the M4's table: predicted 111.0 ms, published 111.0 ms"
+        ) && text.contains("; missed: "),
+        "{text}"
+    );
+}
