@@ -220,7 +220,11 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     // The data, read as `train` reads it: its tokens in a row.
     let fill = match &a.data {
         Some((data, tokenizer)) => {
-            let s = anetrain::train::TrainSettings::reading(model, data, seq, a.objective.clone());
+            let s = anetrain::train::TrainSettings {
+                data: Some(data.clone()),
+                objective: a.objective,
+                ..anetrain::train::TrainSettings::neutral(model, seq)
+            };
             Some((
                 data,
                 anetrain::train::data_fill(&s, &source, tokenizer.as_deref())?,

@@ -355,14 +355,7 @@ fn kernel_on<D: Device>(
 /// Losses of `steps` training steps of `model` on `backend`.
 fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64>, String> {
     let settings = TrainSettings {
-        hub_id: None,
-        model: req.model.clone(),
         backend,
-        data: None,
-        token_dtype: crate::data::tokens::TokenDtype::U16,
-        seq: req.seq,
-        batch: 1,
-        accum: 1,
         lr: 1e-3,
         warmup: Some(0),
         min_lr_frac: 1.0,
@@ -370,15 +363,8 @@ fn losses(req: &DoctorRequest, backend: Backend, out: PathBuf) -> Result<Vec<f64
         seed: 1,
         sample: Sample::Sequential,
         val_frac: 0.05,
-        eval_every: 0,
         eval_windows: 1,
-        lora: None,
-        init_adapter: None,
-        quantize_base: None,
-        mask_prompt: false,
-        keys: Default::default(),
-        loss_scale: None,
-        objective: Default::default(),
+        ..TrainSettings::neutral(&req.model, req.seq)
     };
     let request = TrainRequest {
         settings,

@@ -103,16 +103,17 @@ pub struct TrainSettings {
 pub const DEFAULT_VAL_FRAC: f64 = 0.02;
 
 impl TrainSettings {
-    /// The settings with which `train` would read `data` for `model` at
-    /// `seq` under `objective` and its defaults otherwise: what `kernels
-    /// plan --data` counts the data's tokens with ([`crate::train::data_fill`]).
-    /// The fields that do not touch the data are neutral.
-    pub fn reading(model: &str, data: &Path, seq: usize, objective: Objective) -> TrainSettings {
+    /// A run of `model` at `seq` reading its data as `train` does by
+    /// default (`--val-frac`, the record keys, the objective), every other
+    /// setting neutral (one sequence a step, no learning rate, the CPU):
+    /// for the library's own runs and reads of data (`doctor`'s short
+    /// runs, `kernels plan --data`), each setting what it needs.
+    pub fn neutral(model: &str, seq: usize) -> TrainSettings {
         TrainSettings {
             model: model.to_string(),
             hub_id: None,
             backend: Backend::Cpu,
-            data: Some(data.to_path_buf()),
+            data: None,
             token_dtype: TokenDtype::U16,
             seq,
             batch: 1,
@@ -132,7 +133,7 @@ impl TrainSettings {
             mask_prompt: false,
             keys: Default::default(),
             loss_scale: None,
-            objective,
+            objective: Default::default(),
         }
     }
 

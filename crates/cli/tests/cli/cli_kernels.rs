@@ -279,20 +279,35 @@ fn a_plan_for_a_family_is_that_familys_plan() {
     }
 }
 
+/// `anetrain kernels plan ARGS` with no chip family in force: its
+/// standard output, the command having succeeded.
+fn plan_output<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let o = bin()
+        .env_remove("ANETRAIN_ANE_FAMILY")
+        .args(["kernels", "plan"])
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
 /// `--steps N` predicts the whole run: N steps of the family's predicted
 /// step and the programs' compiles once, in the text and the JSON.
 #[test]
 fn a_plan_predicts_the_whole_run() {
     let run = |extra: &[&str]| {
-        let o = bin()
-            .env_remove("ANETRAIN_ANE_FAMILY")
-            .args(["kernels", "plan", "--model", "tiny", "--seq", "128"])
-            .args(["--lora-rank", "8", "--steps", "1000"])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
+        let base = [
+            "--model",
+            "tiny",
+            "--seq",
+            "128",
+            "--lora-rank",
+            "8",
+            "--steps",
+            "1000",
+        ];
+        plan_output(&[&base[..], extra].concat())
     };
     let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
     assert_eq!(v["steps"], 1000);
@@ -338,18 +353,16 @@ fn a_plan_predicts_the_whole_run() {
 fn a_plan_counts_the_datas_tokens_and_explains_itself() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/chat");
     let run = |extra: &[&str]| {
-        let o = bin()
-            .env_remove("ANETRAIN_ANE_FAMILY")
-            .args(["kernels", "plan", "--seq", "128", "--lora-rank", "8"])
-            .arg("--model")
-            .arg(root.join("model"))
-            .arg("--data")
-            .arg(root.join("data/chat"))
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
+        let mut args: Vec<std::ffi::OsString> = ["--seq", "128", "--lora-rank", "8", "--model"]
+            .map(Into::into)
+            .to_vec();
+        args.extend([
+            root.join("model").into(),
+            "--data".into(),
+            root.join("data/chat").into(),
+        ]);
+        args.extend(extra.iter().map(Into::into));
+        plan_output(&args)
     };
     let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
     let (examples, row_tokens) = (
@@ -404,15 +417,16 @@ fn a_plan_counts_the_datas_tokens_and_explains_itself() {
 #[test]
 fn a_plan_takes_the_batch_and_the_adapted_projections() {
     let plan = |extra: &[&str]| -> serde_json::Value {
-        let o = bin()
-            .env_remove("ANETRAIN_ANE_FAMILY")
-            .args(["kernels", "plan", "--model", "tiny", "--seq", "128"])
-            .args(["--lora-rank", "8", "--json"])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        serde_json::from_slice(&o.stdout).unwrap()
+        let base = [
+            "--model",
+            "tiny",
+            "--seq",
+            "128",
+            "--lora-rank",
+            "8",
+            "--json",
+        ];
+        serde_json::from_str(&plan_output(&[&base[..], extra].concat())).unwrap()
     };
     let (one, four) = (plan(&[]), plan(&["--batch", "4"]));
     let evals = |v: &serde_json::Value| v["work"]["device_evaluations"].as_u64().unwrap();
@@ -437,13 +451,7 @@ fn a_plan_takes_the_batch_and_the_adapted_projections() {
 #[test]
 fn the_seed_compat_plan_reproduces_the_validation() {
     let run = |extra: &[&str]| {
-        let o = bin()
-            .args(["kernels", "plan", "--seed-compat", "--model", "stories110m"])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        String::from_utf8(o.stdout).unwrap()
+        plan_output(&[&["--seed-compat", "--model", "stories110m"][..], extra].concat())
     };
     let v: serde_json::Value = serde_json::from_str(&run(&["--json"])).unwrap();
     let rows = v["validation"].as_array().unwrap();
