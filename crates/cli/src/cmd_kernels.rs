@@ -257,6 +257,18 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
     )?
     .with_reference(&cfg, &opts, setup.reference_forwards)?;
     let predicted = anetrain::plan::timeline::predict_families(&cfg, &setup, &opts)?;
+    // Each family's CPU instead: the step's products alone (a floor of a
+    // cpu step), by family name.
+    let cpu: std::collections::BTreeMap<String, f64> = predicted
+        .iter()
+        .map(|p| {
+            let f = ane::family::Family::parse(&p.family)?;
+            Ok((
+                p.family.clone(),
+                work.cpu_products_ms(&ane::cost::Rates::of(f)),
+            ))
+        })
+        .collect::<Result<_>>()?;
     if a.json {
         let by_family: serde_json::Map<String, serde_json::Value> = predicted
             .iter()
@@ -276,17 +288,6 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             .iter()
             .filter_map(|p| Some((p.family.clone(), p.watt_hours(steps?).into())))
             .collect();
-        // The same chip's CPU: its products alone (a floor of a cpu step).
-        let cpu: serde_json::Map<String, serde_json::Value> = predicted
-            .iter()
-            .map(|p| {
-                let f = ane::family::Family::parse(&p.family)?;
-                Ok((
-                    p.family.clone(),
-                    work.cpu_products_ms(&ane::cost::Rates::of(f)).into(),
-                ))
-            })
-            .collect::<Result<_>>()?;
         let v = serde_json::json!({
             "cpu_products_ms": cpu,
             "steps": steps,
@@ -464,11 +465,10 @@ pub fn show_plan(a: PlanArgs) -> Result<()> {
             plan.programs_for(&cfg.layer_classes()),
             p.compile_ms / 1e3
         );
-        // The same chip's CPU, for comparison: its products alone.
         let f = ane::family::Family::parse(&p.family)?;
-        let cpu = work.cpu_products_ms(&ane::cost::Rates::of(f));
         println!(
-            "    on its CPU instead (--backend cpu): ≥ {cpu:.0} ms/step for the matrix products alone (Accelerate's fp32 sgemm as ANEForge measured it{}; the CPU engine's norms, softmax and AdamW come on top)",
+            "    on its CPU instead (--backend cpu): ≥ {:.0} ms/step for the matrix products alone (Accelerate's fp32 sgemm as ANEForge measured it{}; the CPU engine's norms, softmax and AdamW come on top)",
+            cpu[&p.family],
             match f {
                 ane::family::Family::M2 | ane::family::Family::M3 => " on the M1, no other curve published",
                 _ => "",

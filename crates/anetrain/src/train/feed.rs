@@ -131,14 +131,23 @@ pub fn data_fill(
     model: &ModelSource,
     tokenizer: Option<&Path>,
 ) -> Result<DataFill> {
-    let tok = match (tokenizer, model.tokenizer_file()) {
-        (Some(t), _) => Some(Tokenizer::load(t)?),
-        (None, Some(t)) => Some(Tokenizer::load(&t)?),
-        _ => None,
-    };
+    let tok = run_tokenizer(tokenizer, model)?;
     let mut cfg = model.config.clone();
     let corpus = load_corpus(s, model, &mut cfg, true, tok, &mut |_| {})?;
     Ok(corpus.source.fill(s.seq))
+}
+
+/// The tokenizer a fresh run reads its data with: the one given
+/// (`--tokenizer`), else the model's, else none.
+pub(super) fn run_tokenizer(
+    given: Option<&Path>,
+    model: &ModelSource,
+) -> Result<Option<Tokenizer>> {
+    match (given, model.tokenizer_file()) {
+        (Some(t), _) => Ok(Some(Tokenizer::load(t)?)),
+        (None, Some(t)) => Ok(Some(Tokenizer::load(&t)?)),
+        _ => Ok(None),
+    }
 }
 
 /// Reads JSONL records for training: `train.jsonl` (and `valid.jsonl`) of

@@ -263,11 +263,7 @@ fn resume(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)
 /// model directory (tokenizer, generation config).
 fn fresh(r: &TrainRequest, source: &ModelSource, report: &mut dyn FnMut(&Event)) -> Result<Start> {
     let (s, out) = (&r.settings, &r.out);
-    let tok = match (&r.tokenizer, source.tokenizer_file()) {
-        (Some(t), _) => Some(Tokenizer::load(t)?),
-        (None, Some(t)) => Some(Tokenizer::load(&t)?),
-        _ => None,
-    };
+    let tok = super::feed::run_tokenizer(r.tokenizer.as_deref(), source)?;
     let mut cfg = source.config.clone();
     let corpus = load_corpus(s, source, &mut cfg, true, tok, &mut |e| report(&e))?;
     if let (true, Some(t)) = (source.is_preset(), &corpus.tokenizer) {
